@@ -1,0 +1,1 @@
+"""Checks: each a hypothesis, measured against the reference, with a verdict."""

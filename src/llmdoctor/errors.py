@@ -1,0 +1,31 @@
+"""Errors meant for people: one line saying what is wrong and where."""
+
+from __future__ import annotations
+
+
+class LLMDoctorError(Exception):
+    """Base of every error the CLI turns into a one-line message and exit code 2."""
+
+
+class GGUFError(LLMDoctorError):
+    """A GGUF file violates the format or a safety rule; names the problem and the file offset."""
+
+    def __init__(self, problem: str, offset: int | None = None, path: str | None = None):
+        self.problem = problem
+        self.offset = offset
+        self.path = path
+        super().__init__(self._render())
+
+    def _render(self) -> str:
+        where = f"{self.path}: " if self.path else ""
+        at = f" at offset {self.offset}" if self.offset is not None else ""
+        return f"{where}{self.problem}{at}"
+
+    def with_path(self, path: str) -> "GGUFError":
+        self.path = path
+        self.args = (self._render(),)
+        return self
+
+
+class InputError(LLMDoctorError):
+    """Invalid user input (bad option value, missing file, unknown name)."""

@@ -1,0 +1,1 @@
+"""Rendering of findings: terminal, JSON envelope, HTML. Knows nothing of how they were measured."""
