@@ -44,7 +44,11 @@ def supported_types() -> list[GGMLQuantizationType]:
 
 
 def _load_kernels() -> None:
-    from . import dequant_types  # noqa: F401  (registers the block kernels)
+    """Import the modules that register block kernels (once; imports are cached)."""
+    from . import dequant_iq, dequant_types  # noqa: F401
+
+    if torch.cuda.is_available():
+        from . import dequant_cuda  # noqa: F401
 
 
 def _as_uint8_tensor(raw: torch.Tensor | np.ndarray, device: torch.device | str | None) -> torch.Tensor:

@@ -1,0 +1,1 @@
+"""Triton CUDA block kernels (registered in dequant.py for the CUDA device)."""

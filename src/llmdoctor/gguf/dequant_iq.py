@@ -1,0 +1,1 @@
+"""Block kernels for the IQ (importance-matrix) types (registered in dequant.py)."""
