@@ -1,1 +1,242 @@
-"""Block kernels for the IQ (importance-matrix) types (registered in dequant.py)."""
+"""Block kernels for the IQ (importance-matrix) types, bit-exact with gguf-py 0.19 (registered in dequant.py).
+
+Each kernel maps uint8 [n_blocks, type_size] -> float32 [n_blocks, block_size] with device-agnostic torch
+ops. Byte layouts and the float operation order follow `gguf.quants.<TYPE>.dequantize_blocks` (which
+llama.cpp keeps bit-exact with `dequantize_row_<type>` in ggml-quants.c); every scale is decoded from
+float16 to float32 and all arithmetic is float32, as there.
+
+The grids, sign table, IQ4 codebook and IQ1 delta are gguf-py's own (`gguf.quants.IQ2_XXS.ksigns`,
+`<TYPE>.init_grid()`/`.grid`, `IQ4_NL.kvalues`, `IQ1_S.delta`), converted once per device. Some are
+fused into product tables (grid row times sign row): that is exact, because a sign is +-1 and
+round-to-nearest is symmetric, so db * (g * s) == (db * g) * s bit for bit, as gguf-py computes it
+(for every input; only the sign bit of a NaN could differ, and NaNs compare equal in the tests).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import gguf.quants as gq
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType as T
+
+from .dequant import register
+
+# ---------------------------------------------------------------- gguf-py tables, once per device
+
+
+def _np_grid(qtype: T) -> np.ndarray:
+    """gguf-py's decoded grid of `qtype`: float32 [rows, cols]."""
+    cls = getattr(gq, qtype.name)
+    cls.init_grid()
+    return cls.grid.reshape(cls.grid_shape)
+
+
+def _np_bit_signs() -> np.ndarray:
+    """float32 [256, 8]: row b, column j is -1 where bit j of byte b is set, else +1 (gguf-py's unpacking)."""
+    bits = (np.arange(256, dtype=np.uint8)[:, None] >> np.arange(8, dtype=np.uint8)) & 1
+    return np.where(bits == 0, np.float32(1), np.float32(-1))
+
+
+def _np_ksigns() -> np.ndarray:
+    """float32 [128, 8]: the 7-bit sign index expanded through gguf-py's `IQ2_XXS.ksigns` table."""
+    return _np_bit_signs()[np.frombuffer(gq.IQ2_XXS.ksigns, dtype=np.uint8)]
+
+
+def _np_signed_grid_iq2_xxs() -> np.ndarray:
+    """float32 [256 * 128, 8]: row g * 128 + s = grid[g] * ksigns[s]."""
+    return (_np_grid(T.IQ2_XXS)[:, None, :] * _np_ksigns()[None, :, :]).reshape(-1, 8)
+
+
+def _np_signed_grid_iq2_xs() -> np.ndarray:
+    """float32 [65536, 8]: row q = grid[q & 511] * ksigns[q >> 9], q being IQ2_XS's raw uint16."""
+    return (_np_ksigns()[:, None, :] * _np_grid(T.IQ2_XS)[None, :, :]).reshape(-1, 8)
+
+
+def _np_grid_iq3_xxs_pairs() -> np.ndarray:
+    """float32 [65536, 8]: row v = grid[v & 255] ++ grid[v >> 8], v two consecutive grid indices (uint16 LE)."""
+    grid = _np_grid(T.IQ3_XXS)  # [256, 4]
+    return np.concatenate(np.broadcast_arrays(grid[None, :, :], grid[:, None, :]), axis=-1).reshape(-1, 8)
+
+
+def _np_iq1_grid() -> np.ndarray:
+    """float32 [4096, 8]: rows 0..2047 = grid + delta, rows 2048.. = grid - delta (IQ1_S and IQ1_M share both)."""
+    grid, delta = _np_grid(T.IQ1_S), gq.IQ1_S.delta
+    return np.concatenate([grid + delta, grid + -delta])
+
+
+def _np_iq4_kvalues() -> np.ndarray:
+    return np.array(gq.IQ4_NL.kvalues, dtype=np.int8).astype(np.float32)
+
+
+_TABLES = {
+    "bit_signs": _np_bit_signs,
+    "ksigns": _np_ksigns,
+    "iq2_xxs": _np_signed_grid_iq2_xxs,
+    "iq2_xs": _np_signed_grid_iq2_xs,
+    "iq2_s": lambda: _np_grid(T.IQ2_S),
+    "iq3_xxs": _np_grid_iq3_xxs_pairs,
+    "iq3_s": lambda: _np_grid(T.IQ3_S),
+    "iq1": _np_iq1_grid,
+    "iq4": _np_iq4_kvalues,
+}
+
+
+@functools.lru_cache(maxsize=None)
+def _table(name: str, device: torch.device) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(_TABLES[name](), dtype=np.float32)).to(device)
+
+
+# ---------------------------------------------------------------- field helpers
+
+
+def _rows(table: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """table [R, C], idx int [...] -> table rows [..., C]."""
+    return table.index_select(0, idx.reshape(-1)).view(*idx.shape, table.shape[1])
+
+
+def _f16(blocks: torch.Tensor, start: int) -> torch.Tensor:
+    """The float16 at byte `start` of each block, as float32 [n, 1]."""
+    return blocks[:, start : start + 2].contiguous().view(torch.float16).float()
+
+
+def _u16(blocks: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+    """Little-endian uint16 fields in bytes [start, stop) -> int32 [n, (stop - start) // 2]."""
+    return blocks[:, start:stop].contiguous().view(torch.int16).int() & 0xFFFF
+
+
+def _u32(blocks: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+    """Little-endian uint32 fields in bytes [start, stop) -> int32 [n, (stop - start) // 4] (same bits;
+    callers shift and mask, so the sign of the int32 never matters)."""
+    return blocks[:, start:stop].contiguous().view(torch.int32)
+
+
+def _nibbles(b: torch.Tensor) -> torch.Tensor:
+    """uint8 [..., k] -> int32 [..., 2k]: low then high nibble of each byte, interleaved per byte."""
+    b = b.int()
+    return torch.stack((b & 15, b >> 4), dim=-1).flatten(-2)
+
+
+def _shifts(device: torch.device, *s: int) -> torch.Tensor:
+    return torch.tensor(s, dtype=torch.int32, device=device)
+
+
+# ---------------------------------------------------------------- kernels
+
+
+@register(T.IQ2_XXS)
+def iq2_xxs(blocks: torch.Tensor) -> torch.Tensor:
+    """66 bytes: d f16, 8 x (4 grid-index bytes, uint32 of 4 x 7-bit sign indices + 4-bit scale)."""
+    n = blocks.shape[0]
+    d = _f16(blocks, 0)  # [n, 1]
+    aux = _u32(blocks, 2, 66).view(n, 8, 2)[..., 1]  # [n, 8]
+    db = d * (0.5 + ((aux >> 28) & 15).float()) * 0.25  # [n, 8]
+    grid_idx = blocks[:, 2:66].view(n, 8, 8)[..., :4].int()  # [n, 8, 4]
+    sign_idx = (aux[..., None] >> _shifts(blocks.device, 0, 7, 14, 21)) & 127  # [n, 8, 4]
+    signed = _rows(_table("iq2_xxs", blocks.device), grid_idx * 128 + sign_idx)  # [n, 8, 4, 8]
+    return (db[..., None, None] * signed).view(n, 256)
+
+
+@register(T.IQ2_XS)
+def iq2_xs(blocks: torch.Tensor) -> torch.Tensor:
+    """74 bytes: d f16, 32 x uint16 (9-bit grid index | 7-bit sign index << 9), 16 x 4-bit scales."""
+    n = blocks.shape[0]
+    d = _f16(blocks, 0)  # [n, 1]
+    db = d * (0.5 + _nibbles(blocks[:, 66:74]).float()) * 0.25  # [n, 16]
+    signed = _rows(_table("iq2_xs", blocks.device), _u16(blocks, 2, 66))  # [n, 32, 8]
+    return (db[..., None, None] * signed.view(n, 16, 2, 8)).view(n, 256)
+
+
+@register(T.IQ2_S)
+def iq2_s(blocks: torch.Tensor) -> torch.Tensor:
+    """82 bytes: d f16, 32 grid-index low bytes, 32 sign bytes, 8 bytes of 2-bit index highs, 16 x 4-bit scales."""
+    n, dev = blocks.shape[0], blocks.device
+    d = _f16(blocks, 0)  # [n, 1]
+    db = d * (0.5 + _nibbles(blocks[:, 74:82]).float()) * 0.25  # [n, 16]
+    high = (blocks[:, 66:74, None].int() >> _shifts(dev, 0, 2, 4, 6)) & 3  # [n, 8, 4]
+    grid_idx = blocks[:, 2:34].int() | (high.view(n, 32) << 8)  # [n, 32]
+    signed = _rows(_table("iq2_s", dev), grid_idx) * _rows(_table("bit_signs", dev), blocks[:, 34:66].int())
+    return (db[..., None, None] * signed.view(n, 16, 2, 8)).view(n, 256)  # signed: [n, 32, 8]
+
+
+@register(T.IQ3_XXS)
+def iq3_xxs(blocks: torch.Tensor) -> torch.Tensor:
+    """98 bytes: d f16, 64 grid-index bytes (4 values each), 8 x uint32 (4 x 7-bit sign indices + 4-bit scale)."""
+    n, dev = blocks.shape[0], blocks.device
+    d = _f16(blocks, 0)  # [n, 1]
+    aux = _u32(blocks, 66, 98)  # [n, 8]
+    db = d * (0.5 + ((aux >> 28) & 15).float()) * 0.5  # [n, 8]
+    sign_idx = (aux[..., None] >> _shifts(dev, 0, 7, 14, 21)) & 127  # [n, 8, 4]
+    pairs = _rows(_table("iq3_xxs", dev), _u16(blocks, 2, 66))  # [n, 32, 8]: two grid rows of 4
+    signed = pairs.view(n, 8, 4, 8) * _rows(_table("ksigns", dev), sign_idx)  # [n, 8, 4, 8]
+    return (db[..., None, None] * signed).view(n, 256)
+
+
+@register(T.IQ3_S)
+def iq3_s(blocks: torch.Tensor) -> torch.Tensor:
+    """110 bytes: d f16, 64 grid-index low bytes, 8 bytes of 1-bit index highs, 32 sign bytes, 8 x 4-bit scales."""
+    n, dev = blocks.shape[0], blocks.device
+    d = _f16(blocks, 0)  # [n, 1]
+    db = d * (1 + 2 * _nibbles(blocks[:, 106:110])).float()  # [n, 8]
+    high = (blocks[:, 66:74, None].int() >> torch.arange(8, dtype=torch.int32, device=dev)) & 1  # [n, 8, 8]
+    grid_idx = blocks[:, 2:66].int() | (high.view(n, 64) << 8)  # [n, 64]
+    grid = _rows(_table("iq3_s", dev), grid_idx).view(n, 32, 8)  # [n, 32, 8]
+    signed = grid * _rows(_table("bit_signs", dev), blocks[:, 74:106].int())  # [n, 32, 8]
+    return (db[..., None, None] * signed.view(n, 8, 4, 8)).view(n, 256)
+
+
+def _iq1_values(dl: torch.Tensor, grid_idx: torch.Tensor, negative_delta: torch.Tensor) -> torch.Tensor:
+    """dl [n, S] float32, grid_idx / negative_delta int [n, S, k] -> dl * (grid + -+delta): [n, S, k, 8]."""
+    rows = _rows(_table("iq1", dl.device), grid_idx | (negative_delta << 11))
+    return dl[..., None, None] * rows
+
+
+@register(T.IQ1_S)
+def iq1_s(blocks: torch.Tensor) -> torch.Tensor:
+    """50 bytes: d f16, 32 grid-index low bytes, 8 x uint16 (4 x 3-bit index highs, 3-bit scale, delta sign)."""
+    n, dev = blocks.shape[0], blocks.device
+    d = _f16(blocks, 0)  # [n, 1]
+    qh = _u16(blocks, 34, 50)  # [n, 8]
+    dl = d * (2 * ((qh >> 12) & 7) + 1).float()  # [n, 8]
+    high = (qh[..., None] >> _shifts(dev, 0, 3, 6, 9)) & 7  # [n, 8, 4]
+    grid_idx = blocks[:, 2:34].view(n, 8, 4).int() | (high << 8)  # [n, 8, 4]
+    return _iq1_values(dl, grid_idx, (qh[..., None] >> 15) & 1).view(n, 256)
+
+
+@register(T.IQ1_M)
+def iq1_m(blocks: torch.Tensor) -> torch.Tensor:
+    """56 bytes: 32 grid-index low bytes, 32 nibbles (3-bit index high, delta sign), 4 x uint16 holding
+    16 x 3-bit scales and, in their top nibbles, the float16 d."""
+    n, dev = blocks.shape[0], blocks.device
+    sc = _u16(blocks, 48, 56)  # [n, 4]
+    d_bits = ((sc & 0xF000) >> _shifts(dev, 12, 8, 4, 0)).sum(-1, keepdim=True)  # [n, 1], disjoint bits
+    d = ((d_bits ^ 0x8000) - 0x8000).to(torch.int16).view(torch.float16).float()  # [n, 1]
+    scales = ((sc[..., None] >> _shifts(dev, 0, 3, 6, 9)) & 7).view(n, 16)  # [n, 16]
+    dl = d * (2 * scales + 1).float()  # [n, 16]
+    nib = _nibbles(blocks[:, 32:48]).view(n, 16, 2)  # [n, 16, 2]
+    grid_idx = blocks[:, 0:32].view(n, 16, 2).int() | ((nib & 7) << 8)  # [n, 16, 2]
+    return _iq1_values(dl, grid_idx, nib >> 3).view(n, 256)
+
+
+@register(T.IQ4_NL)
+def iq4_nl(blocks: torch.Tensor) -> torch.Tensor:
+    """18 bytes: d f16, 16 bytes: low nibbles are values 0..15, high nibbles 16..31 (codebook indices)."""
+    n = blocks.shape[0]
+    d = _f16(blocks, 0)  # [n, 1]
+    qs = blocks[:, 2:18].int()  # [n, 16]
+    idx = torch.stack((qs & 15, qs >> 4), dim=1)  # [n, 2, 16]
+    return d * _table("iq4", blocks.device)[idx].view(n, 32)
+
+
+@register(T.IQ4_XS)
+def iq4_xs(blocks: torch.Tensor) -> torch.Tensor:
+    """136 bytes: d f16, uint16 of 8 x 2-bit scale highs, 8 x 4-bit scale lows, 8 x 16 bytes of nibbles
+    (per 32 values: low nibbles first, then high), scale = 6 bits - 32."""
+    n, dev = blocks.shape[0], blocks.device
+    d = _f16(blocks, 0)  # [n, 1]
+    high = (_u16(blocks, 2, 4) >> _shifts(dev, 0, 2, 4, 6, 8, 10, 12, 14)) & 3  # [n, 8]
+    dl = d * ((_nibbles(blocks[:, 4:8]) | (high << 4)) - 32).float()  # [n, 8]
+    qs = blocks[:, 8:136].view(n, 8, 16).int()  # [n, 8, 16]
+    idx = torch.stack((qs & 15, qs >> 4), dim=2)  # [n, 8, 2, 16]
+    return (dl[..., None] * _table("iq4", dev)[idx].view(n, 8, 32)).view(n, 256)
