@@ -1,0 +1,44 @@
+"""Fuzzing the reader: mutated and truncated valid files raise GGUFError or parse cleanly, never more.
+
+Bounded for CI (about a minute); bench/fuzz_reader.py runs the long campaign.
+"""
+
+from __future__ import annotations
+
+import struct
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from gguf_builders import exercise, seed_files
+
+
+@pytest.fixture(scope="module")
+def seeds(tmp_path_factory):
+    return seed_files(tmp_path_factory.mktemp("seeds"))
+
+
+mutation = st.tuples(st.integers(0, 10_000), st.integers(0, 255))
+u64_patch = st.tuples(st.integers(0, 10_000), st.sampled_from([0, 1, 2**31, 2**32 - 1, 2**40, 2**63, 2**64 - 1]))
+
+
+@settings(max_examples=10000, deadline=2000, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    which=st.integers(0, 2),
+    flips=st.lists(mutation, max_size=8),
+    patches=st.lists(u64_patch, max_size=3),
+    cut=st.one_of(st.none(), st.integers(0, 10_000)),
+)
+def test_mutated_files_only_raise_gguf_error(tmp_path, seeds, which, flips, patches, cut):
+    data = bytearray(seeds[which])
+    for pos, val in flips:
+        data[pos % len(data)] = val
+    for pos, val in patches:
+        pos %= max(1, len(data) - 8)
+        data[pos : pos + 8] = struct.pack("<Q", val)
+    if cut is not None:
+        data = data[: cut % (len(data) + 1)]
+    path = tmp_path / "fuzz.gguf"
+    path.write_bytes(bytes(data))
+    exercise(path)
