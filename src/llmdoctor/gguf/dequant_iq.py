@@ -96,20 +96,26 @@ def _rows(table: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     return table.index_select(0, idx.reshape(-1)).view(*idx.shape, table.shape[1])
 
 
+def _field(blocks: torch.Tensor, start: int, stop: int, dtype: torch.dtype) -> torch.Tensor:
+    """Bytes [start, stop) of each block reinterpreted (little-endian) as `dtype`: [n, (stop - start) / size].
+    A fresh contiguous copy, so the reinterpretation never depends on the alignment of `blocks`."""
+    return blocks[:, start:stop].clone(memory_format=torch.contiguous_format).view(dtype)
+
+
 def _f16(blocks: torch.Tensor, start: int) -> torch.Tensor:
     """The float16 at byte `start` of each block, as float32 [n, 1]."""
-    return blocks[:, start : start + 2].contiguous().view(torch.float16).float()
+    return _field(blocks, start, start + 2, torch.float16).float()
 
 
 def _u16(blocks: torch.Tensor, start: int, stop: int) -> torch.Tensor:
     """Little-endian uint16 fields in bytes [start, stop) -> int32 [n, (stop - start) // 2]."""
-    return blocks[:, start:stop].contiguous().view(torch.int16).int() & 0xFFFF
+    return _field(blocks, start, stop, torch.int16).int() & 0xFFFF
 
 
 def _u32(blocks: torch.Tensor, start: int, stop: int) -> torch.Tensor:
     """Little-endian uint32 fields in bytes [start, stop) -> int32 [n, (stop - start) // 4] (same bits;
     callers shift and mask, so the sign of the int32 never matters)."""
-    return blocks[:, start:stop].contiguous().view(torch.int32)
+    return _field(blocks, start, stop, torch.int32)
 
 
 def _nibbles(b: torch.Tensor) -> torch.Tensor:
