@@ -1,0 +1,189 @@
+"""The one metrics module: every comparison in llmdoctor goes through these functions.
+
+Conventions: `got` is the subject's value, `want` the reference's. Inputs are torch tensors (or
+anything `torch.as_tensor` accepts); differences are computed in float64 so that the metric itself
+adds no rounding worth mentioning. Scalar metrics return Python floats/ints. A metric over empty
+input returns 0 (nothing differs).
+
+Rounding analysis follows Higham, "Accuracy and Stability of Numerical Algorithms" (2nd ed.), §2.2
+and §3.1: fl(a op b) = (a op b)(1 + δ) + η with |δ| <= u (unit roundoff) and |η| <= η_min (half the
+smallest subnormal, only when the result underflows), and n roundings compound to at most
+γ_n = n·u / (1 - n·u).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+# Integer views used to compare floats bit for bit (same width as the float).
+_INT_VIEW = {torch.float64: torch.int64, torch.float32: torch.int32, torch.float16: torch.int16,
+             torch.bfloat16: torch.int16}
+_FLOAT32_FIELDS = {"sign": (31, 1), "exponent": (23, 8), "mantissa": (0, 23)}  # IEEE 754 binary32
+
+
+def _t(x: Any) -> torch.Tensor:
+    return x if isinstance(x, torch.Tensor) else torch.as_tensor(x)
+
+
+def _f64(x: Any) -> torch.Tensor:
+    return _t(x).detach().to("cpu", torch.float64).reshape(-1)
+
+
+def _pair(got: Any, want: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    g, w = _f64(got), _f64(want)
+    if g.shape != w.shape:
+        raise ValueError(f"cannot compare {g.numel()} values with {w.numel()}")
+    return g, w
+
+
+# ----------------------------------------------------------------------------- error norms
+
+def abs_diff(got: Any, want: Any) -> torch.Tensor:
+    """|got - want| per element, float64 [n]; NaN where either side is NaN, inf where one is inf."""
+    g, w = _pair(got, want)
+    d = (g - w).abs()
+    both_same_inf = torch.isinf(g) & (g == w)  # inf - inf is NaN, but equal infinities do not differ
+    return torch.where(both_same_inf, torch.zeros_like(d), d)
+
+
+def max_abs_diff(got: Any, want: Any) -> float:
+    """max |got - want|; NaN if any element is NaN on one side only."""
+    d = abs_diff(got, want)
+    return float(d.max()) if d.numel() else 0.0
+
+
+def rel_l2(got: Any, want: Any) -> float:
+    """||got - want||_2 / ||want||_2 (inf when want is all zeros and got is not, 0 when both are)."""
+    g, w = _pair(got, want)
+    num, den = torch.linalg.vector_norm(g - w), torch.linalg.vector_norm(w)
+    if den == 0:
+        return 0.0 if num == 0 else float("inf")
+    return float(num / den)
+
+
+def nmse(got: Any, want: Any) -> float:
+    """Normalized mean squared error ||got - want||² / ||want||² (the square of rel_l2)."""
+    return rel_l2(got, want) ** 2
+
+
+def cosine(got: Any, want: Any) -> float:
+    """Cosine similarity of the two flattened tensors (1.0 when both are all zeros)."""
+    g, w = _pair(got, want)
+    ng, nw = torch.linalg.vector_norm(g), torch.linalg.vector_norm(w)
+    if ng == 0 and nw == 0:
+        return 1.0
+    if ng == 0 or nw == 0:
+        return 0.0
+    return float(torch.dot(g, w) / (ng * nw))
+
+
+# ----------------------------------------------------------------------------- distributions
+
+def kl_divergence(got: Any, want: Any, *, logprobs: bool = False, dim: int = -1) -> torch.Tensor:
+    """KL(P_want || P_got) per distribution (the reference is P), float64 with `dim` reduced.
+
+    Inputs are logits (softmax is applied) or, with `logprobs=True`, log-probabilities. This is the
+    direction llama.cpp's `llama-perplexity --kl-divergence` reports: sum_i p_i (log p_i - log q_i).
+    """
+    g, w = _t(got).to(torch.float64), _t(want).to(torch.float64)
+    if not logprobs:
+        g, w = torch.log_softmax(g, dim=dim), torch.log_softmax(w, dim=dim)
+    p = w.exp()
+    terms = torch.where(p > 0, p * (w - g), torch.zeros_like(p))
+    return terms.sum(dim=dim)
+
+
+def top1_agreement(got: Any, want: Any, *, dim: int = -1) -> float:
+    """Fraction of distributions whose argmax agrees (logits or logprobs alike)."""
+    a, b = _t(got).argmax(dim=dim), _t(want).argmax(dim=dim)
+    return float((a == b).to(torch.float64).mean()) if a.numel() else 1.0
+
+
+# ----------------------------------------------------------------------------- bit-level
+
+def bit_mismatch(got: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
+    """bool [n]: elements whose bit patterns differ (the bit-exact judge). Both must share a float dtype."""
+    if got.dtype != want.dtype or got.dtype not in _INT_VIEW:
+        raise ValueError(f"bit comparison needs one float dtype, got {got.dtype} and {want.dtype}")
+    iv = _INT_VIEW[got.dtype]
+    return got.reshape(-1).contiguous().view(iv) != want.reshape(-1).contiguous().view(iv)
+
+
+def ulp_distance(got: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
+    """int64 [n]: number of representable values between got and want in their common float dtype.
+
+    Bit patterns are mapped to a monotonic integer line (negative floats mirrored, so -0 == +0);
+    NaN inputs give meaningless distances: screen them with `nonfinite` first.
+    """
+    if got.dtype != want.dtype or got.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise ValueError(f"ulp distance needs one of float32/float16/bfloat16, got {got.dtype}, {want.dtype}")
+    iv = _INT_VIEW[got.dtype]
+    mag = (1 << (torch.finfo(got.dtype).bits - 1)) - 1
+
+    def line(x: torch.Tensor) -> torch.Tensor:
+        b = x.reshape(-1).contiguous().view(iv).to(torch.int64)
+        return torch.where(b < 0, -(b & mag), b)
+
+    return (line(got) - line(want)).abs()
+
+
+def differing_bits(got: torch.Tensor, want: torch.Tensor) -> dict[str, Any]:
+    """Summary of the bits that differ between two float32 tensors (as gguf-py's tests report them).
+
+    Returns the number of differing elements, how many of them differ in the sign / exponent /
+    mantissa field, a per-bit count (bit 0 = least significant mantissa bit) and the max ulp distance.
+    """
+    if got.dtype != torch.float32 or want.dtype != torch.float32:
+        raise ValueError("differing_bits is defined for float32")
+    x = (got.reshape(-1).contiguous().view(torch.int32) ^ want.reshape(-1).contiguous().view(torch.int32))
+    diff = x != 0
+    x = x[diff].to(torch.int64) & 0xFFFFFFFF
+    per_bit = [int(((x >> b) & 1).sum()) for b in range(32)]
+    fields = {name: int((((x >> lo) & ((1 << n) - 1)) != 0).sum()) for name, (lo, n) in _FLOAT32_FIELDS.items()}
+    ulps = ulp_distance(got.reshape(-1)[diff], want.reshape(-1)[diff])
+    return {"elements": int(diff.sum()), **fields, "per_bit": per_bit,
+            "max_ulp": int(ulps.max()) if ulps.numel() else 0}
+
+
+def nonfinite_where_finite(got: Any, want: Any) -> torch.Tensor:
+    """bool [n]: got is NaN/inf where want is finite (always a failure, whatever the tolerance)."""
+    g, w = _pair(got, want)
+    return ~torch.isfinite(g) & torch.isfinite(w)
+
+
+# ----------------------------------------------------------------------------- budgets
+
+def unit_roundoff(dtype: torch.dtype) -> float:
+    """u = 2^-p for a p-bit significand: float32 2^-24, float16 2^-11, bfloat16 2^-8."""
+    return torch.finfo(dtype).eps / 2
+
+
+def underflow_unit(dtype: torch.dtype) -> float:
+    """η_min: the largest absolute error of one rounding into the subnormal range (half the smallest
+    subnormal): float16 2^-25, bfloat16 2^-134, float32 2^-150."""
+    fi = torch.finfo(dtype)
+    return fi.smallest_normal * fi.eps / 2
+
+
+def gamma(n: int, u: float) -> float:
+    """γ_n = n·u / (1 - n·u): the relative error bound of n compounded roundings (Higham Lemma 3.1)."""
+    if n * u >= 1:
+        raise ValueError(f"{n} roundings at u={u} have no bound")
+    return n * u / (1 - n * u)
+
+
+def rounding_bound(magnitude: Any, dtype: torch.dtype, roundings: int) -> torch.Tensor:
+    """Per-element bound on |computed - exact| after `roundings` roundings in `dtype`, float64 [n].
+
+    `magnitude` is the sum of the absolute values of the terms (e.g. |d·q| + |m|): with every
+    intermediate rounded, |err| <= γ_n(u)·magnitude + n·η_min (each rounding may also underflow).
+    """
+    return gamma(roundings, unit_roundoff(dtype)) * _f64(magnitude).abs() + roundings * underflow_unit(dtype)
+
+
+def over_budget(got: Any, want: Any, bound: torch.Tensor) -> torch.Tensor:
+    """bool [n]: |got - want| > bound, or not comparable (NaN/inf where want is finite)."""
+    d = abs_diff(got, want)
+    return ~(d <= bound)  # NaN differences count as over budget
