@@ -1,0 +1,110 @@
+"""The Triton block kernels (gguf/dequant_cuda.py) are bit-exact with gguf-py's dequantize.
+
+Runs on a CUDA GPU, or on the CPU under Triton's interpreter (TRITON_INTERPRET=1); skipped otherwise
+(CI has neither a GPU nor Triton).
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf.quants import dequantize as gguf_dequantize
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+# Under the interpreter these are CPU tests, which conftest's gpu-skip must not catch.
+pytestmark = [] if INTERPRET else pytest.mark.gpu
+
+triton = pytest.importorskip("triton", reason="Triton is not installed")
+if torch.cuda.is_available():
+    DEVICE = "cuda"
+elif INTERPRET:
+    DEVICE = "cpu"  # Triton's interpreter runs the kernels on CPU tensors
+else:
+    pytest.skip("no CUDA device (and TRITON_INTERPRET is not 1)", allow_module_level=True)
+
+from llmdoctor.gguf import dequant, dequant_cuda  # noqa: E402
+
+Q = GGMLQuantizationType
+
+# Byte offsets of the float16 scale fields in each type's block (gguf-py quants.py layouts); random
+# blocks get finite values there, so both sides compute on finite numbers.
+F16_FIELDS = {
+    Q.Q4_0: (0,), Q.Q4_1: (0, 2), Q.Q5_0: (0,), Q.Q5_1: (0, 2), Q.Q8_0: (0,), Q.IQ4_NL: (0,),
+    Q.Q2_K: (80, 82), Q.Q3_K: (108,), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,), Q.IQ4_XS: (0,),
+}
+
+
+def random_blocks(qtype: Q, n_blocks: int, seed: int) -> np.ndarray:
+    """uint8 [n_blocks, type_size] of random bytes whose float16 fields are finite (any sign, subnormals too)."""
+    _, type_size = GGML_QUANT_SIZES[qtype]
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, size=(n_blocks, type_size), dtype=np.uint8)
+    for off in F16_FIELDS[qtype]:
+        h = blocks[:, off : off + 2].copy().view(np.uint16)
+        inf_or_nan = (h & 0x7C00) == 0x7C00
+        h[inf_or_nan] &= np.uint16(0xBFFF)  # clear the top exponent bit: finite
+        blocks[:, off : off + 2] = h.view(np.uint8)
+    return blocks
+
+
+def assert_bit_exact(got: torch.Tensor, want: np.ndarray, what: str) -> None:
+    got_bits = got.cpu().numpy().view(np.uint32).reshape(-1)
+    want_bits = want.astype(np.float32).view(np.uint32).reshape(-1)
+    assert got_bits.shape == want_bits.shape, what
+    bad = np.flatnonzero(got_bits != want_bits)
+    if bad.size:
+        i = bad[0]
+        pytest.fail(
+            f"{what}: {bad.size} of {want_bits.size} elements differ; first at {i}: "
+            f"got {got_bits[i]:#010x}, gguf-py {want_bits[i]:#010x}"
+        )
+
+
+@pytest.mark.parametrize("qtype", sorted(dequant_cuda._SPECS, key=int), ids=lambda q: q.name)
+def test_random_blocks_bit_exact(qtype: Q) -> None:
+    # 67 blocks: not a multiple of any BB, so the tail program's masked stores are exercised too.
+    blocks = random_blocks(qtype, 67, seed=int(qtype))
+    want = gguf_dequantize(blocks, qtype)
+    out = torch.full((67, GGML_QUANT_SIZES[qtype][0]), float("nan"), device=DEVICE)  # poisoned
+    got = dequant_cuda.launch(torch.from_numpy(blocks).to(DEVICE), qtype, out=out)
+    assert_bit_exact(got, want, qtype.name)
+
+
+@pytest.mark.parametrize("bb", [1, 4, 16])
+def test_program_sizes_agree(bb: int) -> None:
+    """Every BB computes the same function (the benchmark sweeps BB; a tail of 1..bb-1 blocks)."""
+    for qtype in (Q.Q4_K, Q.Q6_K, Q.Q5_0):
+        blocks = random_blocks(qtype, 2 * bb + 1, seed=bb)
+        got = dequant_cuda.launch(torch.from_numpy(blocks).to(DEVICE), qtype, bb=bb)
+        assert_bit_exact(got, gguf_dequantize(blocks, qtype), f"{qtype.name} BB={bb}")
+
+
+def test_registered_for_cuda() -> None:
+    for qtype in dequant_cuda._SPECS:
+        assert dequant._CUDA_KERNELS[qtype].__name__ == f"triton_{qtype.name.lower()}"
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="the entry point sends CUDA tensors to these kernels only")
+def test_entry_point_uses_kernels_on_demo_tensors() -> None:
+    """Every tensor of the demo file of a type we have a kernel for, through `dequantize(..., device='cuda')`."""
+    from llmdoctor.demo import model_path
+    from llmdoctor.errors import InputError
+    from llmdoctor.gguf import open_gguf
+
+    try:
+        path = model_path()
+    except InputError as e:
+        pytest.skip(f"demo model unavailable: {e}")
+    f = open_gguf(path)
+    n = 0
+    for t in f.tensors:
+        if t.type not in dequant_cuda._SPECS:
+            continue
+        got = dequant.dequantize(t.data, t.type, t.shape, device="cuda")
+        assert_bit_exact(got, gguf_dequantize(np.asarray(t.data), t.type), t.name)
+        n += 1
+    assert n > 0
