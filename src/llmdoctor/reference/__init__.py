@@ -1,0 +1,26 @@
+"""The reference: trusted logits and per-layer activations straight from a GGUF file.
+
+    from llmdoctor.reference import load
+    model = load(path, dtype=torch.float64)          # device="cuda" works too
+    logits, acts = model.forward(ids, capture={"l_out-*", "result_norm"})
+    model.stats                                       # per-layer max |activation|, inf/NaN counts
+
+Capture point names and the layer-streaming contract: reference/forward.py.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .config import ModelConfig, from_gguf, from_hf
+from .forward import ReferenceModel, register_block
+
+
+def load(path, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+         cache: bool = False) -> ReferenceModel:
+    """Open a GGUF for the reference forward pass (weights are dequantized lazily, block by block;
+    `cache=True` keeps the dequantized blocks for repeated runs)."""
+    return ReferenceModel(path, dtype=dtype, device=device, cache=cache)
+
+
+__all__ = ["ModelConfig", "ReferenceModel", "from_gguf", "from_hf", "load", "register_block"]

@@ -1,0 +1,352 @@
+"""The reference forward pass: layer streaming over a GGUF mmap, activation capture, overflow stats.
+
+Weights are dequantized from the read-only mmap one block at a time and dropped after the block ran
+(`cache=True` keeps them), so peak memory is about one block + the activations + a slice of the output
+matrix: token embeddings are gathered row by row and the output projection runs over `vocab_chunk`
+vocabulary rows at a time.
+
+Capture points (names follow llama.cpp's graph callback names, `cb(cur, "name", il)`, so an engine's
+nodes map onto them; `{i}` is the layer index):
+
+    inp_scaled        [T, n_embd]   token embeddings after the embedding scale (gemma)
+    attn_norm-{i}     [T, n_embd]   input of the attention (after the pre-attention RMSNorm)
+    Qcur-{i}          [T, H, D]     queries after q-norm and RoPE, before the attention scale
+    Kcur-{i}          [T, Hk, D]    keys after k-norm and RoPE
+    Vcur-{i}          [T, Hk, Dv]   values
+    kqv_out-{i}       [T, H*Dv]     attention output, before the output projection
+    attn_out-{i}      [T, n_embd]   after the output projection
+    attn_post_norm-{i} [T, n_embd]  after the post-attention norm (gemma)
+    ffn_inp-{i}       [T, n_embd]   residual stream after attention (gemma3's graph calls it sa_out)
+    ffn_norm-{i}      [T, n_embd]   input of the FFN
+    ffn_moe_topk-{i}  [T, k]        experts chosen (MoE blocks)
+    ffn_out-{i}       [T, n_embd]   FFN output (before gemma's post-FFW norm)
+    ffn_post_norm-{i} [T, n_embd]   after the post-FFW norm (gemma)
+    l_out-{i}         [T, n_embd]   layer output (residual stream)
+    result_norm       [T, n_embd]   after the final norm
+    result_output     [T, n_vocab]  the logits (after the final softcap, if any)
+
+`capture` takes names or fnmatch patterns (`"l_out-*"`, `"*"`). Every run records, per layer, the max
+|activation| over all the points above (finite values), which point held it, and the inf/NaN counts
+(`model.stats`): the way float16 overflow shows up.
+
+Blocks are registered per architecture (`register_block`); the dense block here serves llama, qwen2,
+qwen3 and gemma3. A block gets a `Step` (the layer's weights, positions, capture hook) and the residual
+stream x [T, n_embd], and returns the new residual stream.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import math
+from dataclasses import dataclass, field
+from typing import Callable, Iterable
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from gguf import MODEL_TENSOR, TENSOR_NAMES
+
+from ..errors import InputError
+from ..gguf import open_gguf
+from . import attention as attn
+from .config import ModelConfig, from_gguf
+
+
+# ---- weights ------------------------------------------------------------------------------------
+
+def dequantize_raw(raw: np.ndarray, qtype: int, shape: tuple[int, ...], *, device: str | torch.device) -> torch.Tensor:
+    """float32 [*shape] from a tensor's raw bytes: llmdoctor's dequantizer, or gguf-py's for a type
+    ours does not cover yet (the two are bit-exact by the dequantizer's contract)."""
+    from ..gguf import dequantize
+
+    try:
+        return dequantize(raw, int(qtype), tuple(shape), device=device)
+    except InputError as e:
+        if "no dequantizer" not in str(e):
+            raise
+    from gguf.quants import dequantize as gguf_dequantize
+
+    rows = raw.reshape(int(np.prod(shape[:-1], dtype=np.int64)) if len(shape) > 1 else 1, -1)
+    return torch.from_numpy(gguf_dequantize(rows, qtype).reshape(shape)).to(device)
+
+
+class Weights:
+    """Dequantized tensors of one GGUF, on demand, in the run's dtype and device."""
+
+    def __init__(self, g, *, dtype: torch.dtype, device: torch.device, cache: bool):
+        self.g, self.dtype, self.device, self.cache = g, dtype, device, cache
+        self._names = {t.name for t in g.tensors}
+        self._cached: dict[str, torch.Tensor] = {}
+
+    def has(self, name: str) -> bool:
+        return name in self._names
+
+    def get(self, name: str) -> torch.Tensor:
+        w = self._cached.get(name)
+        if w is None:
+            t = self.g.tensor(name)
+            w = dequantize_raw(t.data, t.type, t.shape, device=self.device).to(self.dtype)
+            if self.cache:
+                self._cached[name] = w
+        return w
+
+    def rows(self, name: str, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` of a 2-D tensor, dequantizing only those rows (embedding lookup)."""
+        if name in self._cached:
+            return self._cached[name][ids.to(self.device)]
+        t = self.g.tensor(name)
+        n_rows, row_len = t.shape
+        raw = t.data.reshape(n_rows, -1)[ids.cpu().numpy()]  # [len(ids), row_bytes]
+        return dequantize_raw(raw, t.type, (len(ids), row_len), device=self.device).to(self.dtype)
+
+    def row_slices(self, name: str, chunk: int) -> Iterable[torch.Tensor]:
+        """A 2-D tensor in slices of `chunk` rows (the output projection over the vocabulary)."""
+        if self.cache:
+            w = self.get(name)
+            yield from w.split(chunk)
+            return
+        t = self.g.tensor(name)
+        n_rows, row_len = t.shape
+        raw = t.data.reshape(n_rows, -1)
+        for r in range(0, n_rows, chunk):
+            part = raw[r:r + chunk]
+            yield dequantize_raw(part, t.type, (part.shape[0], row_len), device=self.device).to(self.dtype)
+
+
+def tensor_name(kind: MODEL_TENSOR, il: int | None = None, suffix: str = "weight") -> str:
+    """GGUF tensor name from gguf-py's table: (ATTN_Q, 3) -> "blk.3.attn_q.weight"."""
+    return TENSOR_NAMES[kind].format(bid=il) + "." + suffix
+
+
+# ---- activation capture and stats ---------------------------------------------------------------
+
+@dataclass
+class LayerStats:
+    layer: int  # -1: before the first block / after the last
+    max_abs: float = 0.0  # over finite values of every capture point of the layer
+    max_at: str = ""  # the point that held it
+    n_inf: int = 0
+    n_nan: int = 0
+    first_nonfinite: str = ""  # first point with an inf or NaN
+
+    def as_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+class Recorder:
+    """Keeps the requested activations and always updates the per-layer stats."""
+
+    def __init__(self, capture: Iterable[str] | None):
+        self.patterns = set(capture or ())
+        self.captured: dict[str, torch.Tensor] = {}
+        self.stats: dict[int, LayerStats] = {}
+
+    def wants(self, name: str) -> bool:
+        return name in self.patterns or any(fnmatch.fnmatchcase(name, p) for p in self.patterns)
+
+    def __call__(self, name: str, x: torch.Tensor, il: int = -1) -> None:
+        full = f"{name}-{il}" if il >= 0 else name
+        st = self.stats.setdefault(il, LayerStats(il))
+        m = float(x.abs().amax())  # NaN and inf propagate: one pass in the common all-finite case
+        if not math.isfinite(m):
+            finite = torch.isfinite(x)
+            n_nan = int(torch.isnan(x).sum())
+            st.n_nan += n_nan
+            st.n_inf += int((~finite).sum()) - n_nan
+            st.first_nonfinite = st.first_nonfinite or full
+            m = float(x.abs().masked_fill(~finite, 0).amax())
+        if m > st.max_abs:
+            st.max_abs, st.max_at = m, full
+        if self.wants(full):
+            self.captured[full] = x.detach()
+
+
+# ---- the step a block sees ----------------------------------------------------------------------
+
+@dataclass
+class Step:
+    """One layer's context: config, weights of layer `il`, positions [T], the capture hook."""
+
+    cfg: ModelConfig
+    il: int
+    positions: torch.Tensor
+    weights: Weights
+    record: Recorder
+    kv_chunk: int | None = None
+    extra: dict = field(default_factory=dict)  # per-run state other blocks may need
+
+    def w(self, kind: MODEL_TENSOR, suffix: str = "weight") -> torch.Tensor:
+        return self.weights.get(tensor_name(kind, self.il, suffix))
+
+    def has(self, kind: MODEL_TENSOR, suffix: str = "weight") -> bool:
+        return self.weights.has(tensor_name(kind, self.il, suffix))
+
+    def cap(self, name: str, x: torch.Tensor) -> torch.Tensor:
+        self.record(name, x, self.il)
+        return x
+
+
+Block = Callable[[Step, torch.Tensor], torch.Tensor]
+_BLOCKS: dict[str, Block] = {}
+
+
+def register_block(*archs: str) -> Callable[[Block], Block]:
+    def deco(fn: Block) -> Block:
+        for a in archs:
+            _BLOCKS[a] = fn
+        return fn
+
+    return deco
+
+
+# ---- math pieces --------------------------------------------------------------------------------
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / sqrt(mean(x^2) + eps) * w over the last dim, in the accumulation dtype (llama.cpp
+    ggml_rms_norm + ggml_mul; transformers' *RMSNorm upcast to float32). The weight is used as stored:
+    for gemma the converter already folded HF's (1 + w) into it."""
+    acc = attn.acc_dtype(x.dtype)
+    xf = x.to(acc)
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * w.to(acc)
+    return y.to(x.dtype)
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    """x [T, in] @ w[out, in]^T (+ b) -> [T, out]."""
+    y = x @ w.t()
+    return y + b if b is not None else y
+
+
+def ffn_act(name: str, gate: torch.Tensor) -> torch.Tensor:
+    if name == "silu":
+        return F.silu(gate)
+    if name == "gelu_tanh":
+        return F.gelu(gate, approximate="tanh")
+    raise InputError(f"unknown FFN activation {name!r}")
+
+
+def rope_qk(st: Step, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """RoPE on q [T, H, D] and k [T, Hk, D] with the layer's base (llama.cpp get_rope_freq_base:
+    the SWA base on sliding-window layers) and the file's rope_freqs factors when present."""
+    cfg = st.cfg
+    ff_name = tensor_name(MODEL_TENSOR.ROPE_FREQS)
+    ff = st.weights.get(ff_name) if st.weights.has(ff_name) else None
+    cos, sin = attn.rope_cos_sin(st.positions, cfg.rope_dim, cfg.layer_rope_base(st.il),
+                                 pos_scale=cfg.rope_scale, freq_factors=ff)
+    return (attn.apply_rope(q, cos, sin, neox=cfg.rope_neox),
+            attn.apply_rope(k, cos, sin, neox=cfg.rope_neox))
+
+
+def dense_attention(st: Step, h: torch.Tensor) -> torch.Tensor:
+    """Self-attention of a llama-like layer on the normed input h [T, n_embd] -> [T, n_embd]."""
+    cfg, T = st.cfg, h.shape[0]
+    bias = (lambda kind: st.w(kind, "bias")) if cfg.qkv_bias else (lambda kind: None)
+    q = linear(h, st.w(MODEL_TENSOR.ATTN_Q), bias(MODEL_TENSOR.ATTN_Q)).view(T, cfg.n_head, cfg.head_dim)
+    k = linear(h, st.w(MODEL_TENSOR.ATTN_K), bias(MODEL_TENSOR.ATTN_K)).view(T, cfg.n_head_kv, cfg.head_dim)
+    v = linear(h, st.w(MODEL_TENSOR.ATTN_V), bias(MODEL_TENSOR.ATTN_V)).view(T, cfg.n_head_kv, cfg.head_dim_v)
+    if cfg.qk_norm:
+        q = rms_norm(q, st.w(MODEL_TENSOR.ATTN_Q_NORM), cfg.norm_eps)
+        k = rms_norm(k, st.w(MODEL_TENSOR.ATTN_K_NORM), cfg.norm_eps)
+    q, k = rope_qk(st, q, k)
+    st.cap("Qcur", q)
+    st.cap("Kcur", k)
+    st.cap("Vcur", v)
+    o = attn.attention(q, k, v, scale=cfg.attn_scale, window=cfg.layer_window(st.il),
+                       softcap=cfg.attn_softcap, kv_chunk=st.kv_chunk)  # [T, H, Dv]
+    o = st.cap("kqv_out", o.reshape(T, cfg.n_head * cfg.head_dim_v))
+    return st.cap("attn_out", linear(o, st.w(MODEL_TENSOR.ATTN_OUT)))
+
+
+def dense_ffn(st: Step, h: torch.Tensor) -> torch.Tensor:
+    """Gated FFN: down(act(gate(h)) * up(h)) (llama.cpp build_ffn with LLM_FFN_PAR)."""
+    g = ffn_act(st.cfg.ffn_act, linear(h, st.w(MODEL_TENSOR.FFN_GATE)))
+    return linear(g * linear(h, st.w(MODEL_TENSOR.FFN_UP)), st.w(MODEL_TENSOR.FFN_DOWN))
+
+
+@register_block("llama", "qwen2", "qwen3", "gemma3")
+def dense_block(st: Step, x: torch.Tensor) -> torch.Tensor:
+    """Pre-norm block; gemma3 adds post-attention and post-FFW norms before each residual add
+    (llama.cpp src/models/llama.cpp, qwen2.cpp, qwen3.cpp, gemma3.cpp)."""
+    cfg, eps = st.cfg, st.cfg.norm_eps
+    h = st.cap("attn_norm", rms_norm(x, st.w(MODEL_TENSOR.ATTN_NORM), eps))
+    a = dense_attention(st, h)
+    if cfg.post_norms:
+        a = st.cap("attn_post_norm", rms_norm(a, st.w(MODEL_TENSOR.ATTN_POST_NORM), eps))
+    x = st.cap("ffn_inp", x + a)
+    h = st.cap("ffn_norm", rms_norm(x, st.w(MODEL_TENSOR.FFN_NORM), eps))
+    f = st.cap("ffn_out", dense_ffn(st, h))
+    if cfg.post_norms:
+        f = st.cap("ffn_post_norm", rms_norm(f, st.w(MODEL_TENSOR.FFN_POST_NORM), eps))
+    return st.cap("l_out", x + f)
+
+
+# ---- the model ----------------------------------------------------------------------------------
+
+class ReferenceModel:
+    """A GGUF model run layer by layer from its mmap. `forward(ids, capture) -> (logits, captured)`."""
+
+    def __init__(self, path, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                 cache: bool = False, vocab_chunk: int = 32768, kv_chunk: int | None = 4096):
+        if dtype not in (torch.float64, torch.float32, torch.bfloat16, torch.float16):
+            raise InputError(f"dtype {dtype} not supported (float64, float32, bfloat16, float16)")
+        self.path = path
+        self.g = open_gguf(path)
+        self.config = from_gguf(self.g)
+        self.block = _BLOCKS.get(self.config.arch)
+        if self.block is None:
+            raise InputError(f"{path}: no reference block for architecture {self.config.arch!r}")
+        self.dtype, self.device = dtype, torch.device(device)
+        self.weights = Weights(self.g, dtype=dtype, device=self.device, cache=cache)
+        self.vocab_chunk, self.kv_chunk = vocab_chunk, kv_chunk
+        self.stats: list[LayerStats] = []
+
+    def close(self) -> None:
+        self.weights._cached.clear()
+        self.g.close()
+
+    def __enter__(self) -> "ReferenceModel":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def output_name(self) -> str:
+        out = tensor_name(MODEL_TENSOR.OUTPUT)
+        return out if self.weights.has(out) else tensor_name(MODEL_TENSOR.TOKEN_EMBD)
+
+    @torch.inference_mode()
+    def forward(self, token_ids, capture: Iterable[str] | None = None, *,
+                all_logits: bool = True) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """logits [T, n_vocab] (or [1, n_vocab] for the last position with all_logits=False) in the
+        run dtype, and {capture name: tensor}. Positions are 0..T-1 (one sequence)."""
+        cfg = self.config
+        ids = torch.as_tensor(token_ids, dtype=torch.long).reshape(-1)
+        if ids.numel() == 0:
+            raise InputError("empty token sequence")
+        if int(ids.min()) < 0 or int(ids.max()) >= cfg.n_vocab:
+            raise InputError(f"token id out of range [0, {cfg.n_vocab})")
+        rec = Recorder(capture)
+        x = self.weights.rows(tensor_name(MODEL_TENSOR.TOKEN_EMBD), ids)  # [T, n_embd]
+        if cfg.embed_scale != 1.0:
+            x = x * cfg.embed_scale
+            rec("inp_scaled", x)
+        positions = torch.arange(ids.numel(), device=self.device)
+        extra: dict = {}
+        for il in range(cfg.n_layer):
+            st = Step(cfg, il, positions, self.weights, rec, self.kv_chunk, extra)
+            x = self.block(st, x)
+        if not all_logits:
+            x = x[-1:]
+        x = rms_norm(x, self.weights.get(tensor_name(MODEL_TENSOR.OUTPUT_NORM)), cfg.norm_eps)
+        rec("result_norm", x)
+        logits = torch.cat([x @ w.t() for w in self.weights.row_slices(self.output_name(), self.vocab_chunk)], -1)
+        if cfg.final_softcap:
+            logits = cfg.final_softcap * torch.tanh(logits / cfg.final_softcap)
+        rec("result_output", logits)
+        self.stats = [rec.stats[k] for k in sorted(rec.stats)]
+        return logits, rec.captured
+
+
+def log_softmax(logits: torch.Tensor) -> torch.Tensor:
+    """Log-probabilities in float64 (KL divergences and top-k of half-precision runs stay exact)."""
+    return torch.log_softmax(logits.to(torch.float64), dim=-1)
