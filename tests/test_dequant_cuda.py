@@ -108,3 +108,14 @@ def test_entry_point_uses_kernels_on_demo_tensors() -> None:
         assert_bit_exact(got, gguf_dequantize(np.asarray(t.data), t.type), t.name)
         n += 1
     assert n > 0
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="the entry point sends CUDA tensors to these kernels only")
+@pytest.mark.parametrize("qtype", sorted(dequant_cuda._SPECS, key=int), ids=lambda q: q.name)
+def test_entry_point_on_cuda(qtype: Q) -> None:
+    """`dequantize(raw, qtype, shape, device='cuda')` reaches the Triton kernel and stays bit-exact."""
+    block_size, _ = GGML_QUANT_SIZES[qtype]
+    blocks = random_blocks(qtype, 3 * 41, seed=7)
+    got = dequant.dequantize(blocks.reshape(-1), qtype, (3, 41 * block_size), device="cuda")
+    assert got.is_cuda and tuple(got.shape) == (3, 41 * block_size)
+    assert_bit_exact(got, gguf_dequantize(blocks, qtype), qtype.name)

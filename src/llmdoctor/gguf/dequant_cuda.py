@@ -79,7 +79,8 @@ def _k_legacy(raw, out, n_blocks, kv, BB: tl.constexpr, TS: tl.constexpr, HAS_M:
         elif HAS_M:
             y = d * q.to(tl.float32) + _f16(src + b2 * TS + 2)
         else:
-            y = d * (q - (16 if QH else 8)).to(tl.float32)
+            OFF: tl.constexpr = 8 + 8 * QH  # Q5_0: q - 16, Q4_0: q - 8
+            y = d * (q - OFF).to(tl.float32)
         tl.store(dst + b2 * 32 + 16 * h + k, y, mask=ok[:, None])
 
 
@@ -259,24 +260,27 @@ def launch(blocks: torch.Tensor, qtype: GGMLQuantizationType, bb: int | None = N
     """Dequantize blocks: uint8 [n_blocks, type_size] -> float32 [n_blocks, block_size].
 
     `bb`/`num_warps` override the tuned launch configuration (the benchmark sweeps them); `out`, a
-    contiguous float32 [n_blocks, block_size], receives the result.
+    float32 [n_blocks, block_size] on the same device, receives the result and is returned.
     """
     kernel, consts, (tuned_bb, tuned_warps) = _SPECS[qtype]
     block_size, type_size = GGML_QUANT_SIZES[qtype]
     blocks = blocks.contiguous().view(-1, type_size)  # uint8 [n_blocks, type_size]
     n = blocks.shape[0]
-    if out is None:
-        out = torch.empty((n, block_size), dtype=torch.float32, device=blocks.device)
+    dst = out if out is not None and out.is_contiguous() else None
+    if dst is None:
+        dst = torch.empty((n, block_size), dtype=torch.float32, device=blocks.device)
     bb = bb or tuned_bb
     if n:
         opts = {} if _INTERPRET else dict(num_warps=num_warps or tuned_warps, enable_fp_fusion=False)
-        kernel[(triton.cdiv(n, bb),)](blocks, out, n, _kvalues(blocks.device), BB=bb, **consts, **opts)
-    return out
+        kernel[(triton.cdiv(n, bb),)](blocks, dst, n, _kvalues(blocks.device), BB=bb, **consts, **opts)
+    if out is not None and dst is not out:
+        out.copy_(dst)
+    return out if out is not None else dst
 
 
 def _register(qtype: GGMLQuantizationType) -> None:
-    def kernel(blocks: torch.Tensor) -> torch.Tensor:
-        return launch(blocks, qtype)
+    def kernel(blocks: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        return launch(blocks, qtype, out=out)
 
     kernel.__name__ = kernel.__qualname__ = f"triton_{qtype.name.lower()}"
     register(qtype, cuda=True)(kernel)
