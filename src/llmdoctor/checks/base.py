@@ -22,6 +22,8 @@ class Finding:
     explanation: str = ""
     evidence: list[Any] = field(default_factory=list)
     id: str = ""
+    hypothesis: str = ""  # the question this finding answers, in words
+    confidence: str = ""  # "high" | "medium" | "low" for a verdict that rests on indirect evidence
 
     def __post_init__(self) -> None:
         if self.status not in ("pass", "fail", "skip"):
