@@ -1,0 +1,209 @@
+"""llama.cpp (through llama-cpp-python's ctypes API): logits for every position and the output of
+every graph node, captured through the context's eval callback (`cb_eval`).
+
+Node names are the ones llama.cpp's graph builders give through `cb(cur, "name", il)`:
+`attn_norm-3`, `Qcur-3`, `kqv_out-3`, `ffn_inp-3`, `l_out-3`, `result_norm`, ... A name can be used
+by several nodes of one layer (e.g. `Qcur-3` before and after RoPE): the last one evaluated wins,
+which is the final value under that name, as the reference defines its capture points.
+
+The `ggml_tensor` struct is not exposed by llama-cpp-python; it is declared here from ggml.h and
+checked at run time against ggml's own accessors (`ggml_get_name`, `ggml_nelements`) before any
+value is trusted: a layout mismatch raises EngineError instead of returning garbage.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import fnmatch
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+GGML_MAX_DIMS = 4
+GGML_MAX_OP_PARAMS = 64  # bytes
+GGML_MAX_SRC = 10
+GGML_MAX_NAME = 64
+GGML_TYPE_F32, GGML_TYPE_F16 = 0, 1
+
+
+class EngineError(RuntimeError):
+    """The engine could not run (load failure, decode error, ABI mismatch)."""
+
+
+class GGMLTensor(ctypes.Structure):
+    """struct ggml_tensor (ggml.h). Verified at run time against ggml's accessors."""
+
+    _fields_ = [
+        ("type", ctypes.c_int),
+        ("buffer", ctypes.c_void_p),
+        ("ne", ctypes.c_int64 * GGML_MAX_DIMS),  # elements per dim, fastest first
+        ("nb", ctypes.c_size_t * GGML_MAX_DIMS),  # stride in bytes per dim
+        ("op", ctypes.c_int),
+        ("op_params", ctypes.c_int32 * (GGML_MAX_OP_PARAMS // 4)),
+        ("flags", ctypes.c_int32),
+        ("src", ctypes.c_void_p * GGML_MAX_SRC),
+        ("view_src", ctypes.c_void_p),
+        ("view_offs", ctypes.c_size_t),
+        ("data", ctypes.c_void_p),
+        ("name", ctypes.c_char * GGML_MAX_NAME),
+        ("extra", ctypes.c_void_p),
+        ("padding", ctypes.c_char * 8),
+    ]
+
+
+def _ggml_base() -> ctypes.CDLL:
+    import llama_cpp
+
+    lib_dir = Path(llama_cpp.__file__).parent / "lib"
+    candidates = sorted(lib_dir.glob("libggml-base.*"))
+    if not candidates:
+        raise EngineError(f"libggml-base not found in {lib_dir}")
+    lib = ctypes.CDLL(str(candidates[0]))
+    lib.ggml_get_name.restype = ctypes.c_char_p
+    lib.ggml_get_name.argtypes = [ctypes.c_void_p]
+    lib.ggml_nelements.restype = ctypes.c_int64
+    lib.ggml_nelements.argtypes = [ctypes.c_void_p]
+    lib.ggml_nbytes.restype = ctypes.c_size_t
+    lib.ggml_nbytes.argtypes = [ctypes.c_void_p]
+    lib.ggml_backend_tensor_get.restype = None
+    lib.ggml_backend_tensor_get.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t]
+    return lib
+
+
+@dataclass
+class EngineRun:
+    """One forward pass of an engine: logits [T, n_vocab] and captured node outputs (row-major)."""
+
+    logits: np.ndarray
+    captures: dict[str, np.ndarray] = field(default_factory=dict)
+    node_names: list[str] = field(default_factory=list)  # every node name seen, in evaluation order
+    info: dict = field(default_factory=dict)
+
+
+class _Capture:
+    """The eval callback: asks for nodes whose names match, copies their values when computed."""
+
+    def __init__(self, lib: ctypes.CDLL, patterns: tuple[str, ...]):
+        self.lib, self.patterns = lib, patterns
+        self.captures: dict[str, np.ndarray] = {}
+        self.names: list[str] = []
+        self.error: str | None = None
+        self.fn = _eval_callback_type()(self._callback)
+
+    def _wanted(self, name: str) -> bool:
+        return any(fnmatch.fnmatchcase(name, p) for p in self.patterns)
+
+    def _callback(self, t_ptr: int, ask: bool, _user: int) -> bool:
+        try:
+            name = (self.lib.ggml_get_name(t_ptr) or b"").decode("utf-8", "replace")
+            if ask:
+                self.names.append(name)
+                return self._wanted(name)
+            if self._wanted(name):
+                self.captures[name] = self._read(t_ptr, name)
+        except Exception as e:  # never raise through C
+            self.error = self.error or f"{type(e).__name__}: {e}"
+        return True
+
+    def _read(self, t_ptr: int, name: str) -> np.ndarray:
+        t = GGMLTensor.from_address(t_ptr)
+        if t.name.decode("utf-8", "replace") != name or int(np.prod(list(t.ne))) != self.lib.ggml_nelements(t_ptr):
+            raise EngineError("ggml_tensor layout mismatch between ggml.h and the loaded libggml")
+        dtype = {GGML_TYPE_F32: np.float32, GGML_TYPE_F16: np.float16}.get(t.type)
+        if dtype is None:
+            raise EngineError(f"node {name} has ggml type {t.type}, not F32/F16")
+        span = self.lib.ggml_nbytes(t_ptr)
+        raw = np.empty(span, dtype=np.uint8)
+        self.lib.ggml_backend_tensor_get(t_ptr, raw.ctypes.data, 0, span)
+        ne = [int(x) for x in t.ne]
+        nb = [int(x) for x in t.nb]
+        while len(ne) > 1 and ne[-1] == 1:  # drop trailing unit dims
+            ne.pop()
+            nb.pop()
+        view = np.lib.stride_tricks.as_strided(raw.view(dtype), shape=tuple(reversed(ne)),
+                                               strides=tuple(reversed(nb)))
+        return view.astype(np.float32)  # row-major, slowest first: ne reversed
+
+
+def _eval_callback_type():
+    import llama_cpp
+
+    return llama_cpp.ggml_backend_sched_eval_callback
+
+
+def run(model_path: str | os.PathLike, tokens: list[int], *, capture: tuple[str, ...] = (),
+        n_threads: int | None = None, flash_attn: bool = False) -> EngineRun:
+    """Decode `tokens` in one batch on llama.cpp's CPU backend; logits for every position.
+
+    `capture`: fnmatch patterns of node names to copy out (empty: none, "*": all).
+    """
+    import llama_cpp as L
+
+    if not tokens:
+        raise EngineError("no tokens")
+    L.llama_backend_init()
+    lib = _ggml_base()
+    L.llama_log_set(_silent_log(), ctypes.c_void_p())
+    mparams = L.llama_model_default_params()
+    mparams.n_gpu_layers = 0
+    mparams.use_mmap = True
+    model = L.llama_model_load_from_file(os.fsencode(model_path), mparams)
+    if not model:
+        raise EngineError(f"llama.cpp could not load {model_path}")
+    cap = _Capture(lib, tuple(capture))
+    ctx = None
+    batch = None
+    try:
+        n = len(tokens)
+        cparams = L.llama_context_default_params()
+        cparams.n_ctx = max(n, 8)
+        cparams.n_batch = cparams.n_ubatch = n
+        threads = n_threads or max(1, os.cpu_count() or 1)
+        cparams.n_threads = cparams.n_threads_batch = threads
+        cparams.flash_attn_type = 1 if flash_attn else 0  # LLAMA_FLASH_ATTN_TYPE_ENABLED / _DISABLED
+        cparams.no_perf = True
+        if capture:
+            cparams.cb_eval = cap.fn
+        ctx = L.llama_init_from_model(model, cparams)
+        if not ctx:
+            raise EngineError("llama.cpp could not create a context")
+        n_vocab = L.llama_vocab_n_tokens(L.llama_model_get_vocab(model))
+        batch = L.llama_batch_init(n, 0, 1)
+        for i, tok in enumerate(tokens):
+            batch.token[i] = tok
+            batch.pos[i] = i
+            batch.n_seq_id[i] = 1
+            batch.seq_id[i][0] = 0
+            batch.logits[i] = 1
+        batch.n_tokens = n
+        rc = L.llama_decode(ctx, batch)
+        if rc != 0:
+            raise EngineError(f"llama_decode returned {rc}")
+        if cap.error:
+            raise EngineError(cap.error)
+        ptr = L.llama_get_logits(ctx)
+        logits = np.ctypeslib.as_array(ptr, shape=(n, n_vocab)).copy()  # [T, n_vocab]
+        info = {"engine": "llama.cpp", "llama_cpp_python": L.__version__, "n_threads": threads,
+                "flash_attn": flash_attn}
+        return EngineRun(logits, cap.captures, cap.names, info)
+    finally:
+        if batch is not None:
+            L.llama_batch_free(batch)
+        if ctx:
+            L.llama_free(ctx)
+        L.llama_model_free(model)
+
+
+_LOG_CB = None
+
+
+def _silent_log():
+    """A log callback that drops llama.cpp's chatter (kept alive for the process lifetime)."""
+    global _LOG_CB
+    if _LOG_CB is None:
+        import llama_cpp as L
+
+        _LOG_CB = L.llama_log_callback(lambda level, text, user: None)
+    return _LOG_CB
