@@ -115,11 +115,7 @@ def _load_parsers() -> None:
     """Import the modules that register parsers for other architectures (when present)."""
     import importlib
 
-    try:
-        importlib.import_module("llmdoctor.reference.mla")
-    except ModuleNotFoundError as e:
-        if e.name != "llmdoctor.reference.mla":
-            raise
+    importlib.import_module("llmdoctor.reference.arch_deepseek")  # deepseek2, glm-dsa (parsers + block)
 
 
 def from_gguf(g: Any) -> ModelConfig:

@@ -1,0 +1,307 @@
+"""DeepSeek-V2/V3 (GGUF `deepseek2`) and GLM-5 (`glm-dsa`): config parsing, MoE routing, the block.
+
+Registered into reference/config.py (GGUF and HF config parsers) and reference/forward.py (the block).
+The attention math is reference/mla.py.
+
+MoE conventions (llama.cpp `build_moe_ffn`, transformers DeepseekV3TopkRouter / DeepseekV3MoE):
+router logits = ffn_gate_inp(x); probabilities = sigmoid (V3, GLM-5) or softmax over all experts (V2);
+the expert-score correction bias (exp_probs_b) is added only for *choosing* experts; with n_group > 1
+the experts are chosen inside the topk_group groups with the highest sum of their two best scores;
+the chosen experts' unbiased probabilities are the weights, normalized to sum 1 when
+expert_weights_norm, then multiplied by expert_weights_scale (routed_scaling_factor); SwiGLU experts;
+the shared expert is a plain SwiGLU FFN added to the routed sum; the first leading_dense_block_count
+layers have a dense FFN instead.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from gguf import MODEL_TENSOR, ExpertGatingFuncType, Keys
+
+from ..errors import InputError
+from . import attention as attn
+from . import mla
+from .config import ModelConfig, gguf_key, register_gguf, register_hf
+from .forward import Step, dense_ffn, linear, register_block, rms_norm
+
+
+@dataclass(frozen=True)
+class MoE:
+    n_expert: int
+    n_used: int
+    n_shared: int
+    n_ff_exp: int
+    gating: str  # "sigmoid" or "softmax"
+    norm_topk: bool
+    scale: float
+    n_group: int = 1
+    topk_group: int = 1
+    n_dense_lead: int = 0
+
+
+# ---- config: GGUF ------------------------------------------------------------------------------------
+
+def _gguf_yarn(g: Any, arch: str) -> mla.Yarn | None:
+    if gguf_key(g, Keys.Rope.SCALING_TYPE, arch, "none") != "yarn":
+        return None
+    factor = float(gguf_key(g, Keys.Rope.SCALING_FACTOR, arch))
+    # stored as 0.1 * mscale_all_dim; llama.cpp divides the 0.1 back out in float32 (exact for 0.1f / 0.1f)
+    mall = float(np.float32(gguf_key(g, Keys.Rope.SCALING_YARN_LOG_MUL, arch, 0.0)) / np.float32(0.1))
+    # cos/sin multiplier: the file's yarn_attn_factor; else 1 when DeepSeek's mscale_all_dim is set
+    # (mscale == mscale_all_dim), else YaRN's default get_mscale(factor) (transformers' attention_factor).
+    default_af = 1.0 if mall else mla.yarn_get_mscale(factor)
+    return mla.Yarn(
+        factor=factor,
+        orig_ctx=int(gguf_key(g, Keys.Rope.SCALING_ORIG_CTX_LEN, arch)),
+        beta_fast=float(gguf_key(g, Keys.Rope.SCALING_YARN_BETA_FAST, arch, 32.0)),
+        beta_slow=float(gguf_key(g, Keys.Rope.SCALING_YARN_BETA_SLOW, arch, 1.0)),
+        mscale_all_dim=mall,
+        attn_factor=float(gguf_key(g, Keys.Rope.SCALING_YARN_ATTN_FACTOR, arch, default_af)),
+    )
+
+
+def _gguf_indexer(g: Any, arch: str, n_layer: int) -> mla.Indexer | None:
+    n_head = gguf_key(g, Keys.Attention.Indexer.HEAD_COUNT, arch, None)
+    if n_head is None:
+        return None
+    types = g.get(mla.INDEXER_TYPES_KEY.format(arch=arch))
+    full = tuple(bool(t) for t in types) if types is not None else (True,) * n_layer
+    if len(full) != n_layer or not full[0]:
+        raise InputError(f"{g.path}: {mla.INDEXER_TYPES_KEY.format(arch=arch)} must have {n_layer} entries, the first full")
+    return mla.Indexer(int(n_head), int(gguf_key(g, Keys.Attention.Indexer.KEY_LENGTH, arch)),
+                       int(gguf_key(g, Keys.Attention.Indexer.TOP_K, arch)), full)
+
+
+def _gguf_moe(g: Any, arch: str) -> MoE | None:
+    n_expert = gguf_key(g, Keys.LLM.EXPERT_COUNT, arch, None)
+    if not n_expert:
+        return None
+    # llama.cpp: deepseek2 files without expert_gating_func are V2/V2.5 (softmax); glm-dsa defaults to sigmoid
+    default = ExpertGatingFuncType.SIGMOID if arch == "glm-dsa" else ExpertGatingFuncType.SOFTMAX
+    gating = int(gguf_key(g, Keys.LLM.EXPERT_GATING_FUNC, arch, default))
+    if gating not in (ExpertGatingFuncType.SIGMOID, ExpertGatingFuncType.SOFTMAX):
+        raise InputError(f"{g.path}: expert gating function {gating} not supported")
+    return MoE(
+        n_expert=int(n_expert),
+        n_used=int(gguf_key(g, Keys.LLM.EXPERT_USED_COUNT, arch)),
+        n_shared=int(gguf_key(g, Keys.LLM.EXPERT_SHARED_COUNT, arch, 0)),
+        n_ff_exp=int(gguf_key(g, Keys.LLM.EXPERT_FEED_FORWARD_LENGTH, arch)),
+        gating="sigmoid" if gating == ExpertGatingFuncType.SIGMOID else "softmax",
+        norm_topk=bool(gguf_key(g, Keys.LLM.EXPERT_WEIGHTS_NORM, arch, False)),
+        scale=float(gguf_key(g, Keys.LLM.EXPERT_WEIGHTS_SCALE, arch, 1.0) or 1.0),
+        n_group=int(gguf_key(g, Keys.LLM.EXPERT_GROUP_COUNT, arch, 1) or 1),
+        topk_group=int(gguf_key(g, Keys.LLM.EXPERT_GROUP_USED_COUNT, arch, 1) or 1),
+        n_dense_lead=int(gguf_key(g, Keys.LLM.LEADING_DENSE_BLOCK_COUNT, arch, 0)),
+    )
+
+
+@register_gguf("deepseek2", "glm-dsa")
+def _mla_gguf(g: Any) -> ModelConfig:
+    """MLA metadata as llama.cpp's deepseek2 / glm-dsa loaders read it. The GGUF's head_count_kv (1)
+    and key/value_length (R + Dr, R) describe the absorbed MQA view; the config keeps the MHA view
+    (n_head_kv = n_head, head_dim = Dn + Dr from key_length_mla) so that it diffs equal to the HF one."""
+    arch = g.get("general.architecture")
+    n_layer = int(gguf_key(g, Keys.LLM.BLOCK_COUNT, arch))
+    n_head = int(gguf_key(g, Keys.Attention.HEAD_COUNT, arch))
+    kv_lora = int(gguf_key(g, Keys.Attention.KV_LORA_RANK, arch))
+    rope = int(gguf_key(g, Keys.Rope.DIMENSION_COUNT, arch))
+    if gguf_key(g, Keys.Attention.KEY_LENGTH_MLA, arch, None) is None:
+        raise InputError(f"{g.path}: no {Keys.Attention.KEY_LENGTH_MLA.format(arch=arch)}: a pre-MLA-split "
+                         "deepseek2 file (re-convert it with a recent convert_hf_to_gguf.py)")
+    qk = int(gguf_key(g, Keys.Attention.KEY_LENGTH_MLA, arch))
+    m = mla.MLA(
+        q_lora_rank=int(gguf_key(g, Keys.Attention.Q_LORA_RANK, arch, 0) or 0),
+        kv_lora_rank=kv_lora,
+        qk_nope=qk - rope,
+        qk_rope=rope,
+        v_dim=int(gguf_key(g, Keys.Attention.VALUE_LENGTH_MLA, arch)),
+        yarn=_gguf_yarn(g, arch),
+        indexer=_gguf_indexer(g, arch, n_layer),
+    )
+    moe = _gguf_moe(g, arch)
+    embd = g.tensor("token_embd.weight")
+    return ModelConfig(
+        arch=arch, n_layer=n_layer, n_embd=int(gguf_key(g, Keys.LLM.EMBEDDING_LENGTH, arch)),
+        n_head=n_head, n_head_kv=n_head, head_dim=m.qk_dim, head_dim_v=m.v_dim,
+        n_ff=int(gguf_key(g, Keys.LLM.FEED_FORWARD_LENGTH, arch, 0)), n_vocab=int(embd.ne[1]),
+        norm_eps=float(gguf_key(g, Keys.Attention.LAYERNORM_RMS_EPS, arch)),
+        rope_base=float(gguf_key(g, Keys.Rope.FREQ_BASE, arch, 10_000.0)), rope_dim=rope, rope_neox=False,
+        attn_scale=mla.kq_scale(m), tied_output=not any(t.name == "output.weight" for t in g.tensors),
+        mla=m, moe=moe, source="gguf",
+    )
+
+
+# ---- config: HF --------------------------------------------------------------------------------------
+
+def _hf_yarn(d: dict) -> mla.Yarn | None:
+    p = d.get("rope_parameters") or d.get("rope_scaling") or {}
+    if p.get("rope_type", p.get("type")) != "yarn":
+        return None
+    factor = float(p["factor"])
+    mall, ms = float(p.get("mscale_all_dim") or 0.0), float(p.get("mscale") or 0.0)
+    af = p.get("attention_factor")
+    if af is None:  # transformers _compute_yarn_parameters
+        af = mla.yarn_get_mscale(factor, ms) / mla.yarn_get_mscale(factor, mall) if ms and mall else mla.yarn_get_mscale(factor)
+    return mla.Yarn(factor, int(p["original_max_position_embeddings"]), float(p.get("beta_fast") or 32.0),
+                    float(p.get("beta_slow") or 1.0), mall, float(af))
+
+
+@register_hf("deepseek_v2", "deepseek_v3", "glm_moe_dsa")
+def _mla_hf(d: dict) -> ModelConfig:
+    """transformers DeepseekV2Config / DeepseekV3Config / GlmMoeDsaConfig. Gating: DeepSeek-V2's router is
+    softmax, V3's and GLM-MoE-DSA's sigmoid (transformers hardcodes both; the original checkpoints'
+    config.json carry it as `scoring_func`)."""
+    n_layer, n_head = int(d["num_hidden_layers"]), int(d["num_attention_heads"])
+    ix = None
+    if d.get("model_type") == "glm_moe_dsa":
+        types = d.get("indexer_types") or ["full"] * n_layer
+        ix = mla.Indexer(int(d["index_n_heads"]), int(d["index_head_dim"]), int(d["index_topk"]),
+                         tuple(t == "full" for t in types))
+    m = mla.MLA(q_lora_rank=int(d.get("q_lora_rank") or 0), kv_lora_rank=int(d["kv_lora_rank"]),
+                qk_nope=int(d["qk_nope_head_dim"]), qk_rope=int(d["qk_rope_head_dim"]),
+                v_dim=int(d["v_head_dim"]), yarn=_hf_yarn(d), indexer=ix)
+    moe = None
+    if d.get("n_routed_experts"):
+        scoring = d.get("scoring_func") or ("softmax" if d.get("model_type") == "deepseek_v2" else "sigmoid")
+        moe = MoE(n_expert=int(d["n_routed_experts"]), n_used=int(d["num_experts_per_tok"]),
+                  n_shared=int(d.get("n_shared_experts") or 0), n_ff_exp=int(d["moe_intermediate_size"]),
+                  gating=scoring, norm_topk=bool(d.get("norm_topk_prob")),
+                  scale=float(d.get("routed_scaling_factor") or 1.0), n_group=int(d.get("n_group") or 1),
+                  topk_group=int(d.get("topk_group") or 1), n_dense_lead=int(d.get("first_k_dense_replace") or 0))
+    p = d.get("rope_parameters") or {}
+    return ModelConfig(
+        arch="glm-dsa" if d.get("model_type") == "glm_moe_dsa" else "deepseek2",
+        n_layer=n_layer, n_embd=int(d["hidden_size"]), n_head=n_head, n_head_kv=n_head,
+        head_dim=m.qk_dim, head_dim_v=m.v_dim, n_ff=int(d["intermediate_size"]), n_vocab=int(d["vocab_size"]),
+        norm_eps=float(d.get("rms_norm_eps", 1e-6)), rope_base=float(p.get("rope_theta", d.get("rope_theta", 10_000.0))),
+        rope_dim=m.qk_rope, rope_neox=False, attn_scale=mla.kq_scale(m),
+        tied_output=bool(d.get("tie_word_embeddings", False)), mla=m, moe=moe, source="hf",
+    )
+
+
+# ---- MoE ---------------------------------------------------------------------------------------------
+
+def route(logits: torch.Tensor, bias: torch.Tensor | None, moe: MoE) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router logits [T, E] (+ correction bias [E]) -> (weights [T, k], expert ids [T, k])."""
+    t, e = logits.shape
+    probs = torch.sigmoid(logits) if moe.gating == "sigmoid" else torch.softmax(logits, dim=-1)  # [T, E]
+    choice = probs + bias.to(probs.dtype) if bias is not None else probs
+    if moe.n_group > 1:
+        grouped = choice.view(t, moe.n_group, e // moe.n_group)  # [T, G, E/G]
+        group_score = grouped.topk(2, dim=-1).values.sum(-1)  # [T, G]
+        keep = group_score.topk(moe.topk_group, dim=-1).indices  # [T, topk_group]
+        gmask = torch.zeros_like(group_score, dtype=torch.bool).scatter_(1, keep, True)
+        choice = choice.masked_fill(~gmask.repeat_interleave(e // moe.n_group, dim=1), float("-inf"))
+    idx = choice.topk(moe.n_used, dim=-1).indices  # [T, k]
+    w = probs.gather(1, idx)
+    if moe.norm_topk:
+        w = w / w.sum(-1, keepdim=True)
+    return w * moe.scale, idx
+
+
+def experts(h: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
+            down: torch.Tensor) -> torch.Tensor:
+    """Routed SwiGLU experts. h [T, n_embd], w/idx [T, k], gate/up [E, F, n_embd], down [E, n_embd, F]."""
+    out = torch.zeros_like(h)
+    for e in idx.unique().tolist():
+        tok, slot = (idx == e).nonzero(as_tuple=True)
+        x = h[tok]
+        y = linear(torch.nn.functional.silu(linear(x, gate[e])) * linear(x, up[e]), down[e])  # [n, n_embd]
+        out.index_add_(0, tok, y * w[tok, slot, None].to(y.dtype))
+    return out
+
+
+def moe_ffn(st: Step, h: torch.Tensor) -> torch.Tensor:
+    moe = st.cfg.moe
+    acc = attn.acc_dtype(h.dtype)
+    logits = linear(h.to(acc), st.w(MODEL_TENSOR.FFN_GATE_INP).to(acc))  # [T, E]
+    bias = st.w(MODEL_TENSOR.FFN_EXP_PROBS_B, "bias") if st.has(MODEL_TENSOR.FFN_EXP_PROBS_B, "bias") else None
+    w, idx = route(logits, bias, moe)
+    st.cap("ffn_moe_topk", idx)
+    st.cap("ffn_moe_weights", w)
+    out = experts(h, w, idx, st.w(MODEL_TENSOR.FFN_GATE_EXP), st.w(MODEL_TENSOR.FFN_UP_EXP),
+                  st.w(MODEL_TENSOR.FFN_DOWN_EXP))
+    if moe.n_shared:
+        g = torch.nn.functional.silu(linear(h, st.w(MODEL_TENSOR.FFN_GATE_SHEXP)))
+        out = out + linear(g * linear(h, st.w(MODEL_TENSOR.FFN_UP_SHEXP)), st.w(MODEL_TENSOR.FFN_DOWN_SHEXP))
+    return out
+
+
+# ---- attention ---------------------------------------------------------------------------------------
+
+DSA_OVERRIDE = "dsa_top_k_override"  # Step.extra key: {layer: indices [T, k]} to replace the indexer's choice
+DSA_PREV = "dsa_top_k"  # Step.extra key: the last full layer's selection
+
+
+def _kv_b(st: Step, m: mla.MLA) -> tuple[torch.Tensor, torch.Tensor]:
+    if st.has(MODEL_TENSOR.ATTN_K_B):
+        return st.w(MODEL_TENSOR.ATTN_K_B), st.w(MODEL_TENSOR.ATTN_V_B)  # [H, R, Dn], [H, Dv, R]
+    return mla.kv_b_split(st.w(MODEL_TENSOR.ATTN_KV_B), st.cfg.n_head, m.qk_nope, m.v_dim)
+
+
+def _selection(st: Step, h: torch.Tensor, q_resid: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The DSA top-k key indices [T, k] of this layer (own indexer, shared, or overridden)."""
+    ix = st.cfg.mla.indexer
+    override = st.extra.get(DSA_OVERRIDE, {}).get(st.il)
+    if ix.full[st.il]:
+        nb = MODEL_TENSOR.INDEXER_K_NORM
+        score = mla.indexer_scores(
+            h, q_resid, st.w(MODEL_TENSOR.INDEXER_ATTN_Q_B), st.w(MODEL_TENSOR.INDEXER_ATTN_K), st.w(nb),
+            st.w(nb, "bias") if st.has(nb, "bias") else None, st.w(MODEL_TENSOR.INDEXER_PROJ), cos, sin, ix)
+        st.cap("indexer_score", score)
+        st.extra[DSA_PREV] = mla.topk_indices(score, ix.top_k) if override is None else override
+    elif override is not None:
+        st.extra[DSA_PREV] = override
+    return st.cap("top_k", st.extra[DSA_PREV])
+
+
+def mla_attention(st: Step, h: torch.Tensor) -> torch.Tensor:
+    """MLA self-attention (absorbed, as llama.cpp runs it) on the normed input h [T, n_embd]."""
+    cfg, m = st.cfg, st.cfg.mla
+    T, H, eps = h.shape[0], cfg.n_head, cfg.norm_eps
+    q_resid = None
+    if m.q_lora_rank:
+        q_resid = rms_norm(linear(h, st.w(MODEL_TENSOR.ATTN_Q_A)), st.w(MODEL_TENSOR.ATTN_Q_A_NORM), eps)
+        q = linear(q_resid, st.w(MODEL_TENSOR.ATTN_Q_B))
+    else:
+        q = linear(h, st.w(MODEL_TENSOR.ATTN_Q))
+    q = q.view(T, H, m.qk_dim)
+    kv = linear(h, st.w(MODEL_TENSOR.ATTN_KV_A_MQA))  # [T, R + Dr]
+    latent = st.cap("kv_cmpr", rms_norm(kv[:, :m.kv_lora_rank], st.w(MODEL_TENSOR.ATTN_KV_A_NORM), eps))  # [T, R]
+    cos, sin = mla.rope_tables(st.positions, m, cfg.layer_rope_base(st.il), h.dtype)
+    q_pe = st.cap("q_pe", mla.rope_pairs(q[..., m.qk_nope:], cos, sin))  # [T, H, Dr]
+    k_pe = st.cap("k_pe", mla.rope_pairs(kv[:, None, m.kv_lora_rank:], cos, sin)[:, 0])  # [T, Dr]
+    k_b, v_b = _kv_b(st, m)
+    q_abs = mla.absorb_q(q[..., :m.qk_nope], q_pe, k_b)
+    k_cat = mla.mqa_keys(latent, k_pe)
+    st.cap("Qcur", q_abs)
+    st.cap("Kcur", k_cat)
+    st.cap("Vcur", latent[:, None, :])
+    if m.indexer is None:
+        allowed = attn.visible(T, T, device=h.device)
+    else:
+        allowed = mla.selection_mask(_selection(st, h, q_resid, cos, sin), T)
+    o = mla.latent_attention(q_abs, k_cat, latent, v_b, allowed, scale=cfg.attn_scale)  # [T, H, Dv]
+    o = st.cap("kqv_out", o.reshape(T, H * m.v_dim))
+    return st.cap("attn_out", linear(o, st.w(MODEL_TENSOR.ATTN_OUT)))
+
+
+@register_block("deepseek2", "glm-dsa")
+def mla_block(st: Step, x: torch.Tensor) -> torch.Tensor:
+    """Pre-norm block: MLA attention, then a dense FFN (leading layers) or MoE + shared expert
+    (llama.cpp src/models/deepseek2.cpp and glm-dsa.cpp; transformers DeepseekV3DecoderLayer)."""
+    eps = st.cfg.norm_eps
+    h = st.cap("attn_norm", rms_norm(x, st.w(MODEL_TENSOR.ATTN_NORM), eps))
+    x = st.cap("ffn_inp", x + mla_attention(st, h))
+    h = st.cap("ffn_norm", rms_norm(x, st.w(MODEL_TENSOR.FFN_NORM), eps))
+    moe = st.cfg.moe
+    dense = moe is None or st.il < moe.n_dense_lead
+    f = st.cap("ffn_out", dense_ffn(st, h) if dense else moe_ffn(st, h))
+    return st.cap("l_out", x + f)
+
+
+__all__ = ["MoE", "experts", "mla_attention", "mla_block", "moe_ffn", "route"]
