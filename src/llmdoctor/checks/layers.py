@@ -1,0 +1,86 @@
+"""Layer localization: where does an engine's computation leave the reference?
+
+For every layer i and capture point p, three activations of the same prompt are compared:
+
+    ref[p-i]     the reference in float32 (or float64)
+    budget[p-i]  the reference run with the engine's arithmetic emulated (reference/emulate.py):
+                 a healthy engine is as far from `ref` as this run is, give or take
+    engine[p-i]  what the engine computed
+
+error = rel_l2(engine, ref) and noise = rel_l2(budget, ref). A healthy engine and the emulation are
+two independent draws of the same rounding noise, so their errors are of the same size: on the demo
+model in llama.cpp the ratio error/noise stays within 0.85..1.3 over all 18 layers (measured,
+tests/test_layers_llama_cpp.py). A point is *divergent* when error > K * noise + FLOOR, with K = 3
+(more than twice the largest healthy ratio seen) and FLOOR = 1e-6 (float32 round-off of a
+normalized activation, so that a bit-exact budget of 0 does not turn noise into an alarm).
+
+The first divergent layer is the first layer with a divergent point whose divergence persists
+(the next layer is divergent too, or it is the last layer): a fault propagates down the residual
+stream, a one-off excursion that heals is reported but not named as the cause.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from . import metrics
+
+K = 3.0
+FLOOR = 1e-6
+# Points compared per layer, in graph order.
+POINTS = ("attn_norm", "kqv_out", "ffn_inp", "ffn_out", "l_out")
+# Engine node names that differ from the reference's capture names (llama.cpp graph builders).
+LLAMA_CPP_ALIASES = {"sa_out": "ffn_inp"}
+
+
+def engine_names_to_reference(captures: Mapping[str, Any], aliases: Mapping[str, str]) -> dict[str, Any]:
+    """Rename engine nodes `alias-i` to the reference's `name-i`; other names pass through."""
+    out = {}
+    for name, value in captures.items():
+        base, sep, idx = name.rpartition("-")
+        out[f"{aliases.get(base, base)}{sep}{idx}" if sep and base in aliases else name] = value
+    return out
+
+
+@dataclass
+class PointError:
+    layer: int
+    point: str
+    error: float  # rel_l2(engine, ref)
+    noise: float  # rel_l2(budget, ref)
+
+    @property
+    def limit(self) -> float:
+        return K * self.noise + FLOOR
+
+    @property
+    def divergent(self) -> bool:
+        return not self.error <= self.limit  # NaN counts as divergent
+
+    def as_dict(self) -> dict:
+        return {"layer": self.layer, "point": self.point, "error": self.error, "noise": self.noise,
+                "limit": self.limit, "divergent": self.divergent}
+
+
+def error_curve(ref: Mapping[str, Any], budget: Mapping[str, Any], engine: Mapping[str, Any],
+                n_layer: int, points: tuple[str, ...] = POINTS) -> list[PointError]:
+    """Every (layer, point) present in all three captures, in graph order."""
+    curve = []
+    for il in range(n_layer):
+        for p in points:
+            name = f"{p}-{il}"
+            if name in ref and name in budget and name in engine:
+                curve.append(PointError(il, p, metrics.rel_l2(engine[name], ref[name]),
+                                        metrics.rel_l2(budget[name], ref[name])))
+    return curve
+
+
+def first_divergent_layer(curve: list[PointError]) -> tuple[int | None, PointError | None]:
+    """(layer, first divergent point) of the first persistently divergent layer, or (None, None)."""
+    layers = sorted({p.layer for p in curve})
+    bad = {p.layer for p in curve if p.divergent}
+    for i, il in enumerate(layers):
+        if il in bad and (i + 1 == len(layers) or layers[i + 1] in bad):
+            return il, next(p for p in curve if p.layer == il and p.divergent)
+    return None, None

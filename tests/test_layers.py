@@ -1,0 +1,57 @@
+"""Layer localization logic on synthetic curves: healthy noise passes, a fault is found where it starts."""
+
+from __future__ import annotations
+
+import torch
+
+from llmdoctor.checks.layers import (LLAMA_CPP_ALIASES, engine_names_to_reference, error_curve,
+                                     first_divergent_layer)
+
+N_LAYER = 6
+
+
+def _acts(seed: int, noise: float, fault_from: int | None = None, fault: float = 0.0):
+    g = torch.Generator().manual_seed(seed)
+    base = torch.Generator().manual_seed(0)
+    out = {}
+    for il in range(N_LAYER):
+        for p in ("attn_norm", "l_out"):
+            x = torch.randn(8, 16, generator=base)
+            e = noise * torch.randn(8, 16, generator=g) * x.norm() / 11.3
+            if fault_from is not None and il >= fault_from:
+                e = e + fault * x
+            out[f"{p}-{il}"] = x + e
+    return out
+
+
+def test_healthy_engine_not_divergent():
+    ref, budget, engine = _acts(0, 0), _acts(1, 1e-3), _acts(2, 1e-3)
+    curve = error_curve(ref, budget, engine, N_LAYER)
+    assert len(curve) == 2 * N_LAYER
+    assert first_divergent_layer(curve) == (None, None)
+
+
+def test_fault_found_at_its_layer():
+    ref, budget, engine = _acts(0, 0), _acts(1, 1e-3), _acts(2, 1e-3, fault_from=3, fault=0.05)
+    layer, point = first_divergent_layer(error_curve(ref, budget, engine, N_LAYER))
+    assert layer == 3 and point.point == "attn_norm" and point.divergent
+
+
+def test_one_off_excursion_is_not_the_cause():
+    ref, budget, engine = _acts(0, 0), _acts(1, 1e-3), _acts(2, 1e-3)
+    engine["l_out-1"] = engine["l_out-1"] * 1.5
+    assert first_divergent_layer(error_curve(ref, budget, engine, N_LAYER)) == (None, None)
+
+
+def test_nan_is_divergent_and_bit_exact_budget_has_a_floor():
+    ref = _acts(0, 0)
+    engine = dict(ref)
+    assert first_divergent_layer(error_curve(ref, ref, engine, N_LAYER)) == (None, None)
+    engine["l_out-4"] = engine["l_out-4"] * float("nan")
+    engine["attn_norm-5"] = engine["attn_norm-5"] * float("nan")
+    assert first_divergent_layer(error_curve(ref, ref, engine, N_LAYER))[0] == 4
+
+
+def test_llama_cpp_names_are_aliased():
+    out = engine_names_to_reference({"sa_out-3": 1, "l_out-3": 2, "result_norm": 3}, LLAMA_CPP_ALIASES)
+    assert out == {"ffn_inp-3": 1, "l_out-3": 2, "result_norm": 3}
