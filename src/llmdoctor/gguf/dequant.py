@@ -3,16 +3,23 @@
 Block kernels are registered per GGML type. A block kernel maps
     blocks: uint8 [n_blocks, type_size]  ->  float32 [n_blocks, block_size]
 and is written with device-agnostic torch ops, so the same code runs on CPU and CUDA. Faster CUDA
-kernels (Triton) may register for the CUDA device in `dequant_cuda.py`.
+kernels (Triton) may register for the CUDA device in `dequant_cuda.py`. A kernel that also takes an
+`out=` float32 [n_blocks, block_size] argument writes its result there (no extra temporary). Kernels
+must not write to `blocks`: it may be a read-only view of the file mapping.
 
 The entry point `dequantize(raw, qtype, shape, ...)` follows the kernel contract of
 `llmdoctor check dequant`: `raw` is the whole tensor's bytes exactly as stored in the file (1-D uint8),
 `qtype` the GGML type number, `shape` the row-major logical shape (GGUF dims reversed).
+
+The work is streamed in chunks of whole blocks: on CPU a chunk's temporaries (a few MiB) stay in
+cache and its result is written once, straight into the output buffer.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+import inspect
+import warnings
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 import torch
@@ -20,10 +27,19 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from ..errors import InputError
 
-BlockKernel = Callable[[torch.Tensor], torch.Tensor]
+if TYPE_CHECKING:
+    from .reader import TensorInfo
+
+BlockKernel = Callable[..., torch.Tensor]
 
 _KERNELS: dict[GGMLQuantizationType, BlockKernel] = {}
 _CUDA_KERNELS: dict[GGMLQuantizationType, BlockKernel] = {}
+_WRITES_OUT: set[BlockKernel] = set()  # kernels that accept `out=`
+
+# Output elements per chunk. CPU: 2M float32 (8 MiB) keeps a chunk's uint8/float temporaries in the
+# L2/L3 caches while amortizing per-op overhead (measured in bench/bench_dequant_cpu.py). CUDA: large,
+# only to bound the temporaries of the torch kernels.
+_CHUNK_ELEMENTS = {"cpu": 1 << 21, "cuda": 1 << 27}
 
 
 def register(*qtypes: GGMLQuantizationType, cuda: bool = False) -> Callable[[BlockKernel], BlockKernel]:
@@ -33,6 +49,8 @@ def register(*qtypes: GGMLQuantizationType, cuda: bool = False) -> Callable[[Blo
         table = _CUDA_KERNELS if cuda else _KERNELS
         for q in qtypes:
             table[GGMLQuantizationType(q)] = fn
+        if "out" in inspect.signature(fn).parameters:
+            _WRITES_OUT.add(fn)
         return fn
 
     return deco
@@ -51,19 +69,54 @@ def _load_kernels() -> None:
         from . import dequant_cuda  # noqa: F401
 
 
+def _kernel(qtype: int, device: torch.device) -> tuple[GGMLQuantizationType, BlockKernel]:
+    _load_kernels()
+    try:
+        q = GGMLQuantizationType(qtype)
+    except ValueError:
+        raise InputError(f"unknown GGML type {qtype}") from None
+    kernel = _KERNELS.get(q)
+    if kernel is None:
+        raise InputError(f"no dequantizer for {q.name} (gguf-py cannot dequantize it either)")
+    if device.type == "cuda":
+        kernel = _CUDA_KERNELS.get(q, kernel)
+    return q, kernel
+
+
 def _as_uint8_tensor(raw: torch.Tensor | np.ndarray, device: torch.device | str | None) -> torch.Tensor:
+    """raw as a 1-D uint8 tensor, zero-copy on CPU (a read-only numpy view is wrapped, never written)."""
     if isinstance(raw, np.ndarray):
-        if raw.dtype != np.uint8:
-            raw = raw.view(np.uint8)
-        # A read-only mmap view cannot become a torch tensor without a copy (torch needs writable
-        # memory); the copy is what the streaming loop reuses via `out=` anyway.
-        raw = torch.from_numpy(raw if raw.flags.writeable else raw.copy())
-    if raw.dtype != torch.uint8:
-        raise InputError(f"raw must be uint8 bytes, got {raw.dtype}")
+        raw = np.ascontiguousarray(raw).reshape(-1).view(np.uint8)
+        with warnings.catch_warnings():  # torch warns that it cannot protect read-only memory
+            warnings.simplefilter("ignore", UserWarning)
+            raw = torch.from_numpy(raw)
+    if not isinstance(raw, torch.Tensor) or raw.dtype != torch.uint8:
+        raise InputError(f"raw must be uint8 bytes, got {getattr(raw, 'dtype', type(raw).__name__)}")
     raw = raw.reshape(-1)
     if device is not None:
         raw = raw.to(device)
     return raw
+
+
+def _run(kernel: BlockKernel, blocks: torch.Tensor, block_size: int, result: torch.Tensor) -> None:
+    """Dequantize blocks [n_blocks, type_size] into the contiguous `result` (any float dtype,
+    n_blocks * block_size elements) chunk by chunk; float32 chunks are written in place."""
+    n_blocks = blocks.shape[0]
+    step = max(1, _CHUNK_ELEMENTS.get(blocks.device.type, 1 << 27) // block_size)
+    flat = result.view(-1)
+    scratch = None
+    if result.dtype != torch.float32 and n_blocks:
+        scratch = torch.empty(min(step, n_blocks), block_size, dtype=torch.float32, device=blocks.device)
+    for start in range(0, n_blocks, step):
+        stop = min(start + step, n_blocks)
+        dst = flat[start * block_size : stop * block_size].view(-1, block_size)
+        target = dst if scratch is None else scratch[: stop - start]
+        if kernel in _WRITES_OUT:
+            kernel(blocks[start:stop], out=target)
+        else:
+            target.copy_(kernel(blocks[start:stop]))
+        if scratch is not None:
+            dst.copy_(target)
 
 
 def dequantize(
@@ -75,36 +128,62 @@ def dequantize(
     dtype: torch.dtype = torch.float32,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Dequantize a whole tensor. Returns `dtype` [*shape] on `device` (default: raw's device).
+    """Dequantize a whole tensor. Returns `dtype` [*shape] on `device`.
 
-    Computed in float32 (bit-exact with gguf-py) and cast to `dtype` once at the end. With `out`,
-    the result is written there (it must have `shape` and `dtype`) and `out` is returned.
+    `device` defaults to out's device when `out` is given, else raw's. Computed in float32 (bit-exact
+    with gguf-py) and cast to `dtype` chunk by chunk. With `out`, the result is written there (it must
+    have `shape` and `dtype` and be on `device`) and `out` is returned.
     """
-    _load_kernels()
-    try:
-        q = GGMLQuantizationType(qtype)
-    except ValueError:
-        raise InputError(f"unknown GGML type {qtype}") from None
-    kernel = _KERNELS.get(q)
-    if kernel is None:
-        raise InputError(f"no dequantizer for {q.name}")
+    if device is None and out is not None:
+        device = out.device
     raw = _as_uint8_tensor(raw, device)
+    q, kernel = _kernel(qtype, raw.device)
+    if not dtype.is_floating_point:
+        raise InputError(f"dtype must be a floating type, got {dtype}")
     block_size, type_size = GGML_QUANT_SIZES[q]
+    shape = tuple(int(d) for d in shape)
+    if not shape or any(d < 0 for d in shape) or shape[-1] % block_size:
+        raise InputError(f"{q.name}: shape {shape} has no row length that is a multiple of {block_size}")
     n = 1
     for d in shape:
         n *= d
-    if not shape or shape[-1] % block_size:
-        raise InputError(f"{q.name}: row length {shape[-1] if shape else None} not a multiple of {block_size}")
     n_blocks = n // block_size
     if raw.numel() != n_blocks * type_size:
-        raise InputError(f"{q.name}: {raw.numel()} bytes for shape {tuple(shape)}, expected {n_blocks * type_size}")
-    if raw.is_cuda:
-        kernel = _CUDA_KERNELS.get(q, kernel)
-    values = kernel(raw.view(n_blocks, type_size))  # float32 [n_blocks, block_size]
-    values = values.reshape(shape)
+        raise InputError(f"{q.name}: {raw.numel()} bytes for shape {shape}, expected {n_blocks * type_size}")
     if out is None:
-        return values if dtype == torch.float32 else values.to(dtype)
-    if tuple(out.shape) != tuple(shape) or out.dtype != dtype:
-        raise InputError(f"out must be {dtype} {tuple(shape)}, got {out.dtype} {tuple(out.shape)}")
-    out.copy_(values)
+        out = torch.empty(shape, dtype=dtype, device=raw.device)
+    elif tuple(out.shape) != shape or out.dtype != dtype or out.device != raw.device:
+        raise InputError(
+            f"out must be {dtype} {shape} on {raw.device}, got {out.dtype} {tuple(out.shape)} on {out.device}"
+        )
+    if out.is_contiguous():
+        _run(kernel, raw.view(n_blocks, type_size), block_size, out)
+    else:
+        out.copy_(dequantize(raw, q, shape, dtype=dtype))
     return out
+
+
+def dequantize_blocks(blocks: torch.Tensor | np.ndarray, qtype: int) -> torch.Tensor:
+    """float32 [n, block_size] for uint8 blocks [n, type_size] (e.g. blocks sampled from a tensor), on
+    the blocks' device."""
+    if isinstance(blocks, np.ndarray):
+        blocks = torch.from_numpy(np.ascontiguousarray(blocks, dtype=np.uint8))
+    if blocks.ndim != 2:
+        raise InputError(f"blocks must be 2-D [n, type_size], got shape {tuple(blocks.shape)}")
+    q, _ = _kernel(qtype, blocks.device)
+    block_size, type_size = GGML_QUANT_SIZES[q]
+    if blocks.shape[1] != type_size:
+        raise InputError(f"{q.name}: blocks have {blocks.shape[1]} bytes, a block has {type_size}")
+    n = blocks.shape[0]
+    return dequantize(blocks.contiguous().view(-1), q, (n, block_size)).view(n, block_size)
+
+
+def dequantize_tensor(
+    tensor: TensorInfo,
+    *,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype = torch.float32,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Dequantize one tensor of an open GGUF file, reading its bytes straight from the mmap."""
+    return dequantize(tensor.data, tensor.type, tensor.shape, device=device, dtype=dtype, out=out)
