@@ -54,10 +54,15 @@ def _np_signed_grid_iq2_xs() -> np.ndarray:
     return (_np_ksigns()[:, None, :] * _np_grid(T.IQ2_XS)[None, :, :]).reshape(-1, 8)
 
 
-def _np_grid_iq3_xxs_pairs() -> np.ndarray:
-    """float32 [65536, 8]: row v = grid[v & 255] ++ grid[v >> 8], v two consecutive grid indices (uint16 LE)."""
-    grid = _np_grid(T.IQ3_XXS)  # [256, 4]
-    return np.concatenate(np.broadcast_arrays(grid[None, :, :], grid[:, None, :]), axis=-1).reshape(-1, 8)
+def _np_signed_grid_iq3_xxs() -> np.ndarray:
+    """float32 [256 * 128 * 2, 4]: row (g * 128 + s) * 2 + h = grid[g] * ksigns[s][4h : 4h + 4]
+    (a 7-bit sign index covers two grid rows of 4: h picks the half)."""
+    return (_np_grid(T.IQ3_XXS)[:, None, None, :] * _np_ksigns().reshape(1, 128, 2, 4)).reshape(-1, 4)
+
+
+def _np_signed_grid_iq3_s() -> np.ndarray:
+    """float32 [512 * 16, 4]: row g * 16 + k = grid[g] * signs of the 4 bits of nibble k."""
+    return (_np_grid(T.IQ3_S)[:, None, :] * _np_bit_signs()[None, :16, :4]).reshape(-1, 4)
 
 
 def _np_iq1_grid() -> np.ndarray:
@@ -66,26 +71,29 @@ def _np_iq1_grid() -> np.ndarray:
     return np.concatenate([grid + delta, grid + -delta])
 
 
-def _np_iq4_kvalues() -> np.ndarray:
-    return np.array(gq.IQ4_NL.kvalues, dtype=np.int8).astype(np.float32)
+def _np_iq4_pairs() -> np.ndarray:
+    """int64 [256]: key k -> the float32 pair (kvalues[k & 15], kvalues[k >> 4]) packed little-endian in one
+    int64 (`IQ4_NL.kvalues`, int8), so that one 8-byte gather writes two adjacent outputs."""
+    kvalues = np.array(gq.IQ4_NL.kvalues, dtype=np.int8).astype(np.float32)
+    k = np.arange(256)
+    return np.stack([kvalues[k & 15], kvalues[k >> 4]], axis=-1).view(np.int64).reshape(256)
 
 
 _TABLES = {
     "bit_signs": _np_bit_signs,
-    "ksigns": _np_ksigns,
     "iq2_xxs": _np_signed_grid_iq2_xxs,
     "iq2_xs": _np_signed_grid_iq2_xs,
     "iq2_s": lambda: _np_grid(T.IQ2_S),
-    "iq3_xxs": _np_grid_iq3_xxs_pairs,
-    "iq3_s": lambda: _np_grid(T.IQ3_S),
+    "iq3_xxs": _np_signed_grid_iq3_xxs,
+    "iq3_s": _np_signed_grid_iq3_s,
     "iq1": _np_iq1_grid,
-    "iq4": _np_iq4_kvalues,
+    "iq4": _np_iq4_pairs,
 }
 
 
 @functools.lru_cache(maxsize=None)
 def _table(name: str, device: torch.device) -> torch.Tensor:
-    return torch.from_numpy(np.ascontiguousarray(_TABLES[name](), dtype=np.float32)).to(device)
+    return torch.from_numpy(np.ascontiguousarray(_TABLES[name]())).to(device)
 
 
 # ---------------------------------------------------------------- field helpers
@@ -129,6 +137,7 @@ def _shifts(device: torch.device, *s: int) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------- kernels
+# Each gathers (signed) grid rows into a fresh buffer and scales it in place: v * db == db * v bit for bit.
 
 
 @register(T.IQ2_XXS)
@@ -140,8 +149,8 @@ def iq2_xxs(blocks: torch.Tensor) -> torch.Tensor:
     db = d * (0.5 + ((aux >> 28) & 15).float()) * 0.25  # [n, 8]
     grid_idx = blocks[:, 2:66].view(n, 8, 8)[..., :4].int()  # [n, 8, 4]
     sign_idx = (aux[..., None] >> _shifts(blocks.device, 0, 7, 14, 21)) & 127  # [n, 8, 4]
-    signed = _rows(_table("iq2_xxs", blocks.device), grid_idx * 128 + sign_idx)  # [n, 8, 4, 8]
-    return (db[..., None, None] * signed).view(n, 256)
+    v = _rows(_table("iq2_xxs", blocks.device), grid_idx * 128 + sign_idx)  # [n, 8, 4, 8]
+    return v.view(n, 8, 32).mul_(db[..., None]).view(n, 256)
 
 
 @register(T.IQ2_XS)
@@ -150,8 +159,8 @@ def iq2_xs(blocks: torch.Tensor) -> torch.Tensor:
     n = blocks.shape[0]
     d = _f16(blocks, 0)  # [n, 1]
     db = d * (0.5 + _nibbles(blocks[:, 66:74]).float()) * 0.25  # [n, 16]
-    signed = _rows(_table("iq2_xs", blocks.device), _u16(blocks, 2, 66))  # [n, 32, 8]
-    return (db[..., None, None] * signed.view(n, 16, 2, 8)).view(n, 256)
+    v = _rows(_table("iq2_xs", blocks.device), _u16(blocks, 2, 66))  # [n, 32, 8]
+    return v.view(n, 16, 16).mul_(db[..., None]).view(n, 256)
 
 
 @register(T.IQ2_S)
@@ -162,8 +171,8 @@ def iq2_s(blocks: torch.Tensor) -> torch.Tensor:
     db = d * (0.5 + _nibbles(blocks[:, 74:82]).float()) * 0.25  # [n, 16]
     high = (blocks[:, 66:74, None].int() >> _shifts(dev, 0, 2, 4, 6)) & 3  # [n, 8, 4]
     grid_idx = blocks[:, 2:34].int() | (high.view(n, 32) << 8)  # [n, 32]
-    signed = _rows(_table("iq2_s", dev), grid_idx) * _rows(_table("bit_signs", dev), blocks[:, 34:66].int())
-    return (db[..., None, None] * signed.view(n, 16, 2, 8)).view(n, 256)  # signed: [n, 32, 8]
+    v = _rows(_table("iq2_s", dev), grid_idx).mul_(_rows(_table("bit_signs", dev), blocks[:, 34:66].int()))
+    return v.view(n, 16, 16).mul_(db[..., None]).view(n, 256)  # v: [n, 32, 8]
 
 
 @register(T.IQ3_XXS)
@@ -174,9 +183,9 @@ def iq3_xxs(blocks: torch.Tensor) -> torch.Tensor:
     aux = _u32(blocks, 66, 98)  # [n, 8]
     db = d * (0.5 + ((aux >> 28) & 15).float()) * 0.5  # [n, 8]
     sign_idx = (aux[..., None] >> _shifts(dev, 0, 7, 14, 21)) & 127  # [n, 8, 4]
-    pairs = _rows(_table("iq3_xxs", dev), _u16(blocks, 2, 66))  # [n, 32, 8]: two grid rows of 4
-    signed = pairs.view(n, 8, 4, 8) * _rows(_table("ksigns", dev), sign_idx)  # [n, 8, 4, 8]
-    return (db[..., None, None] * signed).view(n, 256)
+    grid_idx = blocks[:, 2:66].view(n, 8, 4, 2).int()  # [n, 8, 4, 2]: each sign index covers 2 grid rows
+    v = _rows(_table("iq3_xxs", dev), grid_idx * 256 + (sign_idx[..., None] * 2 + _shifts(dev, 0, 1)))
+    return v.view(n, 8, 32).mul_(db[..., None]).view(n, 256)  # v: [n, 8, 4, 2, 4]
 
 
 @register(T.IQ3_S)
@@ -187,15 +196,15 @@ def iq3_s(blocks: torch.Tensor) -> torch.Tensor:
     db = d * (1 + 2 * _nibbles(blocks[:, 106:110])).float()  # [n, 8]
     high = (blocks[:, 66:74, None].int() >> torch.arange(8, dtype=torch.int32, device=dev)) & 1  # [n, 8, 8]
     grid_idx = blocks[:, 2:66].int() | (high.view(n, 64) << 8)  # [n, 64]
-    grid = _rows(_table("iq3_s", dev), grid_idx).view(n, 32, 8)  # [n, 32, 8]
-    signed = grid * _rows(_table("bit_signs", dev), blocks[:, 74:106].int())  # [n, 32, 8]
-    return (db[..., None, None] * signed.view(n, 8, 4, 8)).view(n, 256)
+    v = _rows(_table("iq3_s", dev), grid_idx * 16 + _nibbles(blocks[:, 74:106]))  # [n, 64, 4]
+    return v.view(n, 8, 32).mul_(db[..., None]).view(n, 256)
 
 
 def _iq1_values(dl: torch.Tensor, grid_idx: torch.Tensor, negative_delta: torch.Tensor) -> torch.Tensor:
-    """dl [n, S] float32, grid_idx / negative_delta int [n, S, k] -> dl * (grid + -+delta): [n, S, k, 8]."""
-    rows = _rows(_table("iq1", dl.device), grid_idx | (negative_delta << 11))
-    return dl[..., None, None] * rows
+    """dl [n, S] float32, grid_idx / negative_delta int [n, S, k] -> dl * (grid + -+delta): [n, S * k * 8]."""
+    v = _rows(_table("iq1", dl.device), grid_idx | (negative_delta << 11))  # [n, S, k, 8]
+    n, s = dl.shape
+    return v.view(n, s, -1).mul_(dl[..., None]).view(n, -1)
 
 
 @register(T.IQ1_S)
@@ -207,7 +216,7 @@ def iq1_s(blocks: torch.Tensor) -> torch.Tensor:
     dl = d * (2 * ((qh >> 12) & 7) + 1).float()  # [n, 8]
     high = (qh[..., None] >> _shifts(dev, 0, 3, 6, 9)) & 7  # [n, 8, 4]
     grid_idx = blocks[:, 2:34].view(n, 8, 4).int() | (high << 8)  # [n, 8, 4]
-    return _iq1_values(dl, grid_idx, (qh[..., None] >> 15) & 1).view(n, 256)
+    return _iq1_values(dl, grid_idx, (qh[..., None] >> 15) & 1)
 
 
 @register(T.IQ1_M)
@@ -222,17 +231,24 @@ def iq1_m(blocks: torch.Tensor) -> torch.Tensor:
     dl = d * (2 * scales + 1).float()  # [n, 16]
     nib = _nibbles(blocks[:, 32:48]).view(n, 16, 2)  # [n, 16, 2]
     grid_idx = blocks[:, 0:32].view(n, 16, 2).int() | ((nib & 7) << 8)  # [n, 16, 2]
-    return _iq1_values(dl, grid_idx, nib >> 3).view(n, 256)
+    return _iq1_values(dl, grid_idx, nib >> 3)
+
+
+def _iq4_values(dl: torch.Tensor, qs: torch.Tensor) -> torch.Tensor:
+    """dl float32 [n, S], qs uint8 [n, S, 16] -> dl * kvalues: [n, S * 32], per S: 16 low nibbles, 16 high.
+    Outputs 2j, 2j + 1 of each half come from bytes 2j, 2j + 1: key = their two low (or two high) nibbles."""
+    n, s = dl.shape
+    b = qs.view(n, s, 8, 2).int()
+    lo, hi = b[..., 0], b[..., 1]  # [n, S, 8]
+    keys = torch.stack(((lo & 15) | ((hi & 15) << 4), (lo >> 4) | (hi & 0xF0)), dim=2)  # [n, S, 2, 8]
+    v = _table("iq4", dl.device).index_select(0, keys.view(-1)).view(torch.float32).view(n, s, 32)
+    return v.mul_(dl[..., None]).view(n, -1)
 
 
 @register(T.IQ4_NL)
 def iq4_nl(blocks: torch.Tensor) -> torch.Tensor:
     """18 bytes: d f16, 16 bytes: low nibbles are values 0..15, high nibbles 16..31 (codebook indices)."""
-    n = blocks.shape[0]
-    d = _f16(blocks, 0)  # [n, 1]
-    qs = blocks[:, 2:18].int()  # [n, 16]
-    idx = torch.stack((qs & 15, qs >> 4), dim=1)  # [n, 2, 16]
-    return d * _table("iq4", blocks.device)[idx].view(n, 32)
+    return _iq4_values(_f16(blocks, 0), blocks[:, None, 2:18])
 
 
 @register(T.IQ4_XS)
@@ -243,6 +259,4 @@ def iq4_xs(blocks: torch.Tensor) -> torch.Tensor:
     d = _f16(blocks, 0)  # [n, 1]
     high = (_u16(blocks, 2, 4) >> _shifts(dev, 0, 2, 4, 6, 8, 10, 12, 14)) & 3  # [n, 8]
     dl = d * ((_nibbles(blocks[:, 4:8]) | (high << 4)) - 32).float()  # [n, 8]
-    qs = blocks[:, 8:136].view(n, 8, 16).int()  # [n, 8, 16]
-    idx = torch.stack((qs & 15, qs >> 4), dim=2)  # [n, 8, 2, 16]
-    return (dl[..., None] * _table("iq4", dev)[idx].view(n, 8, 32)).view(n, 256)
+    return _iq4_values(dl, blocks[:, 8:136].view(n, 8, 16))
