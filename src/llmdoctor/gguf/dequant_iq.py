@@ -132,7 +132,9 @@ def _nibbles(b: torch.Tensor) -> torch.Tensor:
     return torch.stack((b & 15, b >> 4), dim=-1).flatten(-2)
 
 
+@functools.lru_cache(maxsize=None)
 def _shifts(device: torch.device, *s: int) -> torch.Tensor:
+    """int32 [len(s)] on `device` (cached: no host-to-device copy per call)."""
     return torch.tensor(s, dtype=torch.int32, device=device)
 
 
@@ -194,7 +196,7 @@ def iq3_s(blocks: torch.Tensor) -> torch.Tensor:
     n, dev = blocks.shape[0], blocks.device
     d = _f16(blocks, 0)  # [n, 1]
     db = d * (1 + 2 * _nibbles(blocks[:, 106:110])).float()  # [n, 8]
-    high = (blocks[:, 66:74, None].int() >> torch.arange(8, dtype=torch.int32, device=dev)) & 1  # [n, 8, 8]
+    high = (blocks[:, 66:74, None].int() >> _shifts(dev, *range(8))) & 1  # [n, 8, 8]
     grid_idx = blocks[:, 2:66].int() | (high.view(n, 64) << 8)  # [n, 64]
     v = _rows(_table("iq3_s", dev), grid_idx * 16 + _nibbles(blocks[:, 74:106]))  # [n, 64, 4]
     return v.view(n, 8, 32).mul_(db[..., None]).view(n, 256)
