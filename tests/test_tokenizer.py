@@ -168,6 +168,60 @@ def test_demo_parity_fuzz(gemma, gemma_llm, text):
     assert gemma.decode_bytes(ids) == _detokenize(gemma_llm, ids)
 
 
+# ----------------------------------------------------------------------------- SPM: made here
+_PHI3_TEXT = ("<|user|>\n  Hello  <|end|>\n<|assistant|>  Hi </s>  there <s> x <unk> y<|end|> "
+              "<|endoftext|>  z")
+
+
+@pytest.fixture(scope="module", params=["Plain SPM", "Phi-3 mini"])
+def spm_pair(request, tmp_path_factory):
+    """A Llama-2-style SPM vocab (space prefix on, byte fallback) built from TEXT's frequent
+    substrings; named "Phi-3 ..." it also gets llama.cpp's whitespace-swallowing special tokens."""
+    escaped = [" " + line.replace(" ", "\u2581") for line in _lines(TEXT + _PHI3_TEXT)]
+    counts: dict[str, int] = {}
+    for line in escaped:
+        for i in range(len(line)):
+            for j in range(i + 1, min(i + 6, len(line) + 1)):
+                counts[line[i:j]] = counts.get(line[i:j], 0) + 1
+    control = ["<s>", "</s>", "<|user|>", "<|assistant|>", "<|end|>"]  # + <|endoftext|>: llama.cpp
+    # needs it in a Phi-3 vocab
+    head = ["<unk>", *control[:2], *(f"<0x{b:02X}>" for b in range(256)), *control[2:], "<|endoftext|>",
+            "<|note|>"]
+    pieces = [p for p in sorted(counts, key=lambda p: (-counts[p], p)) if p not in head][:1500]
+    tokens = head + pieces
+    types = ([TokenType.UNKNOWN, TokenType.CONTROL, TokenType.CONTROL] + [TokenType.BYTE] * 256
+             + [TokenType.CONTROL] * 4 + [TokenType.USER_DEFINED] + [TokenType.NORMAL] * len(pieces))
+    scores = [0.0] * len(head) + [-float(i) for i in range(len(pieces))]
+    path = tmp_path_factory.mktemp("spm") / "spm.gguf"
+    w = GGUFWriter(str(path), "llama")
+    for add in ("context_length", "embedding_length", "block_count", "feed_forward_length", "head_count"):
+        getattr(w, f"add_{add}")(8)
+    w.add_name(request.param)
+    w.add_tokenizer_model("llama")
+    w.add_token_list(tokens)
+    w.add_token_scores(scores)
+    w.add_token_types(types)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_unk_token_id(0)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return request.param, Tokenizer.from_gguf(path), llama_cpp.Llama(str(path), vocab_only=True,
+                                                                      verbose=False)
+
+
+def test_spm_space_prefix_and_strip_parity(spm_pair):
+    name, ours, llm = spm_pair
+    assert ours.add_space_prefix and ours.add_bos
+    swallowed = ours.encode("<|user|> \n Hi", parse_special=True) == ours.encode("<|user|>Hi",
+                                                                              parse_special=True)
+    assert swallowed == name.startswith("Phi-3")
+    for text in [TEXT, _PHI3_TEXT, *_lines(TEXT), " two", "x<|note|>y", "<|user|>"]:
+        _assert_parity(ours, llm, text)
+
+
 # ----------------------------------------------------------------------------- BPE: trained here
 _SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 _USER_DEFINED = "<tool_call>"

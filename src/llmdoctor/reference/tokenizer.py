@@ -11,13 +11,14 @@ Conventions follow llama.cpp's src/llama-vocab.cpp and src/unicode.cpp (read, re
 - Special tokens are cut out of the text first, longest first, every occurrence of one before the
   next (llama.cpp's `tokenizer_st_partition`; equal lengths keep vocab order). User-defined tokens
   are always cut out; control and unknown tokens only with `parse_special=True`. Token types are
-  first corrected by name as llama.cpp does (see `_retype_by_name`). Per-model lstrip/rstrip
-  attributes (phi-3, jina, modern-bert) are not reproduced.
+  first corrected by name as llama.cpp does (see `_retype_by_name`), and llama.cpp's per-model
+  whitespace stripping around special tokens is applied (see `_strip_attributes`).
 - Pre-tokenizer regexes are applied one after the other, each splitting every fragment into its
   matches and the gaps between them. Unicode classes are evaluated the way llama.cpp does it: on a
   "collapsed" text where every non-ASCII code point stands for its one general-category class
   (non-ASCII whitespace for \\v), with ASCII-only regex semantics. Categories come from Python's
-  unicodedata, so code points assigned after its Unicode version (14.0 in Python 3.11) may differ.
+  unicodedata (Unicode 14.0 in Python 3.11; llama.cpp's tables are Unicode 15.1), so a code point
+  assigned in 15.0/15.1 (e.g. the emoji U+1FAE8) can split differently in a BPE vocab.
 - BOS/EOS: llama.cpp's defaults per vocab type and pre-tokenizer, overridden by `add_bos_token` /
   `add_eos_token` / the id keys; `add_space_prefix` as in the file (SPM default true).
 - Decoding is llama.cpp's `llama_detokenize`: per-token pieces (control/unknown pieces only with
@@ -208,6 +209,7 @@ _FIM_NAMES = {
 }
 _FIM_DEPRECATED = {_K.FIM_PRE_ID: _K.PREFIX_ID, _K.FIM_SUF_ID: _K.SUFFIX_ID, _K.FIM_MID_ID: _K.MIDDLE_ID}
 _ALWAYS_USER_DEFINED = ("<|channel|>", "<|message|>", "<|start|>", "<|constrain|>")  # gpt-oss
+_C_SPACE = " \t\n\v\f\r"  # C isspace(), what llama.cpp strips next to a special token
 
 
 def _retype_by_name(f: GGUFFile, vocab: dict[str, int], types: list[int]) -> set[int]:
@@ -256,6 +258,26 @@ def _retype_by_name(f: GGUFFile, vocab: dict[str, int], types: list[int]) -> set
     return eog
 
 
+def _strip_attributes(f: GGUFFile, vocab: dict[str, int], special: list[int]) -> tuple[set, set]:
+    """Ids of special tokens that swallow whitespace on their left (lstrip) / right (rstrip). GGUF has
+    no key for this: llama.cpp sets it by model name, pre-tokenizer and architecture."""
+    name = str(f.get("general.name", "")).lower()
+    pre = str(f.get(_K.PRE, ""))
+    arch = str(f.get("general.architecture", ""))
+    lstrip: set[int] = set()
+    rstrip: set[int] = set()
+    if any(p in pre for p in ("jina-v2-de", "jina-v2-es", "jina-v2-code")) or \
+            any(a in arch for a in ("nomic-bert-moe", "jina-bert-v3")):
+        lstrip.update(vocab[t] for t in ("<mask>",) if t in vocab)
+    elif "phi-3" in name or "phi3" in name:
+        rstrip.update(special)
+        rstrip.update(vocab[t] for t in ("</s>",) if t in vocab)
+        rstrip.difference_update(vocab[t] for t in ("<unk>", "<s>", "<|endoftext|>") if t in vocab)
+    elif "modern-bert" in name:
+        lstrip.update(vocab[t] for t in ("[MASK]",) if t in vocab)
+    return lstrip, rstrip
+
+
 # ------------------------------------------------------------------ the tokenizer
 class Tokenizer:
     """Token ids <-> text from a GGUF vocab. Build with `Tokenizer.from_gguf(path_or_file)`."""
@@ -264,7 +286,7 @@ class Tokenizer:
                  scores: list[float], merges: list[str], pre: str | None, bos_id: int | None,
                  eos_id: int | None, unk_id: int | None, eog_ids: set[int], add_bos: bool,
                  add_eos: bool, add_space_prefix: bool, clean_spaces: bool, ignore_merges: bool,
-                 pre_regexes: tuple[str, ...]):
+                 pre_regexes: tuple[str, ...], special: list[int], lstrip: set[int], rstrip: set[int]):
         self.model = model
         self.pre = pre
         self.tokens = tokens
@@ -281,9 +303,8 @@ class Tokenizer:
         for i, m in enumerate(merges):  # "left right"; the first of duplicate merges wins
             self.ranks.setdefault(m, i)
         self._pre = [_compile(p) for p in pre_regexes]
-        special = np.flatnonzero(np.isin(types, [int(t) for t in _SPECIAL])).tolist()
-        special.sort(key=lambda i: -len(tokens[i].encode("utf-8", "surrogateescape")))
-        self._special = [(tokens[i], i, types[i] in _HIDDEN) for i in special]
+        special = sorted(special, key=lambda i: -len(tokens[i].encode("utf-8", "surrogateescape")))
+        self._special = [(tokens[i], i, types[i] in _HIDDEN, i in lstrip, i in rstrip) for i in special]
         self._pieces: dict[tuple[int, bool], bytes] = {}
         self._words: dict[str, list[int]] = {}
 
@@ -338,13 +359,16 @@ class Tokenizer:
                 raise GGUFError(f"{f.path}: {key} is true but there is no {name} token id")
         if ids["eos"] is not None:
             eog.add(ids["eos"])
+        special = np.flatnonzero(np.isin(types, [int(t) for t in _SPECIAL])).tolist()
+        lstrip, rstrip = _strip_attributes(f, vocab, special)
         return cls(model=model, tokens=tokens, vocab=vocab, types=types, scores=scores,
                    merges=merges, pre=pre_name, bos_id=ids["bos"], eos_id=ids["eos"],
                    unk_id=ids["unk"], eog_ids=eog, add_bos=add_bos, add_eos=add_eos,
                    add_space_prefix=bool(f.get(_K.ADD_PREFIX, spm)),
                    clean_spaces=not spm and pre.clean_spaces,
                    ignore_merges=not spm and pre.ignore_merges,
-                   pre_regexes=() if spm else pre.regexes)
+                   pre_regexes=() if spm else pre.regexes, special=special, lstrip=lstrip,
+                   rstrip=rstrip)
 
     # ---------------------------------------------------------------- properties
     @property
@@ -398,19 +422,25 @@ class Tokenizer:
     def _partition(self, text: str, parse_special: bool) -> list[str | int]:
         """Cut special tokens out of `text`: longest first, all occurrences of one before the next."""
         frags: list[str | int] = [text] if text else []
-        for tok, tid, hidden in self._special:
+        for tok, tid, hidden, lstrip, rstrip in self._special:
             if (hidden and not parse_special) or tok not in text:
                 continue
             cut: list[str | int] = []
             for frag in frags:
-                if isinstance(frag, int) or tok not in frag:
+                if isinstance(frag, int):
                     cut.append(frag)
                     continue
-                for j, part in enumerate(frag.split(tok)):
-                    if j:
-                        cut.append(tid)
-                    if part:
-                        cut.append(part)
+                pos = 0
+                while (at := frag.find(tok, pos)) >= 0:
+                    left = frag[pos:at].rstrip(_C_SPACE) if lstrip else frag[pos:at]
+                    if left:
+                        cut.append(left)
+                    cut.append(tid)
+                    pos = at + len(tok)
+                    while rstrip and pos < len(frag) and frag[pos] in _C_SPACE:
+                        pos += 1
+                if pos < len(frag):
+                    cut.append(frag[pos:])
             frags = cut
         return frags
 
