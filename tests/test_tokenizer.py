@@ -222,6 +222,17 @@ def test_spm_space_prefix_and_strip_parity(spm_pair):
         _assert_parity(ours, llm, text)
 
 
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.lists(st.sampled_from(["<|user|>", "<|end|>", "</s>", "<s>", "<|note|>", " ", "  ", "\n",
+                                 "\t", "Hi", "ok.", "日本", "🙂", "\u2581"]), max_size=10).map("".join))
+def test_spm_parity_fuzz(spm_pair, text):
+    _, ours, llm = spm_pair
+    for parse_special in (False, True):
+        ids = ours.encode(text, parse_special=parse_special)
+        assert ids == llm.tokenize(text.encode(), add_bos=True, special=parse_special)
+        assert ours.decode_bytes(ids) == _detokenize(llm, ids)
+
+
 # ----------------------------------------------------------------------------- BPE: trained here
 _SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 _USER_DEFINED = "<tool_call>"
