@@ -17,10 +17,11 @@ from .forward import ReferenceModel, register_block
 
 
 def load(path, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-         cache: bool = False) -> ReferenceModel:
+         cache: bool = False, emulate=None) -> ReferenceModel:
     """Open a GGUF for the reference forward pass (weights are dequantized lazily, block by block;
-    `cache=True` keeps the dequantized blocks for repeated runs)."""
-    return ReferenceModel(path, dtype=dtype, device=device, cache=cache)
+    `cache=True` keeps the dequantized blocks for repeated runs; `emulate` an EnginePrecision from
+    reference/emulate.py reproduces an engine's arithmetic, to calibrate noise budgets)."""
+    return ReferenceModel(path, dtype=dtype, device=device, cache=cache, emulate=emulate)
 
 
 __all__ = ["ModelConfig", "ReferenceModel", "from_gguf", "from_hf", "load", "register_block"]

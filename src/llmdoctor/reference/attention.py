@@ -52,11 +52,13 @@ def scores(q: torch.Tensor, k: torch.Tensor, *, scale: float, softcap: float | N
 
 
 def partial_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor, *,
-                      scale: float, softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                      scale: float, softcap: float | None = None,
+                      p_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of q over one block of keys: (out [T, H, Dv] in the accumulation dtype, lse [T, H]).
 
     `allowed` is bool [T, S]. A query with no visible key in the block gets out 0 and lse -inf, so
-    blocks merge with `merge` regardless of how the keys were split.
+    blocks merge with `merge` regardless of how the keys were split. `p_dtype` rounds the
+    probabilities before P·V, as an engine that multiplies V in half precision does.
     """
     t, h, _ = q.shape
     s, hk, dv = v.shape
@@ -64,6 +66,8 @@ def partial_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed
     x = x.masked_fill(~allowed[None], float("-inf"))
     lse = torch.logsumexp(x, dim=-1)  # [H, T]
     p = torch.exp(x - torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))[..., None])  # [H, T, S]
+    if p_dtype is not None:
+        p = p.to(p_dtype).to(x.dtype)
     vg = v.to(x.dtype).permute(1, 0, 2)[:, None]  # [Hk, 1, S, Dv]
     out = torch.matmul(p.reshape(hk, h // hk, t, s), vg).reshape(h, t, dv)  # [H, T, Dv]
     return out.permute(1, 0, 2), lse.transpose(0, 1)
@@ -79,7 +83,7 @@ def merge(outs: list[torch.Tensor], lses: list[torch.Tensor]) -> tuple[torch.Ten
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float,
               window: int | None = None, softcap: float | None = None, q_offset: int | None = None,
-              kv_chunk: int | None = None) -> torch.Tensor:
+              kv_chunk: int | None = None, p_dtype: torch.dtype | None = None) -> torch.Tensor:
     """Causal attention. q [T, H, D], k [S, Hk, D], v [S, Hk, Dv] -> [T, H, Dv] in q's dtype.
 
     With `kv_chunk`, the keys are processed in blocks and merged by log-sum-exp (bounded memory:
@@ -94,7 +98,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float
         allowed = visible(t, kb.shape[0], window=window, q_offset=q_offset, k_offset=j, device=q.device)
         if not allowed.any():
             continue
-        o, l = partial_attention(q, kb, vb, allowed, scale=scale, softcap=softcap)
+        o, l = partial_attention(q, kb, vb, allowed, scale=scale, softcap=softcap, p_dtype=p_dtype)
         outs.append(o)
         lses.append(l)
     out, _ = merge(outs, lses)

@@ -37,6 +37,7 @@ stream x [T, n_embd], and returns the new residual stream.
 from __future__ import annotations
 
 import fnmatch
+from contextvars import ContextVar
 import math
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
@@ -50,6 +51,7 @@ from ..errors import InputError
 from ..gguf import open_gguf
 from . import attention as attn
 from .config import ModelConfig, from_gguf
+from .emulate import EnginePrecision, quantize_activations
 
 
 # ---- weights ------------------------------------------------------------------------------------
@@ -71,12 +73,25 @@ def dequantize_raw(raw: np.ndarray, qtype: int, shape: tuple[int, ...], *, devic
 
 
 class Weights:
-    """Dequantized tensors of one GGUF, on demand, in the run's dtype and device."""
+    """Dequantized tensors of one GGUF, on demand, in the run's dtype and device.
 
-    def __init__(self, g, *, dtype: torch.dtype, device: torch.device, cache: bool):
+    With `emulate` set, every tensor handed out is remembered with its GGML type (by storage
+    address, which is unique while the tensor is alive) so that `linear` can reproduce the
+    engine's activation quantization for it (reference/emulate.py).
+    """
+
+    def __init__(self, g, *, dtype: torch.dtype, device: torch.device, cache: bool,
+                 emulate: EnginePrecision | None = None):
         self.g, self.dtype, self.device, self.cache = g, dtype, device, cache
+        self.emulate = emulate
+        self.qtypes: dict[int, int] = {}  # data_ptr -> GGML type, only when emulating
         self._names = {t.name for t in g.tensors}
         self._cached: dict[str, torch.Tensor] = {}
+
+    def _remember(self, w: torch.Tensor, qtype: int) -> torch.Tensor:
+        if self.emulate is not None:
+            self.qtypes[w.data_ptr()] = int(qtype)
+        return w
 
     def has(self, name: str) -> bool:
         return name in self._names
@@ -88,6 +103,7 @@ class Weights:
             w = dequantize_raw(t.data, t.type, t.shape, device=self.device).to(self.dtype)
             if self.cache:
                 self._cached[name] = w
+            self._remember(w, t.type)
         return w
 
     def rows(self, name: str, ids: torch.Tensor) -> torch.Tensor:
@@ -103,14 +119,16 @@ class Weights:
         """A 2-D tensor in slices of `chunk` rows (the output projection over the vocabulary)."""
         if self.cache:
             w = self.get(name)
-            yield from w.split(chunk)
+            for part in w.split(chunk):
+                yield self._remember(part, self.g.tensor(name).type)
             return
         t = self.g.tensor(name)
         n_rows, row_len = t.shape
         raw = t.data.reshape(n_rows, -1)
         for r in range(0, n_rows, chunk):
             part = raw[r:r + chunk]
-            yield dequantize_raw(part, t.type, (part.shape[0], row_len), device=self.device).to(self.dtype)
+            w = dequantize_raw(part, t.type, (part.shape[0], row_len), device=self.device).to(self.dtype)
+            yield self._remember(w, t.type)
 
 
 def tensor_name(kind: MODEL_TENSOR, il: int | None = None, suffix: str = "weight") -> str:
@@ -211,8 +229,21 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return y.to(x.dtype)
 
 
+# The weights of the run in progress when it emulates an engine's arithmetic (see Weights).
+_EMULATING: ContextVar["Weights | None"] = ContextVar("llmdoctor_emulating", default=None)
+
+
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-    """x [T, in] @ w[out, in]^T (+ b) -> [T, out]."""
+    """x [T, in] @ w[out, in]^T (+ b) -> [T, out].
+
+    When emulating an engine that quantizes activations (llama.cpp's CPU matmuls), x is first put
+    through the round trip the engine applies for w's GGML type.
+    """
+    ws = _EMULATING.get()
+    if ws is not None and ws.emulate.activation_quant:
+        qtype = ws.qtypes.get(w.data_ptr())
+        if qtype is not None:
+            x = quantize_activations(x, qtype)
     y = x @ w.t()
     return y + b if b is not None else y
 
@@ -251,8 +282,12 @@ def dense_attention(st: Step, h: torch.Tensor) -> torch.Tensor:
     st.cap("Qcur", q)
     st.cap("Kcur", k)
     st.cap("Vcur", v)
+    ws = _EMULATING.get()
+    kv_dtype = ws.emulate.kv_dtype if ws is not None else None
+    if kv_dtype is not None:  # the engine's KV cache (and the matmuls against it) in kv_dtype
+        q, k, v = (t.to(kv_dtype).to(t.dtype) for t in (q, k, v))
     o = attn.attention(q, k, v, scale=cfg.attn_scale, window=cfg.layer_window(st.il),
-                       softcap=cfg.attn_softcap, kv_chunk=st.kv_chunk)  # [T, H, Dv]
+                       softcap=cfg.attn_softcap, kv_chunk=st.kv_chunk, p_dtype=kv_dtype)  # [T, H, Dv]
     o = st.cap("kqv_out", o.reshape(T, cfg.n_head * cfg.head_dim_v))
     return st.cap("attn_out", linear(o, st.w(MODEL_TENSOR.ATTN_OUT)))
 
@@ -286,7 +321,8 @@ class ReferenceModel:
     """A GGUF model run layer by layer from its mmap. `forward(ids, capture) -> (logits, captured)`."""
 
     def __init__(self, path, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-                 cache: bool = False, vocab_chunk: int = 32768, kv_chunk: int | None = 4096):
+                 cache: bool = False, vocab_chunk: int = 32768, kv_chunk: int | None = 4096,
+                 emulate: EnginePrecision | None = None):
         if dtype not in (torch.float64, torch.float32, torch.bfloat16, torch.float16):
             raise InputError(f"dtype {dtype} not supported (float64, float32, bfloat16, float16)")
         self.path = path
@@ -296,7 +332,7 @@ class ReferenceModel:
         if self.block is None:
             raise InputError(f"{path}: no reference block for architecture {self.config.arch!r}")
         self.dtype, self.device = dtype, torch.device(device)
-        self.weights = Weights(self.g, dtype=dtype, device=self.device, cache=cache)
+        self.weights = Weights(self.g, dtype=dtype, device=self.device, cache=cache, emulate=emulate)
         self.vocab_chunk, self.kv_chunk = vocab_chunk, kv_chunk
         self.stats: list[LayerStats] = []
 
@@ -319,6 +355,14 @@ class ReferenceModel:
                 all_logits: bool = True) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """logits [T, n_vocab] (or [1, n_vocab] for the last position with all_logits=False) in the
         run dtype, and {capture name: tensor}. Positions are 0..T-1 (one sequence)."""
+        token = _EMULATING.set(self.weights if self.weights.emulate is not None else None)
+        try:
+            return self._forward(token_ids, capture, all_logits)
+        finally:
+            _EMULATING.reset(token)
+
+    def _forward(self, token_ids, capture: Iterable[str] | None,
+                 all_logits: bool) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         cfg = self.config
         ids = torch.as_tensor(token_ids, dtype=torch.long).reshape(-1)
         if ids.numel() == 0:
@@ -339,7 +383,7 @@ class ReferenceModel:
             x = x[-1:]
         x = rms_norm(x, self.weights.get(tensor_name(MODEL_TENSOR.OUTPUT_NORM)), cfg.norm_eps)
         rec("result_norm", x)
-        logits = torch.cat([x @ w.t() for w in self.weights.row_slices(self.output_name(), self.vocab_chunk)], -1)
+        logits = torch.cat([linear(x, w) for w in self.weights.row_slices(self.output_name(), self.vocab_chunk)], -1)
         if cfg.final_softcap:
             logits = cfg.final_softcap * torch.tanh(logits / cfg.final_softcap)
         rec("result_output", logits)
