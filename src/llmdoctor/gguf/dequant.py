@@ -39,7 +39,7 @@ _WRITES_OUT: set[BlockKernel] = set()  # kernels that accept `out=`
 # Output elements per chunk. CPU: 2M float32 (8 MiB) keeps a chunk's uint8/float temporaries in the
 # L2/L3 caches while amortizing per-op overhead (measured in bench/bench_dequant_cpu.py). CUDA: large,
 # only to bound the temporaries of the torch kernels.
-_CHUNK_ELEMENTS = {"cpu": 1 << 21, "cuda": 1 << 27}
+_CHUNK_ELEMENTS = {"cpu": 1 << 20, "cuda": 1 << 27}
 
 
 def register(*qtypes: GGMLQuantizationType, cuda: bool = False) -> Callable[[BlockKernel], BlockKernel]:

@@ -19,6 +19,7 @@ Kernels never write to `blocks` (it may be a read-only file mapping).
 from __future__ import annotations
 
 import functools
+import threading
 
 import gguf.quants as gq
 import torch
@@ -31,6 +32,27 @@ from .dequant import register
 def _const(values: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A small constant tensor, built once per device (no host-to-device copy per call)."""
     return torch.tensor(values, dtype=dtype, device=device)
+
+
+_ARENA = threading.local()
+
+
+def _scratch(slot: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """An uninitialized temporary, reused across chunks on CPU (per thread and `slot`).
+
+    Fresh multi-MiB CPU allocations come back from the OS as new pages and pay a page fault per 4 KiB
+    on first touch, which cost more than the arithmetic here; CUDA's caching allocator needs no help.
+    """
+    if device.type != "cpu":
+        return torch.empty(shape, dtype=dtype, device=device)
+    n = dtype.itemsize
+    for d in shape:
+        n *= d
+    bufs = _ARENA.__dict__.setdefault("bufs", {})
+    buf = bufs.get(slot)
+    if buf is None or buf.numel() < n:
+        buf = bufs[slot] = torch.empty(n, dtype=torch.uint8)
+    return buf[:n].view(dtype).view(shape)
 
 
 def _out(blocks: torch.Tensor, block_size: int, out: torch.Tensor | None) -> torch.Tensor:
@@ -52,33 +74,6 @@ def _f16(blocks: torch.Tensor, start: int) -> torch.Tensor:
     return _view(blocks[:, start : start + 2], torch.float16).float()
 
 
-def _nibbles(qs: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """Low nibbles into out[..., 0, :], high nibbles into out[..., 1, :]. qs: uint8 [..., k]; out: [..., 2, k]."""
-    torch.bitwise_and(qs, 15, out=out.select(-2, 0))
-    torch.bitwise_right_shift(qs, 4, out=out.select(-2, 1))
-    return out
-
-
-def _crumbs(qs: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """2-bit fields: uint8 [..., 4, k] with [..., s, i] = (qs[..., i] >> 2s) & 3. qs: uint8 [..., k]."""
-    shifts = _const((0, 2, 4, 6), torch.uint8, device).view(4, 1)
-    return torch.bitwise_right_shift(qs.unsqueeze(-2), shifts).bitwise_and_(3)
-
-
-def _bits(qh: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Bit planes: uint8 [..., 8, k] with [..., b, i] = (qh[..., i] >> b) & 1. qh: uint8 [..., k]."""
-    shifts = _const(tuple(range(8)), torch.uint8, device).view(8, 1)
-    return torch.bitwise_right_shift(qh.unsqueeze(-2), shifts).bitwise_and_(1)
-
-
-def _scale_out(out: torch.Tensor, q_u8: torch.Tensor, offset: int, scale: torch.Tensor) -> None:
-    """out = scale * float(int8(q - offset)); q_u8 is a uint8 scratch (modified), scale broadcasts."""
-    if offset:
-        q_u8.sub_(offset)  # wraps mod 256: the int8 view is q - offset
-    out.copy_(q_u8.view(torch.int8).view(out.shape))
-    out.mul_(scale)
-
-
 # ---------------------------------------------------------------- float types
 
 
@@ -97,10 +92,10 @@ def f16(blocks: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     h = _view(blocks, torch.float16)  # [n, 1]
     out.copy_(h)
     nan = torch.isnan(out)
-    if nan.any():
-        bits = h.view(torch.int16).int()
-        exact = ((bits & 0x8000) << 16) | 0x7F800000 | ((bits & 0x3FF) << 13)
-        out.view(torch.int32)[nan] = exact[nan]
+    if nan.any():  # clear the quiet bit (bit 22) where the input's (bit 9) was clear
+        quiet = h.view(torch.int16) & 0x0200
+        fix = nan.logical_and_(quiet == 0).int().bitwise_left_shift_(22)
+        out.view(torch.int32).bitwise_xor_(fix)
     return out
 
 
@@ -114,6 +109,37 @@ def bf16(blocks: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------- legacy 32-element blocks
+# Many small blocks: an op on a field (16 bytes of every 18-24) pays a per-row cost for every block,
+# so the nibbles are split on the whole chunk at once and the fields are picked in the final copy.
+
+
+def _nibble_planes(blocks: torch.Tensor, offset: int = 0) -> torch.Tensor:
+    """uint8 [2, n, type_size]: low nibbles (minus `offset`, wrapping) and high nibbles of every byte."""
+    flat = blocks.reshape(-1)
+    planes = _scratch("planes", (2, *blocks.shape), torch.uint8, blocks.device)
+    torch.bitwise_and(flat, 15, out=planes[0].view(-1))
+    torch.bitwise_right_shift(flat, 4, out=planes[1].view(-1))
+    if offset:
+        planes.sub_(offset)  # the int8 view is now nibble - offset
+    return planes
+
+
+def _legacy_q(out: torch.Tensor, blocks: torch.Tensor, qs_start: int, offset: int) -> None:
+    """out[:, j] = float(nibble j - offset): j < 16 low nibble of qs[j], j >= 16 high nibble of qs[j-16]."""
+    planes = _nibble_planes(blocks, offset).view(torch.int8)[:, :, qs_start : qs_start + 16]
+    out[:, :16].copy_(planes[0])
+    out[:, 16:].copy_(planes[1])
+
+
+def _q5_high_bits(out: torch.Tensor, blocks: torch.Tensor, qh_start: int) -> None:
+    """out[:, j] += 16 * (bit j of the little-endian uint32 qh at byte `qh_start`)."""
+    halves = _view(blocks[:, qh_start : qh_start + 4], torch.int16)  # [n, 2]
+    qh = (halves[:, 0].int() & 0xFFFF) | (halves[:, 1].int() << 16)  # [n]
+    bits = _scratch("bits", tuple(out.shape), torch.int32, out.device)
+    torch.bitwise_right_shift(qh.unsqueeze(1), _const(tuple(range(32)), torch.int32, qh.device), out=bits)
+    bits_f = _scratch("bits_f", tuple(out.shape), torch.float32, out.device)
+    bits_f.copy_(bits.bitwise_and_(1))
+    out.add_(bits_f, alpha=16)  # exact: small integers
 
 
 @register(T.Q8_0)
@@ -125,25 +151,12 @@ def q8_0(blocks: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     return out
 
 
-def _q4(blocks: torch.Tensor, qs_start: int) -> torch.Tensor:
-    """uint8 [n, 2, 16]: element j < 16 is the low nibble of qs[j], j >= 16 the high nibble of qs[j-16]."""
-    q = torch.empty(blocks.shape[0], 2, 16, dtype=torch.uint8, device=blocks.device)
-    return _nibbles(blocks[:, qs_start : qs_start + 16], q)
-
-
-def _q5(blocks: torch.Tensor, qh_start: int) -> torch.Tensor:
-    """uint8 [n, 2, 16]: 5-bit values, bit 4 of element j being bit j of the little-endian uint32 qh."""
-    q = _q4(blocks, qh_start + 4)
-    high = _bits(blocks[:, qh_start : qh_start + 4], blocks.device)  # [n, 8, 4]: bit b of byte k
-    q.view(-1, 4, 8).bitwise_or_(high.transpose(1, 2).bitwise_left_shift(4))  # element 8k + b
-    return q
-
-
 @register(T.Q4_0)
 def q4_0(blocks: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     # block: d f16 | qs[16]
     out = _out(blocks, 32, out)
-    _scale_out(out, _q4(blocks, 2), 8, _f16(blocks, 0))
+    _legacy_q(out, blocks, 2, 8)
+    out.mul_(_f16(blocks, 0))
     return out
 
 
@@ -151,16 +164,19 @@ def q4_0(blocks: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
 def q4_1(blocks: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     # block: d f16 | m f16 | qs[16]
     out = _out(blocks, 32, out)
-    _scale_out(out, _q4(blocks, 4), 0, _f16(blocks, 0))
+    _legacy_q(out, blocks, 4, 0)
+    out.mul_(_f16(blocks, 0))
     out.add_(_f16(blocks, 2))
     return out
 
 
 @register(T.Q5_0)
 def q5_0(blocks: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    # block: d f16 | qh[4] | qs[16]
+    # block: d f16 | qh[4] | qs[16]; value d * (q - 16), q = nibble + 16 * bit
     out = _out(blocks, 32, out)
-    _scale_out(out, _q5(blocks, 2), 16, _f16(blocks, 0))
+    _legacy_q(out, blocks, 6, 16)
+    _q5_high_bits(out, blocks, 2)
+    out.mul_(_f16(blocks, 0))
     return out
 
 
@@ -168,12 +184,16 @@ def q5_0(blocks: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
 def q5_1(blocks: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     # block: d f16 | m f16 | qh[4] | qs[16]
     out = _out(blocks, 32, out)
-    _scale_out(out, _q5(blocks, 4), 0, _f16(blocks, 0))
+    _legacy_q(out, blocks, 8, 0)
+    _q5_high_bits(out, blocks, 4)
+    out.mul_(_f16(blocks, 0))
     out.add_(_f16(blocks, 2))
     return out
 
 
 # ---------------------------------------------------------------- K-quants (256-element super-blocks)
+# Every op is kept 2-D ([rows, contiguous inner]): torch's CPU loops are fast there, but slow on
+# broadcasts or strides they cannot flatten to two dimensions.
 
 
 def _k_scale_min(blocks: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -182,22 +202,50 @@ def _k_scale_min(blocks: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.
     Bytes 0-3 hold scales 0-3 (low 6 bits) and the top 2 bits of scales 4-7; bytes 4-7 the same for the
     mins; bytes 8-11 the low 4 bits of scales 4-7 (low nibble) and mins 4-7 (high nibble).
     """
-    s = blocks[:, start : start + 12].view(-1, 3, 4)
-    d, m, md = s[:, 0], s[:, 1], s[:, 2]  # [n, 4] each
+    d, m, md = (blocks[:, start + 4 * k : start + 4 * k + 4] for k in range(3))  # [n, 4] each
     sc = torch.cat([d & 0x3F, (md & 0x0F) | ((d >> 2) & 0x30)], dim=1)
     mn = torch.cat([m & 0x3F, (md >> 4) | ((m >> 2) & 0x30)], dim=1)
     return sc, mn
 
 
-def _k_min_out(blocks: torch.Tensor, q: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """Q4_K/Q5_K: out = (d * sc) * q - (dmin * m) per 32-element sub-block. q: uint8 [n, 8, 32]."""
-    sc, mn = _k_scale_min(blocks, 4)
-    scale = (_f16(blocks, 0) * sc.float()).unsqueeze(-1)  # [n, 8, 1]
-    minimum = (_f16(blocks, 2) * mn.float()).unsqueeze(-1)
-    o = out.view(-1, 8, 32)
-    o.copy_(q)
-    o.mul_(scale)
-    o.sub_(minimum)
+def _sub_block_scale(d: torch.Tensor, sc: torch.Tensor) -> torch.Tensor:
+    """float32 [n * k, 1]: d [n, 1] times the integer sub-block scales sc [n, k], one rounding each."""
+    return (d * sc.float()).view(-1, 1)
+
+
+def _spread_nibbles(qs: torch.Tensor, q: torch.Tensor, width: int) -> None:
+    """For each run of `width` bytes of qs [n, k], its low nibbles then its high nibbles, into q [n, 2k]."""
+    lo = _scratch("lo", tuple(qs.shape), torch.uint8, qs.device)
+    hi = _scratch("hi", tuple(qs.shape), torch.uint8, qs.device)
+    torch.bitwise_and(qs, 15, out=lo)
+    torch.bitwise_right_shift(qs, 4, out=hi)
+    runs = q.view(-1, 2, width)  # [n * k / width, 2, width]
+    runs[:, 0].copy_(lo.view(-1, width))
+    runs[:, 1].copy_(hi.view(-1, width))
+
+
+def _spread_fields(field: torch.Tensor, q: torch.Tensor, bits: int, shift: int, width: int) -> torch.Tensor:
+    """Unpack `bits`-wide fields: q [n, k * 8 / bits] gets, for each run of `width` bytes of `field`
+    [n, k], the field at bit 0 of each byte, then at bit `bits`, ... ; each shifted left by `shift`."""
+    n, k = field.shape
+    per_byte = 8 // bits
+    packed = _scratch("packed", (n, k), torch.uint8, field.device)
+    packed.copy_(field)
+    runs = q.view(-1, per_byte, width)  # [n * k / width, per_byte, width]
+    for j in range(per_byte):
+        torch.bitwise_right_shift(packed.view(-1, width), bits * j, out=runs[:, j])
+    q.bitwise_and_((1 << bits) - 1)
+    if shift:
+        q.bitwise_left_shift_(shift)
+    return q
+
+
+def _k_out(out: torch.Tensor, q: torch.Tensor, offset: int, scale: torch.Tensor, rows: int) -> torch.Tensor:
+    """out = scale * float(int8(q - offset)) with one scale per run of `rows` consecutive values."""
+    if offset:
+        q.sub_(offset)
+    out.copy_(q.view(torch.int8).view(out.shape))
+    out.view(-1, rows).mul_(scale)
     return out
 
 
@@ -206,13 +254,12 @@ def q2_k(blocks: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     # block: scales[16] (low nibble scale, high nibble min) | qs[64] | d f16 | dmin f16
     out = _out(blocks, 256, out)
     scales = blocks[:, :16]
-    scale = (_f16(blocks, 80) * (scales & 0x0F).float()).unsqueeze(-1)  # [n, 16, 1]
-    minimum = (_f16(blocks, 82) * (scales >> 4).float()).unsqueeze(-1)
-    q = _crumbs(blocks[:, 16:80].view(-1, 2, 32), blocks.device)  # [n, 2, 4, 32]: element 128h + 32s + i
-    o = out.view(-1, 16, 16)
-    o.copy_(q.view(-1, 16, 16))
-    o.mul_(scale)
-    o.sub_(minimum)
+    scale = _sub_block_scale(_f16(blocks, 80), scales & 0x0F)  # [n * 16, 1]
+    minimum = _sub_block_scale(_f16(blocks, 82), scales >> 4)
+    q = _scratch("q", (blocks.shape[0], 256), torch.uint8, blocks.device)
+    _spread_fields(blocks[:, 16:80], q, 2, 0, 32)  # element 128h + 32s + i: (qs[32h + i] >> 2s) & 3
+    _k_out(out, q, 0, scale, 16)
+    out.view(-1, 16).sub_(minimum)
     return out
 
 
@@ -220,52 +267,64 @@ def q2_k(blocks: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
 def q3_k(blocks: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     # block: hmask[32] | qs[64] | scales[12] (16 x 6 bits) | d f16
     out = _out(blocks, 256, out)
-    dev = blocks.device
-    low = torch.empty(blocks.shape[0], 2, 8, dtype=torch.uint8, device=dev)
-    _nibbles(blocks[:, 96:104], low)  # [n, 2, 8]: scale j's low 4 bits
-    high = _crumbs(blocks[:, 104:108], dev)  # [n, 4, 4]: scale j's top 2 bits
-    sc = low.view(-1, 16) | (high.view(-1, 16) << 4)
-    sc = sc.sub_(32).view(torch.int8).float()
-    scale = (_f16(blocks, 108) * sc).unsqueeze(-1)  # [n, 16, 1]
-    q = _crumbs(blocks[:, 32:96].view(-1, 2, 32), dev).view(-1, 8, 32)  # element 32b + i, b = 4h + s
-    # q - 4 where the hmask bit is clear: q | (bit << 2), minus 4
-    q.bitwise_or_(_bits(blocks[:, :32], dev).bitwise_left_shift_(2))
-    o = out.view(-1, 16, 16)
-    _scale_out(o, q.view(-1, 16, 16), 4, scale)
+    n, dev = blocks.shape[0], blocks.device
+    sc = torch.empty(n, 16, dtype=torch.uint8, device=dev)
+    _spread_nibbles(blocks[:, 96:104], sc, 8)  # scale j's low 4 bits: low nibbles of bytes 0-7, then high
+    high = torch.empty(n, 16, dtype=torch.uint8, device=dev)
+    _spread_fields(blocks[:, 104:108], high, 2, 4, 4)  # its top 2 bits: byte 8 + j % 4, bits 2 * (j // 4)
+    sc.bitwise_or_(high).sub_(32)
+    scale = _sub_block_scale(_f16(blocks, 108), sc.view(torch.int8))  # [n * 16, 1]
+    q = _scratch("q", (n, 256), torch.uint8, dev)
+    _spread_fields(blocks[:, 32:96], q, 2, 0, 32)  # element 32b + i, b = 4h + s
+    hbit = _scratch("hbit", (n, 256), torch.uint8, dev)
+    _spread_fields(blocks[:, :32], hbit, 1, 2, 32)  # element 32b + i: bit b of hmask[i], times 4
+    q.bitwise_or_(hbit)  # q + 4 * bit, minus 4 below: q - 4 where the hmask bit is clear
+    return _k_out(out, q, 4, scale, 16)
+
+
+def _q4_k_like(blocks: torch.Tensor, out: torch.Tensor | None, qh_start: int | None) -> torch.Tensor:
+    """Q4_K, and Q5_K with its fifth bits at `qh_start`: (d * sc) * q - (dmin * m) per 32 values."""
+    out = _out(blocks, 256, out)
+    n, dev = blocks.shape[0], blocks.device
+    sc, mn = _k_scale_min(blocks, 4)
+    scale = _sub_block_scale(_f16(blocks, 0), sc)  # [n * 8, 1]
+    minimum = _sub_block_scale(_f16(blocks, 2), mn)
+    qs_start = 16 if qh_start is None else qh_start + 32
+    q = _scratch("q", (n, 256), torch.uint8, dev)
+    _spread_nibbles(blocks[:, qs_start : qs_start + 128], q, 32)  # element 64c + 32 * nibble + i
+    if qh_start is not None:
+        hbit = _scratch("hbit", (n, 256), torch.uint8, dev)
+        _spread_fields(blocks[:, qh_start : qh_start + 32], hbit, 1, 4, 32)  # bit b of qh[i] -> 32b + i
+        q.bitwise_or_(hbit)
+    _k_out(out, q, 0, scale, 32)
+    out.view(-1, 32).sub_(minimum)
     return out
 
 
 @register(T.Q4_K)
 def q4_k(blocks: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     # block: d f16 | dmin f16 | scales[12] | qs[128]
-    out = _out(blocks, 256, out)
-    q = torch.empty(blocks.shape[0], 4, 2, 32, dtype=torch.uint8, device=blocks.device)
-    _nibbles(blocks[:, 16:144].view(-1, 4, 32), q)  # element 64c + 32 * nibble + i
-    return _k_min_out(blocks, q.view(-1, 8, 32), out)
+    return _q4_k_like(blocks, out, None)
 
 
 @register(T.Q5_K)
 def q5_k(blocks: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     # block: d f16 | dmin f16 | scales[12] | qh[32] | qs[128]
-    out = _out(blocks, 256, out)
-    q = torch.empty(blocks.shape[0], 4, 2, 32, dtype=torch.uint8, device=blocks.device)
-    _nibbles(blocks[:, 48:176].view(-1, 4, 32), q)
-    q = q.view(-1, 8, 32)
-    q.bitwise_or_(_bits(blocks[:, 16:48], blocks.device).bitwise_left_shift_(4))  # bit b of qh[i] -> 32b + i
-    return _k_min_out(blocks, q, out)
+    return _q4_k_like(blocks, out, 16)
 
 
 @register(T.Q6_K)
 def q6_k(blocks: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     # block: ql[128] | qh[64] | scales int8[16] | d f16
     out = _out(blocks, 256, out)
-    scale = (_f16(blocks, 208) * blocks[:, 192:208].view(torch.int8).float()).unsqueeze(-1)  # [n, 16, 1]
-    q = torch.empty(blocks.shape[0], 2, 2, 64, dtype=torch.uint8, device=blocks.device)
-    _nibbles(blocks[:, :128].view(-1, 2, 64), q)  # element 128h + 64 * nibble + i
-    high = _crumbs(blocks[:, 128:192].view(-1, 2, 32), blocks.device)  # element 128h + 32s + i
-    q.view(-1, 256).bitwise_or_(high.view(-1, 256).bitwise_left_shift_(4))
-    _scale_out(out.view(-1, 16, 16), q.view(-1, 16, 16), 32, scale)
-    return out
+    n, dev = blocks.shape[0], blocks.device
+    scale = _sub_block_scale(_f16(blocks, 208), blocks[:, 192:208].view(torch.int8))  # [n * 16, 1]
+    q = _scratch("q", (n, 256), torch.uint8, dev)
+    _spread_nibbles(blocks[:, :128], q, 64)  # element 128h + 64 * nibble + i
+    high = _scratch("hbit", (n, 256), torch.uint8, dev)
+    _spread_fields(blocks[:, 128:192], high, 2, 4, 32)  # element 128h + 32s + i
+    q.bitwise_or_(high)
+    return _k_out(out, q, 32, scale, 16)
 
 
 # ---------------------------------------------------------------- ternary
@@ -276,34 +335,36 @@ def tq1_0(blocks: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor
     """Base-3 digits: byte x times 3^k (wrapping mod 256), then digit = (x * 3) >> 8, value digit - 1."""
     # block: qs[48] (32 + 16 bytes of 5 digits) | qh[4] (4 digits) | d f16
     out = _out(blocks, 256, out)
-    dev = blocks.device
-    pow3 = _const((1, 3, 9, 27, 81), torch.uint8, dev).view(5, 1)
-    x = torch.empty(blocks.shape[0], 256, dtype=torch.uint8, device=dev)
-    torch.mul(blocks[:, None, 0:32], pow3, out=x[:, :160].view(-1, 5, 32))
-    torch.mul(blocks[:, None, 32:48], pow3, out=x[:, 160:240].view(-1, 5, 16))
-    torch.mul(blocks[:, None, 48:52], pow3[:4], out=x[:, 240:].view(-1, 4, 4))
-    digit = x.to(torch.int16).mul_(3).bitwise_right_shift_(8).to(torch.uint8)
-    _scale_out(out, digit, 1, _f16(blocks, 52))
-    return out
+    n, dev = blocks.shape[0], blocks.device
+    x = _scratch("q", (n, 256), torch.uint8, dev)
+    # element order: 32 bytes x 5 powers, then 16 bytes x 5 powers, then 4 bytes x 4 powers
+    for start, width, powers, at in ((0, 32, 5, 0), (32, 16, 5, 160), (48, 4, 4, 240)):
+        for k in range(powers):
+            dst = x[:, at + k * width : at + (k + 1) * width]
+            torch.mul(blocks[:, start : start + width], 3**k, out=dst)
+    digit = x.to(torch.int16).mul_(3).bitwise_right_shift_(8)
+    x.copy_(digit)
+    return _k_out(out, x, 1, _f16(blocks, 52), 256)
 
 
 @register(T.TQ2_0)
 def tq2_0(blocks: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     # block: qs[64] (2-bit digits) | d f16
     out = _out(blocks, 256, out)
-    q = _crumbs(blocks[:, :64].view(-1, 2, 32), blocks.device)  # element 128h + 32s + i
-    _scale_out(out, q, 1, _f16(blocks, 64))
-    return out
+    q = _scratch("q", (blocks.shape[0], 256), torch.uint8, blocks.device)
+    _spread_fields(blocks[:, :64], q, 2, 0, 32)  # element 128h + 32s + i
+    return _k_out(out, q, 1, _f16(blocks, 64), 256)
 
 
 # ---------------------------------------------------------------- FP4
 
 
-def _fp4_out(codes: torch.Tensor, scale: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """out = scale * kvalues[code], kvalues being gguf-py's doubled E2M1 table. codes: uint8, out's shape."""
+def _fp4_out(codes: torch.Tensor, scale: torch.Tensor, out: torch.Tensor, rows: int) -> torch.Tensor:
+    """out = scale * kvalues[code] per run of `rows` values; kvalues is gguf-py's doubled E2M1 table.
+    codes: int32, out's shape."""
     kvalues = _const(tuple(float(v) for v in gq.MXFP4.kvalues), torch.float32, codes.device)
-    torch.index_select(kvalues, 0, codes.reshape(-1).int(), out=out.view(-1))
-    out.mul_(scale)
+    torch.index_select(kvalues, 0, codes.view(-1), out=out.view(-1))
+    out.view(-1, rows).mul_(scale)
     return out
 
 
@@ -315,8 +376,11 @@ def mxfp4(blocks: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor
     out = _out(blocks, 32, out)
     e = blocks[:, :1].int()
     bits = torch.where(e < 2, 0x00200000 << e, (e - 1) << 23)
-    codes = _q4(blocks, 1)
-    return _fp4_out(codes.view(-1, 32), bits.view(torch.float32), out)
+    planes = _nibble_planes(blocks)[:, :, 1:17]
+    codes = _scratch("codes", tuple(out.shape), torch.int32, out.device)
+    codes[:, :16].copy_(planes[0])
+    codes[:, 16:].copy_(planes[1])
+    return _fp4_out(codes, bits.view(torch.float32), out, 32)
 
 
 @register(T.NVFP4)
@@ -331,7 +395,8 @@ def nvfp4(blocks: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor
     man = (x & 7).float()
     pow2 = ((exp + (127 - 7)) << 23).view(torch.float32)  # 2^(exp-7) for exp >= 1
     d = torch.where(exp == 0, man * 2.0**-9, (1.0 + man / 8.0) * pow2)
-    d = torch.where((x == 0) | (x == 0x7F), 0.0, d * 0.5).unsqueeze(-1)  # [n, 4, 1]
-    codes = torch.empty(blocks.shape[0], 4, 2, 8, dtype=torch.uint8, device=blocks.device)
-    _nibbles(blocks[:, 4:36].view(-1, 4, 8), codes)  # sub-block s: low nibbles, then high nibbles
-    return _fp4_out(codes.view(-1, 4, 16), d, out.view(-1, 4, 16)).view(-1, 64)
+    d = torch.where((x == 0) | (x == 0x7F), 0.0, d * 0.5).view(-1, 1)  # [n * 4, 1]
+    planes = _nibble_planes(blocks)[:, :, 4:].unflatten(2, (4, 8))  # [2, n, 4, 8]
+    codes = _scratch("codes", (blocks.shape[0], 4, 2, 8), torch.int32, out.device)
+    codes.copy_(planes.permute(1, 2, 0, 3))  # sub-block s: low nibbles of its 8 bytes, then high
+    return _fp4_out(codes, d, out, 16)
