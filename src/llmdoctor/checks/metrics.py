@@ -187,3 +187,45 @@ def over_budget(got: Any, want: Any, bound: torch.Tensor) -> torch.Tensor:
     """bool [n]: |got - want| > bound, or not comparable (NaN/inf where want is finite)."""
     d = abs_diff(got, want)
     return ~(d <= bound)  # NaN differences count as over budget
+
+
+# ----------------------------------------------------------------------------- top-k + tail (endpoints)
+
+def topk_tail(got: dict[Any, float], want: dict[Any, float], *, want_complete: bool = False) -> dict[str, Any]:
+    """Compare two next-token distributions known through their top-k log-probs (what an HTTP
+    endpoint returns), keyed by token id or, where the server gives only text, by token string.
+
+    Each distribution is coarsened onto one partition: the keys listed by both (with
+    `want_complete`, every key of `got`: `want` then holds a log-prob for every key, e.g. the
+    reference's full distribution grouped by string) plus ONE tail bucket holding the rest of the
+    mass, 1 - sum (clamped at 0). Returns, in nats:
+
+    - `kl`: KL(want || got) on that partition. Bias: coarsening can only merge differences away
+      (the log-sum inequality), so this is a LOWER bound of the true KL: never a false alarm, and
+      a disagreement hidden inside the tail goes unseen. With string keys, tokens whose texts
+      collide are merged on one side and possibly overwritten on the other (the server keeps one):
+      the caller reports such collisions.
+    - `top1_agree`: the two argmaxes (over the listed keys) are the same key. Disjoint top-k sets
+      give a small `kl` (both are almost all tail) but a disagreeing top-1: check both.
+    - `overlap`: |keys in both| / |keys of got|; `tail_got`, `tail_want`: the tail masses.
+    - `entropy_got`: entropy of got's top-k + tail, a lower bound of its true entropy.
+    """
+    keys = list(got) if want_complete else [k for k in got if k in want]
+    g = torch.tensor([got[k] for k in keys], dtype=torch.float64).exp()  # [S]
+    w = torch.tensor([want[k] for k in keys], dtype=torch.float64).exp()  # [S]
+    tail_g, tail_w = max(0.0, 1.0 - float(g.sum())), max(0.0, 1.0 - float(w.sum()))
+    p = torch.cat([w, torch.tensor([tail_w], dtype=torch.float64)])  # want over S + tail
+    q = torch.cat([g, torch.tensor([tail_g], dtype=torch.float64)])  # got over S + tail
+    tiny = torch.finfo(torch.float64).tiny
+    kl = float(torch.where(p > 0, p * (p.log() - q.clamp_min(tiny).log()), torch.zeros_like(p)).sum())
+    full_g = torch.tensor(list(got.values()), dtype=torch.float64).exp()
+    full_g = torch.cat([full_g, torch.tensor([max(0.0, 1.0 - float(full_g.sum()))], dtype=torch.float64)])
+    entropy = float(-(full_g * full_g.clamp_min(tiny).log()).sum())
+    return {
+        "kl": max(kl, 0.0),
+        "top1_agree": bool(got) and bool(want) and max(got, key=got.get) == max(want, key=want.get),
+        "overlap": len(keys) / max(len(got), 1),
+        "tail_got": tail_g,
+        "tail_want": tail_w,
+        "entropy_got": entropy,
+    }

@@ -11,7 +11,7 @@ import importlib
 from dataclasses import dataclass
 from typing import Any, Callable
 
-_MODULES = ("llmdoctor.faults.hostile_files", "llmdoctor.faults.reference_mla")
+_MODULES = ("llmdoctor.faults.hostile_files", "llmdoctor.faults.reference_mla", "llmdoctor.faults.endpoint")
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,281 @@
+"""A client for an OpenAI-compatible HTTP endpoint, as a subject of `llmdoctor probe`.
+
+Speaks the OpenAI REST shapes (/v1/models, /v1/completions with legacy `logprobs`/`echo`,
+/v1/chat/completions, server-sent events for `stream`), plus the tokenize routes of the engines we
+know (llama-cpp-python `/extras/tokenize`, llama.cpp server and vLLM `/tokenize`).
+
+The API key is read from an environment variable and only ever placed in the Authorization header;
+it is never part of an error, a repr or a report. Every failed attempt (connection error, timeout,
+HTTP 5xx/429, malformed JSON) is recorded in `Endpoint.events`, also when a retry recovered it,
+so that a server that errors is never reported as healthy.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+import httpx
+
+from ..errors import InputError, LLMDoctorError
+
+_RETRY_STATUS = {429, 500, 502, 503, 504}
+
+
+class EndpointError(LLMDoctorError):
+    """A request failed for good (after retries). `kind`: connect, timeout, http, malformed."""
+
+    def __init__(self, kind: str, url: str, detail: str, status: int | None = None):
+        self.kind, self.url, self.detail, self.status = kind, url, detail, status
+        super().__init__(f"{url}: {kind}: {detail}")
+
+
+@dataclass
+class Completion:
+    """One choice of a completion (or chat) response, streamed or not, in one shape.
+
+    `tokens`, `token_logprobs`, `top_logprobs` are per returned token (with echo: the prompt's
+    tokens first; the first prompt token's logprobs are None). `top_logprobs` maps the token's text
+    to its logprob: tokens with the same text collide, the server keeps one.
+    """
+
+    text: str
+    finish_reason: str | None
+    usage: dict[str, Any]
+    tokens: list[str] | None = None
+    token_logprobs: list[float | None] | None = None
+    top_logprobs: list[dict[str, float] | None] | None = None
+    elapsed: float = 0.0
+
+    @property
+    def has_logprobs(self) -> bool:
+        return bool(self.tokens) and self.top_logprobs is not None and any(self.top_logprobs)
+
+
+@dataclass
+class Endpoint:
+    """An OpenAI-compatible server at `url` (with or without the trailing /v1)."""
+
+    url: str
+    model: str | None = None
+    api_key_env: str | None = None
+    timeout: float = 60.0
+    retries: int = 2
+    backoff: float = 0.5
+    events: list[dict[str, Any]] = field(default_factory=list)
+    n_requests: int = 0
+
+    def __post_init__(self) -> None:
+        base = self.url.rstrip("/")
+        if base.endswith("/v1"):
+            base = base[: -len("/v1")]
+        if not base.startswith(("http://", "https://")):
+            raise InputError(f"{self.url}: not an http(s) URL")
+        self.base = base
+        headers = {"content-type": "application/json"}
+        if self.api_key_env:
+            key = os.environ.get(self.api_key_env)
+            if not key:
+                raise InputError(f"environment variable {self.api_key_env} (the API key) is not set")
+            headers["authorization"] = f"Bearer {key}"
+        self._client = httpx.Client(base_url=base, headers=headers, timeout=self.timeout)
+
+    def __repr__(self) -> str:  # never shows the key
+        return f"Endpoint({self.base!r}, model={self.model!r})"
+
+    def close(self) -> None:
+        self._client.close()
+
+    def __enter__(self) -> "Endpoint":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- transport -------------------------------------------------------------------------
+
+    def _record(self, path: str, kind: str, detail: str, attempt: int) -> None:
+        self.events.append({"path": path, "kind": kind, "detail": detail[:200], "attempt": attempt})
+
+    def _request(self, method: str, path: str, body: dict | None = None, *, stream: bool = False) -> Any:
+        """JSON (or the list of SSE data objects when `stream`) of one request, with bounded retries.
+
+        Retried: connection errors, timeouts, HTTP 429/5xx, malformed JSON; backoff doubles each time.
+        Not retried: other HTTP 4xx (the request itself is wrong or unsupported).
+        """
+        url = self.base + path
+        last: EndpointError | None = None
+        for attempt in range(self.retries + 1):
+            if attempt:
+                time.sleep(self.backoff * 2 ** (attempt - 1))
+            self.n_requests += 1
+            try:
+                if stream:
+                    with self._client.stream(method, path, json=body) as r:
+                        if r.status_code >= 400:
+                            r.read()
+                            raise _http_error(url, r)
+                        return list(_sse_objects(url, r.iter_lines()))
+                r = self._client.request(method, path, json=body)
+                if r.status_code >= 400:
+                    raise _http_error(url, r)
+                try:
+                    return r.json()
+                except ValueError as e:
+                    raise EndpointError("malformed", url, f"response is not JSON ({e}): {r.text[:80]!r}") from None
+            except httpx.TimeoutException:
+                last = EndpointError("timeout", url, f"no complete response within {self.timeout:g} s")
+            except httpx.TransportError as e:
+                last = EndpointError("connect", url, f"{type(e).__name__}: {e}")
+            except EndpointError as e:
+                last = e
+                if e.kind == "http" and e.status not in _RETRY_STATUS:
+                    self._record(path, e.kind, e.detail, attempt)
+                    raise
+            self._record(path, last.kind, last.detail, attempt)
+        assert last is not None
+        raise last
+
+    # -- API -------------------------------------------------------------------------------
+
+    def models(self) -> list[str]:
+        data = self._request("GET", "/v1/models")
+        try:
+            return [m["id"] for m in data["data"]]
+        except (KeyError, TypeError):
+            raise EndpointError("malformed", self.base + "/v1/models", "no data[].id in the model list") from None
+
+    def resolve_model(self) -> str:
+        """The model name to send: the given one, else the first one the server lists."""
+        if self.model is None:
+            names = self.models()
+            if not names:
+                raise EndpointError("malformed", self.base + "/v1/models", "the server lists no model")
+            self.model = names[0]
+        return self.model
+
+    def complete(self, prompt: str, *, max_tokens: int = 1, logprobs: int | None = None, echo: bool = False,
+                 stream: bool = False, stop: list[str] | None = None, temperature: float = 0.0,
+                 seed: int | None = None) -> Completion:
+        body: dict[str, Any] = {"model": self.model, "prompt": prompt, "max_tokens": max_tokens,
+                                "temperature": temperature, "stream": stream}
+        if logprobs is not None:
+            body["logprobs"] = logprobs
+        if echo:
+            body["echo"] = True
+        if stop:
+            body["stop"] = stop
+        if seed is not None:
+            body["seed"] = seed
+        t0 = time.perf_counter()
+        data = self._request("POST", "/v1/completions", body, stream=stream)
+        out = _merge_chunks(self.base, data) if stream else _completion(self.base, data)
+        out.elapsed = time.perf_counter() - t0
+        return out
+
+    def chat(self, messages: list[dict[str, str]], *, max_tokens: int = 32, stream: bool = False) -> Completion:
+        body = {"model": self.model, "messages": messages, "max_tokens": max_tokens, "temperature": 0.0,
+                "stream": stream}
+        t0 = time.perf_counter()
+        data = self._request("POST", "/v1/chat/completions", body, stream=stream)
+        out = _merge_chunks(self.base, data, chat=True) if stream else _completion(self.base, data, chat=True)
+        out.elapsed = time.perf_counter() - t0
+        return out
+
+    def tokenize(self, text: str) -> tuple[list[int], str] | None:
+        """The server's token ids for `text` as a completion prompt would get them, and the route
+        used; None when the server has no tokenize route we know."""
+        routes = (("/extras/tokenize", {"input": text}),  # llama-cpp-python
+                  ("/tokenize", {"content": text, "add_special": True}),  # llama.cpp server
+                  ("/tokenize", {"prompt": text, "add_special_tokens": True}))  # vLLM
+        for path, body in routes:
+            try:
+                data = self._request("POST", path, {"model": self.model, **body})
+            except EndpointError as e:
+                if e.kind == "http" and e.status in (400, 404, 405, 422):
+                    self.events.pop()  # an unknown route is feature detection, not a server error
+                    continue
+                raise
+            toks = data.get("tokens") if isinstance(data, dict) else None
+            if isinstance(toks, list) and all(isinstance(t, int) for t in toks):
+                return toks, path
+            if isinstance(toks, list) and all(isinstance(t, dict) and "id" in t for t in toks):
+                return [t["id"] for t in toks], path  # llama.cpp with_pieces
+        return None
+
+
+def _http_error(url: str, r: httpx.Response) -> EndpointError:
+    return EndpointError("http", url, f"HTTP {r.status_code}: {r.text[:120]!r}", status=r.status_code)
+
+
+def _sse_objects(url: str, lines: Iterator[str]) -> Iterator[dict]:
+    """The JSON objects of a server-sent event stream, up to `data: [DONE]`."""
+    for line in lines:
+        if not line.startswith("data:"):
+            continue
+        payload = line[len("data:"):].strip()
+        if payload == "[DONE]":
+            return
+        try:
+            yield json.loads(payload)
+        except ValueError:
+            raise EndpointError("malformed", url, f"stream chunk is not JSON: {payload[:80]!r}") from None
+
+
+def _choice(url: str, data: Any) -> dict:
+    try:
+        choice = data["choices"][0]
+    except (KeyError, IndexError, TypeError):
+        raise EndpointError("malformed", url, "response has no choices[0]") from None
+    if not isinstance(choice, dict):
+        raise EndpointError("malformed", url, "choices[0] is not an object")
+    return choice
+
+
+def _logprobs(lp: Any) -> tuple[list[str], list[float | None], list[dict[str, float] | None]] | None:
+    """Legacy completion logprobs, or chat `logprobs.content`, as (tokens, logprobs, top dicts)."""
+    if not isinstance(lp, dict):
+        return None
+    if "tokens" in lp:
+        tops = lp.get("top_logprobs") or [None] * len(lp["tokens"])
+        return list(lp["tokens"]), list(lp.get("token_logprobs") or []), list(tops)
+    if isinstance(lp.get("content"), list):
+        items = lp["content"]
+        return ([c["token"] for c in items], [c.get("logprob") for c in items],
+                [{t["token"]: t["logprob"] for t in c.get("top_logprobs") or []} or None for c in items])
+    return None
+
+
+def _completion(url: str, data: Any, chat: bool = False) -> Completion:
+    choice = _choice(url, data)
+    text = (choice.get("message") or {}).get("content") if chat else choice.get("text")
+    if not isinstance(text, str) and not (chat and text is None):
+        raise EndpointError("malformed", url, "choices[0] has no text")
+    out = Completion(text=text or "", finish_reason=choice.get("finish_reason"), usage=data.get("usage") or {})
+    lp = _logprobs(choice.get("logprobs"))
+    if lp is not None:
+        out.tokens, out.token_logprobs, out.top_logprobs = lp
+    return out
+
+
+def _merge_chunks(url: str, chunks: list[dict], chat: bool = False) -> Completion:
+    """One Completion from the chunks of a stream (text concatenated, logprobs appended)."""
+    out = Completion(text="", finish_reason=None, usage={})
+    for data in chunks:
+        if data.get("usage"):
+            out.usage = data["usage"]
+        if not data.get("choices"):
+            continue
+        choice = _choice(url, data)
+        piece = (choice.get("delta") or {}).get("content") if chat else choice.get("text")
+        out.text += piece or ""
+        out.finish_reason = choice.get("finish_reason") or out.finish_reason
+        lp = _logprobs(choice.get("logprobs"))
+        if lp is not None:
+            out.tokens = (out.tokens or []) + lp[0]
+            out.token_logprobs = (out.token_logprobs or []) + lp[1]
+            out.top_logprobs = (out.top_logprobs or []) + lp[2]
+    return out
