@@ -445,52 +445,27 @@ class Tokenizer:
         return frags
 
     def _spm(self, text: str) -> list[int]:
-        """SentencePiece-style merging over the whole fragment (llama.cpp's llm_tokenizer_spm)."""
+        """SentencePiece-style merging over the whole fragment (llama.cpp's llm_tokenizer_spm): the
+        pair whose concatenation is the highest-scoring token merges first."""
         vocab, scores = self.vocab, self.scores
-        n = len(text)
-        if n == 0:
-            return []
-        size = [1] * n  # symbol i covers text[i : i + size[i]]; 0 once merged into its left
-        nxt = list(range(1, n)) + [-1]
-        prv = list(range(-1, n - 1))
-        heap: list[tuple[float, int, int, int]] = []
 
-        def push(left: int, right: int) -> None:
-            if left < 0 or right < 0:
-                return
-            width = size[left] + size[right]
+        def priority(left: int, width: int, _: int) -> float | None:
             tid = vocab.get(text[left : left + width])
-            if tid is not None:  # highest score first, then leftmost
-                heapq.heappush(heap, (-scores[tid], left, right, width))
+            return None if tid is None else -scores[tid]
 
-        for i in range(n - 1):
-            push(i, i + 1)
-        while heap:
-            _, left, right, width = heapq.heappop(heap)
-            if not size[left] or not size[right] or size[left] + size[right] != width:
-                continue  # stale: one side was merged since
-            size[left], size[right] = width, 0
-            nxt[left] = nxt[right]
-            if nxt[right] >= 0:
-                prv[nxt[right]] = left
-            push(prv[left], left)
-            push(left, nxt[left])
         out: list[int] = []
-        i = 0
-        while i >= 0:
-            piece = text[i : i + size[i]]
+        for piece in _merge_pairs(text, priority):
             tid = vocab.get(piece)
             if tid is not None:
                 out.append(tid)
-            else:  # byte fallback: <0xXX>, else the byte's own one-character token
-                for b in piece.encode("utf-8", "surrogateescape"):
-                    tid = vocab.get(f"<0x{b:02X}>")
-                    if tid is None:
-                        tid = vocab.get(bytes([b]).decode("utf-8", "surrogateescape"))
-                    if tid is None:
-                        raise InputError(f"no token for byte 0x{b:02X} (no <0x{b:02X}> in the vocab)")
-                    out.append(tid)
-            i = nxt[i]
+                continue
+            for b in piece.encode("utf-8", "surrogateescape"):  # byte fallback: <0xXX>, else the
+                tid = vocab.get(f"<0x{b:02X}>")                  # byte's one-character token
+                if tid is None:
+                    tid = vocab.get(bytes([b]).decode("utf-8", "surrogateescape"))
+                if tid is None:
+                    raise InputError(f"no token for byte 0x{b:02X} (no <0x{b:02X}> in the vocab)")
+                out.append(tid)
         return out
 
     def _split(self, text: str) -> list[str]:
@@ -519,53 +494,27 @@ class Tokenizer:
                 for a, b in spans]
 
     def _bpe_word(self, word: str) -> list[int]:
-        """Byte-level BPE of one pre-tokenized word (llama.cpp's llm_tokenizer_bpe_session)."""
+        """Byte-level BPE of one pre-tokenized word (llama.cpp's llm_tokenizer_bpe_session): the pair
+        with the lowest merge rank merges first."""
         cached = self._words.get(word)
         if cached is not None:
             return cached
         vocab, ranks = self.vocab, self.ranks
-        n = len(word)
-        if self.ignore_merges and word in vocab:
-            size = [n]
-            nxt = [-1]
-        else:
-            size = [1] * n
-            nxt = list(range(1, n)) + [-1]
-            prv = list(range(-1, n - 1))
-            heap: list[tuple[int, int, int, int]] = []
 
-            def push(left: int, right: int) -> None:
-                if left < 0 or right < 0:
-                    return
-                rank = ranks.get(f"{word[left : left + size[left]]} {word[right : right + size[right]]}")
-                if rank is not None:  # lowest rank first, then leftmost
-                    heapq.heappush(heap, (rank, left, right, size[left] + size[right]))
+        def priority(left: int, width: int, right: int) -> int | None:
+            return ranks.get(f"{word[left:right]} {word[right : left + width]}")
 
-            for i in range(n - 1):
-                push(i, i + 1)
-            while heap:
-                _, left, right, width = heapq.heappop(heap)
-                if not size[left] or not size[right] or size[left] + size[right] != width:
-                    continue
-                size[left], size[right] = width, 0
-                nxt[left] = nxt[right]
-                if nxt[right] >= 0:
-                    prv[nxt[right]] = left
-                push(prv[left], left)
-                push(left, nxt[left])
+        pieces = [word] if self.ignore_merges and word in vocab else _merge_pairs(word, priority)
         out: list[int] = []
-        i = 0 if n else -1
-        while i >= 0:
-            piece = word[i : i + size[i]]
+        for piece in pieces:
             tid = vocab.get(piece)
             if tid is not None:
                 out.append(tid)
-            else:  # llama.cpp looks up each UTF-8 byte of the piece as a token and skips misses
-                for b in piece.encode("utf-8"):
-                    tid = vocab.get(bytes([b]).decode("utf-8", "surrogateescape"))
-                    if tid is not None:
-                        out.append(tid)
-            i = nxt[i]
+                continue
+            for b in piece.encode("utf-8"):  # llama.cpp looks up each byte alone; misses are dropped
+                tid = vocab.get(bytes([b]).decode("utf-8", "surrogateescape"))
+                if tid is not None:
+                    out.append(tid)
         if len(self._words) < _WORD_CACHE_MAX:
             self._words[word] = out
         return out
@@ -630,6 +579,47 @@ class Tokenizer:
     def __repr__(self) -> str:
         return (f"Tokenizer(model={self.model!r}, pre={self.pre!r}, n_vocab={self.n_vocab}, "
                 f"bos={self.bos_id}, eos={self.eos_id}, add_bos={self.add_bos})")
+
+
+def _merge_pairs(text: str, priority) -> list[str]:
+    """Greedy pair merging shared by SPM and BPE (llama.cpp's symbol list and priority queue).
+
+    Starts from one symbol per character; `priority(left, width, right)` ranks merging the adjacent
+    symbols starting at `left` and `right` into text[left : left + width] (None: not allowed). The
+    smallest priority merges first, ties go to the leftmost pair; after each merge the new symbol's
+    pairs with its neighbours are queued. Returns the final pieces in order.
+    """
+    n = len(text)
+    size = [1] * n  # symbol i covers text[i : i + size[i]]; 0 once merged into its left neighbour
+    nxt = [*range(1, n), -1]
+    prv = list(range(-1, n - 1))
+    heap: list[tuple] = []
+
+    def push(left: int, right: int) -> None:
+        if left >= 0 and right >= 0:
+            width = size[left] + size[right]
+            key = priority(left, width, right)
+            if key is not None:
+                heapq.heappush(heap, (key, left, right, width))
+
+    for i in range(n - 1):
+        push(i, i + 1)
+    while heap:
+        _, left, right, width = heapq.heappop(heap)
+        if not size[left] or not size[right] or size[left] + size[right] != width:
+            continue  # stale: a side was merged since it was queued
+        size[left], size[right] = width, 0
+        nxt[left] = nxt[right]
+        if nxt[right] >= 0:
+            prv[nxt[right]] = left
+        push(prv[left], left)
+        push(left, nxt[left])
+    pieces: list[str] = []
+    i = 0 if n else -1
+    while i >= 0:
+        pieces.append(text[i : i + size[i]])
+        i = nxt[i]
+    return pieces
 
 
 def _clean_spaces(text: bytes) -> bytes:
