@@ -216,6 +216,24 @@ def test_deepseek_logits_match_transformers(deepseek):
     assert bound < 1e-9  # the bound itself is float64-sized, not a loose tolerance
 
 
+def test_plain_q_lite_model_matches_transformers(tmp_path):
+    """DeepSeek-V2-Lite style: no q_lora_rank, a plain wq (GGUF attn_q), no YaRN."""
+    f = fx.build("deepseek", tmp_path, q_lora_rank=None, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    bound, ours, _ = float64_bound(f.gguf_path, IDS)
+    err = float((ours - hf_logits(f, IDS)).abs().max())
+    print(f"deepseek2 lite float64: max|ours - transformers| = {err:.3g}, bound {bound:.3g}")
+    assert err <= bound
+
+
+@pytest.mark.gpu
+def test_cuda_matches_cpu(glm):
+    """The same float64 forward on CUDA (cuBLAS reduction order) agrees with the CPU one."""
+    bound, cpu, _ = float64_bound(glm.gguf_path, IDS)
+    with load(glm.gguf_path, dtype=torch.float64, device="cuda") as model:
+        gpu, _ = model.forward(IDS)
+    assert float((gpu.cpu() - cpu).abs().max()) <= bound
+
+
 def same_selection_up_to_ties(ours: torch.Tensor, theirs: torch.Tensor, score: torch.Tensor, top_k: int,
                                tol: float) -> tuple[int, int]:
     """Assert that two top-k selections [T, k] agree on the visible (causal) keys up to ties of `score`

@@ -124,7 +124,7 @@ def kq_scale(m: MLA) -> float:
 
 def rope_tables(positions: torch.Tensor, m: MLA, base: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin [T, Dr/2] for the rope part, with YaRN frequencies and attn_factor when configured."""
-    ff = yarn_freq_factors(m.qk_rope, base, m.yarn) if m.yarn else None
+    ff = yarn_freq_factors(m.qk_rope, base, m.yarn).to(positions.device) if m.yarn else None
     cos, sin = attn.rope_cos_sin(positions, m.qk_rope, base, freq_factors=ff, dtype=torch.float64)
     if m.yarn:
         cos, sin = cos * m.yarn.attn_factor, sin * m.yarn.attn_factor
