@@ -11,6 +11,18 @@ the chosen experts' unbiased probabilities are the weights, normalized to sum 1 
 expert_weights_norm, then multiplied by expert_weights_scale (routed_scaling_factor); SwiGLU experts;
 the shared expert is a plain SwiGLU FFN added to the routed sum; the first leading_dense_block_count
 layers have a dense FFN instead.
+
+Capture points of the MLA block, in addition to forward.py's common ones (attn_norm, ffn_inp,
+ffn_norm, ffn_out, l_out, kqv_out [T, H*Dv], attn_out); names follow llama.cpp's deepseek2.cpp /
+glm-dsa.cpp callbacks, shapes are those of its absorbed (is_mla) path:
+    kv_cmpr-{i}        [T, R]          the MLA latent after its RMSNorm
+    q_pe-{i}, k_pe-{i} [T, H, Dr], [T, Dr]  the roped parts
+    Qcur-{i}           [T, H, R+Dr]    q_nope absorbed through k_b, then q_pe
+    Kcur-{i}           [T, 1, R+Dr]    latent, then k_pe (one key head)
+    Vcur-{i}           [T, 1, R]       the latent
+    indexer_score-{i}  [T, T]          DSA index scores, -inf above the diagonal (full indexer layers)
+    top_k-{i}          [T, k]          the keys each query attends (glm-dsa)
+    ffn_moe_topk-{i}, ffn_moe_weights-{i}  [T, n_used]  chosen experts and their weights
 """
 
 from __future__ import annotations
