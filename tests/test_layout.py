@@ -127,6 +127,16 @@ def test_mla_checkpoint_round_trip(kind, tmp_path):
                 "blk.0.indexer.attn_k.weight", "blk.0.indexer.attn_q_b.weight"} <= set(by)
 
 
+def test_mtp_layers():
+    """deepseek2 skips the MTP layer past num_hidden_layers; glm-dsa maps it to an extra block."""
+    cfg = dict(num_hidden_layers=1, num_attention_heads=1, num_nextn_predict_layers=1)
+    names = ["model.layers.1.eh_proj.weight", "model.layers.1.input_layernorm.weight"]
+    p = layout.plan("deepseek2", names, cfg)
+    assert set(p.skipped) == set(names) and not p.rules
+    p = layout.plan("glm-dsa", names, cfg)
+    assert {r.targets[0] for r in p.rules} == {"blk.1.nextn.eh_proj.weight", "blk.1.attn_norm.weight"}
+
+
 def test_name_map_immune_to_class_level_mutation():
     """gguf 0.19: building an ARCTIC TensorNameMap rewrites the class-level block table, after which a
     LLAMA map built by gguf-py itself maps post_attention_layernorm elsewhere. Ours is unaffected."""

@@ -21,7 +21,8 @@ Transforms (convert_hf_to_gguf.py / conversion/*.py of llama.cpp):
 - experts: the per-expert 2-D tensors stacked into one [E, out, in] tensor per projection
   (ffn_{gate,up,down}_exps).
 - `e_score_correction_bias` is renamed `e_score_correction.bias` before mapping (-> exp_probs_b.bias).
-- a tied lm_head is not written (the GGUF reuses token_embd).
+- a tied lm_head is not written (the GGUF reuses token_embd); deepseek2 drops the multi-token-prediction
+  layers past num_hidden_layers, glm-dsa keeps them as extra blocks (nextn tensors).
 """
 
 from __future__ import annotations
@@ -165,6 +166,9 @@ def plan(arch: str, hf_names: Sequence[str], config: dict) -> Plan:
     (config.json as a dict) into GGUF tensors of `arch`."""
     c = _text_config(config)
     n_blocks = int(c["num_hidden_layers"])
+    n_mtp = int(c.get("num_nextn_predict_layers") or 0)
+    if arch == "glm-dsa":  # GlmMoeDsaModel keeps the NextN/MTP block(s) as extra blocks
+        n_blocks += n_mtp
     n_head = int(c["num_attention_heads"])
     n_head_kv = int(c.get("num_key_value_heads") or n_head)
     rules: list[Rule] = []
@@ -181,6 +185,9 @@ def plan(arch: str, hf_names: Sequence[str], config: dict) -> Plan:
     for name in hf_names:
         if name == "lm_head.weight" and c.get("tie_word_embeddings", False):
             skipped[name] = "tied to model.embed_tokens.weight (the GGUF reuses token_embd)"
+            continue
+        if arch == "deepseek2" and (b := re.match(r"model\.layers\.(\d+)\.", name)) and int(b[1]) >= n_blocks:
+            skipped[name] = "multi-token-prediction layer (DeepseekV2Model.skip_mtp: not converted)"
             continue
         if m := _EXPERT.match(name):
             experts.setdefault((m["prefix"], m["proj"]), {})[int(m["e"])] = name
