@@ -94,7 +94,8 @@ class Fixture:
     checkpoint: dict[str, torch.Tensor]  # the saved HF tensors (float32)
 
 
-def build(kind: str, out_dir: Path, *, seed: int = 0, **over) -> Fixture:
+def build(kind: str, out_dir: Path, *, seed: int = 0, legacy: bool = False, **over) -> Fixture:
+    """`legacy`: write the file as converters before the MLA split did (attn_kv_b whole, MHA sizes)."""
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
@@ -112,7 +113,7 @@ def build(kind: str, out_dir: Path, *, seed: int = 0, **over) -> Fixture:
         config["scoring_func"] = "sigmoid"
     checkpoint = load_file(ckpt_dir / "model.safetensors")
     path = out_dir / f"{kind}.gguf"
-    write_gguf(path, config, checkpoint)
+    write_gguf(path, config, checkpoint, legacy=legacy)
     return Fixture(model.to(torch.float64).eval(), config, path, checkpoint)
 
 
@@ -174,12 +175,25 @@ def gguf_metadata(arch: str, c: dict) -> dict[str, tuple[object, gguf.GGUFValueT
     return meta
 
 
-def write_gguf(path: Path, config: dict, checkpoint: dict[str, torch.Tensor]) -> None:
+def legacy_metadata(arch: str, c: dict, meta: dict) -> dict:
+    """Metadata of a deepseek2 file converted before the MLA split: MHA head count and sizes."""
+    K, u32 = gguf.Keys.Attention, gguf.GGUFValueType.UINT32
+    meta = {k: v for k, v in meta.items() if k not in (K.KEY_LENGTH_MLA.format(arch=arch), K.VALUE_LENGTH_MLA.format(arch=arch))}
+    meta[K.HEAD_COUNT_KV.format(arch=arch)] = (c["num_attention_heads"], u32)
+    meta[K.KEY_LENGTH.format(arch=arch)] = (c["qk_nope_head_dim"] + c["qk_rope_head_dim"], u32)
+    meta[K.VALUE_LENGTH.format(arch=arch)] = (c["v_head_dim"], u32)
+    return meta
+
+
+def write_gguf(path: Path, config: dict, checkpoint: dict[str, torch.Tensor], *, legacy: bool = False) -> None:
     arch = "glm-dsa" if config["model_type"] == "glm_moe_dsa" else "deepseek2"
-    plan = layout.plan(arch, list(checkpoint), config)
+    plan = layout.plan(arch, list(checkpoint), config, split_kv_b=not legacy)
     assert not plan.unmapped, plan.unmapped
+    meta = gguf_metadata(arch, config)
+    if legacy:
+        meta = legacy_metadata(arch, config, meta)
     w = gguf.GGUFWriter(str(path), arch)
-    for key, (value, vtype) in gguf_metadata(arch, config).items():
+    for key, (value, vtype) in meta.items():
         if key == gguf.Keys.General.ARCHITECTURE:
             continue  # the writer adds it
         if vtype == gguf.GGUFValueType.ARRAY:

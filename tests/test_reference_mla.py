@@ -225,6 +225,18 @@ def test_plain_q_lite_model_matches_transformers(tmp_path):
     assert err <= bound
 
 
+def test_legacy_unsplit_kv_b_file_matches_transformers(tmp_path):
+    """A file converted before llama.cpp's MLA split (one attn_kv_b, MHA sizes) runs the same network."""
+    f = fx.build("deepseek", tmp_path, legacy=True)
+    from llmdoctor.gguf import open_gguf
+
+    assert any(t.name == "blk.0.attn_kv_b.weight" for t in open_gguf(f.gguf_path).tensors)
+    bound, ours, _ = float64_bound(f.gguf_path, IDS)
+    err = float((ours - hf_logits(f, IDS)).abs().max())
+    print(f"deepseek2 legacy kv_b float64: max|ours - transformers| = {err:.3g}, bound {bound:.3g}")
+    assert err <= bound
+
+
 @pytest.mark.gpu
 def test_cuda_matches_cpu(glm):
     """The same float64 forward on CUDA (cuBLAS reduction order) agrees with the CPU one."""

@@ -161,9 +161,10 @@ def _text_config(config: dict) -> dict:
     return config.get("text_config", config) if "num_hidden_layers" not in config else config
 
 
-def plan(arch: str, hf_names: Sequence[str], config: dict) -> Plan:
+def plan(arch: str, hf_names: Sequence[str], config: dict, *, split_kv_b: bool = True) -> Plan:
     """How convert_hf_to_gguf.py turns the checkpoint tensors `hf_names` of an HF model with `config`
-    (config.json as a dict) into GGUF tensors of `arch`."""
+    (config.json as a dict) into GGUF tensors of `arch`. `split_kv_b=False`: MLA's kv_b_proj kept whole
+    as attn_kv_b, as converters before llama.cpp's MLA split (PR 12801) wrote it."""
     c = _text_config(config)
     n_blocks = int(c["num_hidden_layers"])
     n_mtp = int(c.get("num_nextn_predict_layers") or 0)
@@ -192,7 +193,7 @@ def plan(arch: str, hf_names: Sequence[str], config: dict) -> Plan:
         if m := _EXPERT.match(name):
             experts.setdefault((m["prefix"], m["proj"]), {})[int(m["e"])] = name
             continue
-        if arch in _MLA_ARCHS and name.endswith("kv_b_proj.weight"):
+        if arch in _MLA_ARCHS and split_kv_b and name.endswith("kv_b_proj.weight"):
             tk = target(name.replace("kv_b_proj", "k_b_proj"))
             tv = target(name.replace("kv_b_proj", "v_b_proj"))
             if tk and tv:

@@ -6,7 +6,9 @@ The attention math is reference/mla.py.
 MoE conventions (llama.cpp `build_moe_ffn`, transformers DeepseekV3TopkRouter / DeepseekV3MoE):
 router logits = ffn_gate_inp(x); probabilities = sigmoid (V3, GLM-5) or softmax over all experts (V2);
 the expert-score correction bias (exp_probs_b) is added only for *choosing* experts; with n_group > 1
-the experts are chosen inside the topk_group groups with the highest sum of their two best scores;
+the experts are chosen inside the topk_group groups with the highest sum of their two best scores
+(DeepSeek-V3's rule; llama.cpp applies it to every file with expert_group_count > 1, DeepSeek-V2's
+too, whose group_limited_greedy ranked groups by their single best score);
 the chosen experts' unbiased probabilities are the weights, normalized to sum 1 when
 expert_weights_norm, then multiplied by expert_weights_scale (routed_scaling_factor); SwiGLU experts;
 the shared expert is a plain SwiGLU FFN added to the routed sum; the first leading_dense_block_count
@@ -115,22 +117,25 @@ def _gguf_moe(g: Any, arch: str) -> MoE | None:
 def _mla_gguf(g: Any) -> ModelConfig:
     """MLA metadata as llama.cpp's deepseek2 / glm-dsa loaders read it. The GGUF's head_count_kv (1)
     and key/value_length (R + Dr, R) describe the absorbed MQA view; the config keeps the MHA view
-    (n_head_kv = n_head, head_dim = Dn + Dr from key_length_mla) so that it diffs equal to the HF one."""
+    (n_head_kv = n_head, head_dim = Dn + Dr from key_length_mla) so that it diffs equal to the HF one.
+    Files converted before llama.cpp split kv_b (no key_length_mla) store the MHA sizes in
+    key/value_length and one attn_kv_b; the block splits it at load (`mla.kv_b_split`)."""
     arch = g.get("general.architecture")
     n_layer = int(gguf_key(g, Keys.LLM.BLOCK_COUNT, arch))
     n_head = int(gguf_key(g, Keys.Attention.HEAD_COUNT, arch))
     kv_lora = int(gguf_key(g, Keys.Attention.KV_LORA_RANK, arch))
     rope = int(gguf_key(g, Keys.Rope.DIMENSION_COUNT, arch))
-    if gguf_key(g, Keys.Attention.KEY_LENGTH_MLA, arch, None) is None:
-        raise InputError(f"{g.path}: no {Keys.Attention.KEY_LENGTH_MLA.format(arch=arch)}: a pre-MLA-split "
-                         "deepseek2 file (re-convert it with a recent convert_hf_to_gguf.py)")
-    qk = int(gguf_key(g, Keys.Attention.KEY_LENGTH_MLA, arch))
+    qk = gguf_key(g, Keys.Attention.KEY_LENGTH_MLA, arch, None)
+    if qk is None:  # a file from before the MLA split: MHA head sizes, one unsplit attn_kv_b
+        qk, v = gguf_key(g, Keys.Attention.KEY_LENGTH, arch), gguf_key(g, Keys.Attention.VALUE_LENGTH, arch)
+    else:
+        v = gguf_key(g, Keys.Attention.VALUE_LENGTH_MLA, arch)
     m = mla.MLA(
         q_lora_rank=int(gguf_key(g, Keys.Attention.Q_LORA_RANK, arch, 0) or 0),
         kv_lora_rank=kv_lora,
-        qk_nope=qk - rope,
+        qk_nope=int(qk) - rope,
         qk_rope=rope,
-        v_dim=int(gguf_key(g, Keys.Attention.VALUE_LENGTH_MLA, arch)),
+        v_dim=int(v),
         yarn=_gguf_yarn(g, arch),
         indexer=_gguf_indexer(g, arch, n_layer),
     )
