@@ -117,14 +117,25 @@ def test_demo_file_every_tensor_bit_exact(demo_path):
         assert_bits_equal(got, want.reshape(t.shape), t.name)
 
 
-def test_chunked_output_matches_one_piece(monkeypatch):
-    """The chunked loop (several chunks, a short last one) gives the same bits as gguf-py."""
+@pytest.mark.parametrize("threads", [1, 2])
+def test_chunked_output_matches_one_piece(monkeypatch, threads):
+    """Several chunks with a short last one, run inline (1 thread) or on the chunk workers (2),
+    give the same bits as gguf-py, for float32 and a reduced dtype."""
     from llmdoctor.gguf import dequant
 
     monkeypatch.setitem(dequant._CHUNK_ELEMENTS, "cpu", 1000)  # 3 blocks of 256 per chunk
-    blocks = random_blocks(T.Q4_K, 10, np.random.default_rng(1))
-    got = dequantize(torch.from_numpy(blocks.reshape(-1)), T.Q4_K, (5, 512))
-    assert_bits_equal(got, reference(blocks, T.Q4_K).reshape(5, 512), "Q4_K chunked")
+    monkeypatch.setattr(dequant, "_MIN_PARALLEL_CHUNK", 1000)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        blocks = random_blocks(T.Q4_K, 10, np.random.default_rng(1))
+        raw = torch.from_numpy(blocks.reshape(-1))
+        want = reference(blocks, T.Q4_K).reshape(5, 512)
+        assert_bits_equal(dequantize(raw, T.Q4_K, (5, 512)), want, "Q4_K chunked")
+        half = dequantize(raw, T.Q4_K, (5, 512), dtype=torch.bfloat16)
+        assert torch.equal(half, torch.from_numpy(want).to(torch.bfloat16))
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_out_and_dtype():

@@ -18,7 +18,9 @@ cache and its result is written once, straight into the output buffer.
 from __future__ import annotations
 
 import inspect
+import os
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Callable
 
 import numpy as np
@@ -40,6 +42,7 @@ _WRITES_OUT: set[BlockKernel] = set()  # kernels that accept `out=`
 # L2/L3 caches while amortizing per-op overhead (measured in bench/bench_dequant_cpu.py). CUDA: large,
 # only to bound the temporaries of the torch kernels.
 _CHUNK_ELEMENTS = {"cpu": 1 << 20, "cuda": 1 << 27}
+_MIN_PARALLEL_CHUNK = 1 << 16
 
 
 def register(*qtypes: GGMLQuantizationType, cuda: bool = False) -> Callable[[BlockKernel], BlockKernel]:
@@ -98,25 +101,53 @@ def _as_uint8_tensor(raw: torch.Tensor | np.ndarray, device: torch.device | str 
     return raw
 
 
+_POOL: tuple[int, int, ThreadPoolExecutor] | None = None  # (pid, workers, pool)
+
+
+def _cpu_pool(workers: int) -> ThreadPoolExecutor:
+    """Chunk workers, each running torch single-threaded (torch's thread count is per thread).
+
+    One chunk per worker beats splitting every op over torch's intra-op threads: there, each of the
+    dozen ops per chunk waits for all threads, and on a busy machine one descheduled thread stalls
+    every op (measured 10x slower under load in bench/bench_dequant_cpu.py). Re-created after a fork.
+    """
+    global _POOL
+    if _POOL is None or _POOL[:2] != (os.getpid(), workers):
+        _POOL = (os.getpid(), workers, ThreadPoolExecutor(workers, "dequant", torch.set_num_threads, (1,)))
+    return _POOL[2]
+
+
 def _run(kernel: BlockKernel, blocks: torch.Tensor, block_size: int, result: torch.Tensor) -> None:
     """Dequantize blocks [n_blocks, type_size] into the contiguous `result` (any float dtype,
     n_blocks * block_size elements) chunk by chunk; float32 chunks are written in place."""
     n_blocks = blocks.shape[0]
-    step = max(1, _CHUNK_ELEMENTS.get(blocks.device.type, 1 << 27) // block_size)
+    device = blocks.device.type
+    workers = torch.get_num_threads() if device == "cpu" else 1
+    chunk = _CHUNK_ELEMENTS.get(device, _CHUNK_ELEMENTS["cuda"])
+    if workers > 1:  # at least one chunk per worker, but not so small that op overheads dominate
+        chunk = max(min(chunk, -(-n_blocks * block_size // workers)), _MIN_PARALLEL_CHUNK)
+    step = max(1, chunk // block_size)
     flat = result.view(-1)
-    scratch = None
-    if result.dtype != torch.float32 and n_blocks:
-        scratch = torch.empty(min(step, n_blocks), block_size, dtype=torch.float32, device=blocks.device)
-    for start in range(0, n_blocks, step):
+
+    def one(start: int) -> None:
         stop = min(start + step, n_blocks)
         dst = flat[start * block_size : stop * block_size].view(-1, block_size)
-        target = dst if scratch is None else scratch[: stop - start]
+        direct = result.dtype == torch.float32
+        target = dst if direct else torch.empty(dst.shape, dtype=torch.float32, device=dst.device)
         if kernel in _WRITES_OUT:
             kernel(blocks[start:stop], out=target)
         else:
             target.copy_(kernel(blocks[start:stop]))
-        if scratch is not None:
+        if not direct:
             dst.copy_(target)
+
+    starts = range(0, n_blocks, step)
+    if workers > 1 and len(starts) > 1:
+        for _ in _cpu_pool(workers).map(one, starts):
+            pass
+    else:
+        for start in starts:
+            one(start)
 
 
 def dequantize(

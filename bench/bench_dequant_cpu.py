@@ -1,0 +1,94 @@
+"""CPU dequantization of the whole demo file: ours (torch) against gguf-py, and against memcpy.
+
+Ours streams every tensor through one reused float32 buffer (`out=`), as `check dequant` does; the
+anchor is a same-run memcpy of the same sizes into the same buffer. gguf-py is run once (it takes
+seconds), ours and memcpy best of --reps. Prints wall and CPU time: the machine is shared, so the
+load average is printed too.
+
+    python bench/bench_dequant_cpu.py [FILE] [--reps 5] [--threads N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import platform
+import time
+
+import gguf.quants as gq
+import numpy as np
+import torch
+
+from llmdoctor.demo import model_path
+from llmdoctor.gguf import open_gguf
+from llmdoctor.gguf.dequant import dequantize_tensor
+
+
+def timed(fn) -> tuple[float, float]:
+    """(wall seconds, CPU seconds of this process) of one call."""
+    w, c = time.perf_counter(), time.process_time()
+    fn()
+    return time.perf_counter() - w, time.process_time() - c
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("file", nargs="?", default=None)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=None)
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    f = open_gguf(args.file or model_path())
+    tensors = f.tensors
+    n_max = max(t.n_elements for t in tensors)
+    n_total = sum(t.n_elements for t in tensors)
+    in_bytes = sum(t.nbytes for t in tensors)
+    out_bytes = 4 * n_total
+    buf = torch.empty(n_max)
+    src = torch.empty(n_max)
+    buf.fill_(0)  # touch every page before timing
+    src.fill_(1)
+    for t in tensors:  # page the file in
+        np.asarray(t.data).sum()
+
+    def ours() -> None:
+        for t in tensors:
+            dequantize_tensor(t, out=buf[: t.n_elements].view(t.shape))
+
+    def memcpy() -> None:
+        for t in tensors:
+            buf[: t.n_elements].copy_(src[: t.n_elements])
+
+    def reference() -> None:
+        for t in tensors:
+            gq.dequantize(t.data.reshape(*t.shape[:-1], -1), t.type)
+
+    per_type: dict[str, float] = collections.defaultdict(float)
+    for t in tensors:  # warm-up, and a per-type split of one pass
+        w, _ = timed(lambda: dequantize_tensor(t, out=buf[: t.n_elements].view(t.shape)))
+        per_type[t.type.name] += w
+    ref_wall, ref_cpu = timed(reference)
+    runs = [timed(ours) for _ in range(args.reps)]
+    copies = [timed(memcpy) for _ in range(args.reps)]
+    our_wall, our_cpu = min(runs)
+    cp_wall, _ = min(copies)
+
+    print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
+          f"torch {torch.__version__} with {torch.get_num_threads()} threads, load average "
+          f"{' '.join(f'{x:.1f}' for x in os.getloadavg())}")
+    print(f"file: {f.path} ({len(tensors)} tensors, {in_bytes / 1e6:.1f} MB quantized, "
+          f"{out_bytes / 1e9:.3f} GB float32 out)")
+    print(f"gguf-py:  {ref_wall:7.3f} s wall  {ref_cpu:7.3f} s CPU  {in_bytes / ref_wall / 1e6:7.1f} MB/s in")
+    print(f"ours:     {our_wall:7.3f} s wall  {our_cpu:7.3f} s CPU  (best of {args.reps}; "
+          f"median {sorted(r[0] for r in runs)[len(runs) // 2]:.3f} s)")
+    print(f"memcpy:   {cp_wall:7.3f} s wall  (same sizes into the same buffer)")
+    print(f"speed-up vs gguf-py: {ref_wall / our_wall:.1f}x wall")
+    print(f"written:  ours {out_bytes / our_wall / 1e9:.2f} GB/s, memcpy {out_bytes / cp_wall / 1e9:.2f} GB/s "
+          f"-> {cp_wall / our_wall:.0%} of memcpy")
+    print("per type (one warm pass, wall): " + ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in per_type.items()))
+
+
+if __name__ == "__main__":
+    main()
