@@ -67,6 +67,11 @@ def hf_config(kind: str, **over):
         return DeepseekV3Config(**{**COMMON, "rope_parameters": DEEPSEEK_YARN, **over})
     if kind == "glm":
         return GlmMoeDsaConfig(**{**COMMON, **GLM, **over})
+    if kind == "deepseek_v2":  # softmax router, greedy top-k, no normalization (DeepseekV2TopkRouter)
+        from transformers import DeepseekV2Config
+
+        v2 = {**COMMON, "n_group": None, "topk_group": None, "norm_topk_prob": False, "topk_method": "greedy"}
+        return DeepseekV2Config(**{**v2, **over})
     raise ValueError(kind)
 
 
@@ -106,6 +111,8 @@ def build(kind: str, out_dir: Path, *, seed: int = 0, legacy: bool = False, **ov
     ckpt_dir = out_dir / f"hf-{kind}"
     model.save_pretrained(ckpt_dir)
     config = json.loads((ckpt_dir / "config.json").read_text())
+    if kind == "deepseek_v2":
+        config["scoring_func"] = "softmax"  # as DeepSeek-V2's own config.json says
     if kind == "deepseek":
         # transformers' DeepseekV3Config has no scoring_func (its router is always sigmoid); the real
         # DeepSeek-V3 config.json has "scoring_func": "sigmoid", which the converter turns into
@@ -135,8 +142,6 @@ def gguf_metadata(arch: str, c: dict) -> dict[str, tuple[object, gguf.GGUFValueT
         k(K.Rope.FREQ_BASE): (rope["rope_theta"], f32),
         k(K.Attention.LAYERNORM_RMS_EPS): (c["rms_norm_eps"], f32),
         k(K.LLM.EXPERT_USED_COUNT): (c["num_experts_per_tok"], u32),
-        k(K.LLM.EXPERT_GROUP_COUNT): (c["n_group"], u32),
-        k(K.LLM.EXPERT_GROUP_USED_COUNT): (c["topk_group"], u32),
         k(K.LLM.LEADING_DENSE_BLOCK_COUNT): (c["first_k_dense_replace"], u32),
         k(K.LLM.VOCAB_SIZE): (c["vocab_size"], u32),
         k(K.Attention.KV_LORA_RANK): (c["kv_lora_rank"], u32),
@@ -150,6 +155,10 @@ def gguf_metadata(arch: str, c: dict) -> dict[str, tuple[object, gguf.GGUFValueT
         k(K.LLM.EXPERT_WEIGHTS_SCALE): (c["routed_scaling_factor"], f32),
         k(K.Rope.DIMENSION_COUNT): (c["qk_rope_head_dim"], u32),
     }
+    if c.get("n_group") is not None:
+        meta[k(K.LLM.EXPERT_GROUP_COUNT)] = (c["n_group"], u32)
+    if c.get("topk_group") is not None:
+        meta[k(K.LLM.EXPERT_GROUP_USED_COUNT)] = (c["topk_group"], u32)
     if c.get("q_lora_rank") is not None:
         meta[k(K.Attention.Q_LORA_RANK)] = (c["q_lora_rank"], u32)
     if c.get("norm_topk_prob"):

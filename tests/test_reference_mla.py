@@ -225,6 +225,15 @@ def test_plain_q_lite_model_matches_transformers(tmp_path):
     assert err <= bound
 
 
+def test_deepseek_v2_softmax_router_matches_transformers(tmp_path):
+    """DeepSeek-V2: softmax gating, greedy top-k, no normalization, no correction bias."""
+    f = fx.build("deepseek_v2", tmp_path)
+    bound, ours, _ = float64_bound(f.gguf_path, IDS)
+    err = float((ours - hf_logits(f, IDS)).abs().max())
+    print(f"deepseek2 (V2, softmax) float64: max|ours - transformers| = {err:.3g}, bound {bound:.3g}")
+    assert err <= bound
+
+
 def test_legacy_unsplit_kv_b_file_matches_transformers(tmp_path):
     """A file converted before llama.cpp's MLA split (one attn_kv_b, MHA sizes) runs the same network."""
     f = fx.build("deepseek", tmp_path, legacy=True)
