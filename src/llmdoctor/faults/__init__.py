@@ -11,7 +11,7 @@ import importlib
 from dataclasses import dataclass
 from typing import Any, Callable
 
-_MODULES = ("llmdoctor.faults.hostile_files", "llmdoctor.faults.reference_mla", "llmdoctor.faults.endpoint")
+_MODULES = ("llmdoctor.faults.hostile_files", "llmdoctor.faults.reference_mla", "llmdoctor.faults.endpoint", "llmdoctor.faults.kernels")
 
 
 @dataclass(frozen=True)

@@ -60,3 +60,33 @@ def render_inspect(s: dict[str, Any], console: Console = stdout) -> None:
 
 def error_line(message: str) -> None:
     print(f"error: {message}", file=sys.stderr)
+
+
+def render_dequant(kernel: str, by_type: dict[str, dict[str, Any]], findings: list[Any], verdict: str,
+                   console: Console = stdout) -> None:
+    """`check dequant`: a per-type table, then every failed or skipped tensor with its reason."""
+    t = Table(title=f"Kernel {kernel!r} against the reference (gguf-py)", title_justify="left")
+    for col in ("type", "tensors", "pass", "fail", "skip", "compared", "mismatch", "max |diff|", "rel L2"):
+        t.add_column(col, justify="left" if col == "type" else "right")
+    for name, s in by_type.items():
+        t.add_row(name, str(s["tensors"]), str(s["passed"]), str(s["failed"]), str(s["skipped"]),
+                  f"{s['compared_elements']:,}", f"{s['mismatches']:,}", f"{s['max_abs_diff']:.3g}",
+                  f"{s['rel_l2']:.3g}")
+    console.print(t)
+    reduced = [f for f in findings if f.status == "pass" and f.reason == "reduced-precision arithmetic"]
+    if reduced:
+        console.print(f"{len(reduced)} tensor(s) pass as reduced-precision arithmetic "
+                      f"({reduced[0].budget.get('precision')}): within the derived rounding bound")
+    for f in findings:
+        if f.status == "fail":
+            console.print(f"[red]FAIL[/red] {f.target}: {f.reason}")
+            wb = f.metrics.get("worst_block")
+            if wb:
+                console.print(f"     worst block {wb['index']} at file offset {wb['file_offset']}: "
+                              f"element {tuple(wb['element'])} got {wb['got']!r}, want {wb['want']!r}")
+            for e in f.evidence[:4]:
+                console.print(f"     element {tuple(e['element'])}: got {e['got']!r}, want {e['want']!r}")
+        elif f.status == "skip":
+            console.print(f"[yellow]skipped[/yellow] {f.target}: {f.reason}")
+    style = {"passed": "green", "failed": "red"}.get(verdict, "yellow")
+    console.print(f"[{style}]{verdict}[/{style}]")

@@ -1,0 +1,346 @@
+"""`llmdoctor check dequant`: does a dequant kernel give the reference's numbers on this file?
+
+The kernel (a `subjects.kernels` spec) runs in an isolated child and receives every selected tensor
+whole, as an engine calls it; sampling only decides which blocks are compared (seeded, always the
+first and the last block). The reference (gguf-py, `layout_bugs.reference`) is computed only for the
+compared blocks. Verdict per tensor, through `metrics`:
+
+- float32 output must be bit-exact;
+- reduced-precision output (float16/bfloat16, or float32 whose values are all float16/bfloat16
+  numbers: computed in half precision) is judged by `reduced_precision_bound`;
+- NaN/inf where the reference is finite always fails.
+
+A failing tensor is explained by the first matching candidate of `layout_bugs`, else "unexplained"
+with the first differing elements as evidence.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import math
+import time
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType as T
+
+from ..errors import InputError
+from ..gguf import open_gguf
+from ..subjects.isolation import Isolated, LoadFailed, Outcome
+from . import layout_bugs, metrics
+from .base import Finding
+
+CHECK = "dequant"
+DEFAULT_BLOCKS = 256
+DEFAULT_TIMEOUT = 120.0
+DTYPES = ("float32", "float16", "bfloat16")
+# Roundings of the longest chain a correct half-precision dequant kernel evaluates, see below.
+ROUNDINGS = 4
+# Roundings in the float32 reference itself (gguf-py: d·sc, ·q, - dmin·m).
+REFERENCE_ROUNDINGS = 3
+_DIAGNOSE_MAX_BLOCKS = 512  # blocks used to name a layout bug (the candidates decode them ~30 times)
+
+
+def reduced_precision_bound(want: torch.Tensor, m: Optional[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    """Per-element bound on |kernel - reference| for a correct kernel computing in `dtype`, f64 [n].
+
+    Derivation (Higham §2.2, rounding model fl(x) = x(1+δ) + η, |δ| <= u, |η| <= η_min):
+    every GGUF type dequantizes to y = d·s·q + m, with d a float16 super-block (or block) scale, s an
+    integer sub-block scale (1 for legacy types), q an integer quant (or grid/codebook value) and m
+    the min term (m = -dmin·mn for K-quants, m stored for Q4_1/Q5_1, 0 otherwise). A kernel working
+    in `dtype` (as vLLM's GGUF kernels compute d*q+m in half) rounds at most: (1) d converted to
+    `dtype` (exact for float16, a rounding for bfloat16), (2) d·s, (3) (d·s)·q, (4) the add of m; the
+    m path has at most 3 roundings (dmin converted, dmin·mn, the same add); a final cast of a float32
+    result counts as the rounding it replaces. The integers q, s, mn are exact in both dtypes. So
+
+        |y~ - y| <= γ_4(u)·|d·s·q| + γ_3(u)·|m| + 4·η_min <= γ_c(u)·(|d·q| + |m|) + c·η_min,  c = 4,
+
+    with γ_c = c·u/(1 - c·u), u = 2^-11 (float16) or 2^-8 (bfloat16). The η_min term (2^-25 for
+    float16) covers results that underflow to subnormals (tiny d). The reference itself is float32
+    with 3 roundings, so the bound adds γ_3(2^-24)·(|d·q| + |m|). |d·q| is computed as |y - m| from
+    the reference (its float32 error is inside that extra term). An element near cancellation
+    (d·q ≈ -m) can be thousands of ulps of y off and still be within this bound: the bound, not an
+    ulp count, is the judge.
+    """
+    want = want.to(torch.float64).reshape(-1)
+    mm = torch.zeros_like(want) if m is None else m.to(torch.float64).reshape(-1)
+    magnitude = (want - mm).abs() + mm.abs()  # |d·q| + |m|
+    return (metrics.rounding_bound(magnitude, dtype, ROUNDINGS)
+            + metrics.rounding_bound(magnitude, torch.float32, REFERENCE_ROUNDINGS))
+
+
+def _representable(x: torch.Tensor, dtype: torch.dtype) -> bool:
+    finite = x[torch.isfinite(x)]
+    return bool((finite.to(dtype).to(x.dtype) == finite).all())
+
+
+@dataclass
+class Judge:
+    """How one tensor's output is judged: bit-exact, or the reduced-precision bound in `precision`."""
+
+    precision: Optional[torch.dtype]  # None: bit-exact
+
+    @classmethod
+    def for_output(cls, got: torch.Tensor, mismatching: bool) -> "Judge":
+        if got.dtype in (torch.float16, torch.bfloat16):
+            return cls(got.dtype)
+        if got.dtype == torch.float32 and mismatching:
+            for half in (torch.float16, torch.bfloat16):  # float32 output computed in half precision
+                if _representable(got, half):
+                    return cls(half)
+        return cls(None)
+
+    def bad(self, got: torch.Tensor, want: torch.Tensor, m: Optional[torch.Tensor]) -> torch.Tensor:
+        """bool [n]: elements that fail. got any float dtype; want float32 reference values."""
+        if self.precision is None:
+            return _exact_mismatch(got, want)
+        return metrics.over_budget(got, want, reduced_precision_bound(want, m, self.precision))
+
+
+def _exact_mismatch(got: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
+    if got.dtype == torch.float32:
+        return metrics.bit_mismatch(got, want)
+    g, w = got.to(torch.float64).reshape(-1), want.to(torch.float64).reshape(-1)
+    return ~((g == w) | (torch.isnan(g) & torch.isnan(w)))
+
+
+def choose_blocks(n_blocks: int, n: int, seed: int, name: str) -> np.ndarray:
+    """Sorted block indices to compare: first, last and n-2 others, seeded per (seed, tensor name)
+    so that a tensor's sample does not depend on which other tensors are selected."""
+    if n >= n_blocks:
+        return np.arange(n_blocks, dtype=np.int64)
+    rng = np.random.default_rng([seed, zlib.crc32(name.encode())])
+    inner = rng.choice(np.arange(1, n_blocks - 1), size=max(n - 2, 0), replace=False) if n_blocks > 2 else []
+    return np.unique(np.concatenate([[0, n_blocks - 1], inner]).astype(np.int64))
+
+
+@dataclass
+class Result:
+    kernel: str
+    device: str
+    dtype: Optional[str]
+    findings: list[Finding] = field(default_factory=list)
+    by_type: dict[str, dict[str, Any]] = field(default_factory=dict)
+    loaded: bool = True
+    seconds: float = 0.0
+    restarts: int = 0
+
+
+def _select(g: Any, only: Optional[str]) -> list[Any]:
+    tensors = [t for t in g.tensors if only is None or fnmatch.fnmatchcase(t.name, only)]
+    if not tensors:
+        raise InputError(f"--only {only!r} matches no tensor of {g.path}")
+    return tensors
+
+
+def run(path: Path, *, kernel: str = "torch", device: str = "cpu", dtype: Optional[str] = None,
+        only: Optional[str] = None, blocks: int = DEFAULT_BLOCKS, all_blocks: bool = False, seed: int = 0,
+        timeout: float = DEFAULT_TIMEOUT,
+        on_tensor: Optional[Callable[[int, int, str], None]] = None) -> Result:
+    """Check `kernel` against the reference on the tensors of `path` (see the module docstring)."""
+    from ..subjects.kernels import validate_spec
+
+    validate_spec(kernel)
+    if dtype is not None and dtype not in DTYPES:
+        raise InputError(f"--dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
+    if device not in ("cpu", "cuda"):
+        raise InputError(f"--device {device!r}: expected cpu or cuda")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise InputError(f"--device cuda: CUDA is not available here (torch {torch.__version__})")
+    if blocks < 1 and not all_blocks:
+        raise InputError(f"--blocks {blocks}: must be at least 1")
+    res = Result(kernel, device, dtype)
+    t0 = time.perf_counter()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the comparisons here are small: thread hand-offs would cost more than they save
+    try:
+        _run(res, path, only, blocks, all_blocks, seed, timeout, on_tensor)
+    finally:
+        torch.set_num_threads(threads)
+    res.seconds = time.perf_counter() - t0
+    return res
+
+
+def _run(res: Result, path: Path, only: Optional[str], blocks: int, all_blocks: bool, seed: int,
+         timeout: float, on_tensor: Optional[Callable[[int, int, str], None]]) -> None:
+    kernel, device, dtype = res.kernel, res.device, res.dtype
+    with open_gguf(path) as g, Isolated("llmdoctor.subjects.kernels:serve", (kernel, device, dtype),
+                                        call_timeout=timeout) as iso:
+        tensors = _select(g, only)
+        try:
+            iso.start()
+        except LoadFailed as e:
+            if e.kind == "InputError":
+                raise InputError(str(e)) from None
+            res.loaded = False
+            res.findings.append(Finding(CHECK, kernel, "load", "skip", reason=f"kernel {kernel!r} could not run: {e}"))
+            return
+        dead: Optional[str] = None
+        for i, t in enumerate(tensors):
+            if on_tensor:
+                on_tensor(i, len(tensors), t.name)
+            if dead is not None:
+                f = Finding(CHECK, kernel, t.name, "skip", reason=dead)
+            else:
+                try:
+                    f = _check_tensor(iso, t, kernel, blocks, all_blocks, seed)
+                except LoadFailed as e:  # the fresh child after a crash could not start
+                    dead = f"kernel could not be restarted after a crash: {e}"
+                    f = Finding(CHECK, kernel, t.name, "skip", reason=dead)
+            res.findings.append(f)
+            _add_to_summary(res.by_type, t.type.name, f)
+        res.restarts = iso.restarts
+
+
+def _check_tensor(iso: Isolated, t: Any, kernel: str, n_blocks: int, all_blocks: bool, seed: int) -> Finding:
+    name, q = t.name, T(t.type)
+    base = {"type": q.name, "shape": list(t.shape), "offset": t.offset, "n_blocks": t.n_blocks}
+
+    def finding(status: str, reason: str = "", **kw: Any) -> Finding:
+        kw["metrics"] = {**base, **kw.get("metrics", {})}
+        return Finding(CHECK, kernel, name, status, reason=reason, **kw)
+
+    if not t.supported:
+        return finding("skip", f"{q.name} in a big-endian file has no defined block layout")
+    if q not in layout_bugs.reference_types():
+        return finding("skip", f"no reference: gguf-py cannot dequantize {q.name}")
+    idx = np.arange(t.n_blocks, dtype=np.int64) if all_blocks else choose_blocks(t.n_blocks, n_blocks, seed, name)
+    header = {"qtype": int(q), "shape": list(t.shape), "block_size": t.block_size,
+              "blocks": None if all_blocks else idx}
+    out = iso.call(header, t.data)
+    if out.status != "ok":
+        return _fault_finding(finding, out)
+    got = torch.frombuffer(bytearray(out.payload), dtype=getattr(torch, out.header["dtype"]))
+    got = got.reshape(len(idx), t.block_size)  # [k, block_size]
+    tensor = layout_bugs.Tensor(q, tuple(t.shape), t.data)
+    want_np = layout_bugs.reference(q, tensor.blocks(idx))  # f32 [k, block_size]
+    want = torch.from_numpy(want_np)
+    m_np = layout_bugs.min_part(q, tensor.blocks(idx))
+    m = None if m_np is None else torch.from_numpy(m_np)
+    judge = Judge.for_output(got, bool(_exact_mismatch(got, want).any()))
+    bad = judge.bad(got, want, m).reshape(len(idx), t.block_size)  # [k, block_size]
+    mets = _metrics(got, want, m, bad, idx, t, out, judge)
+    budget = {"rule": "bit-exact" if judge.precision is None else "reduced-precision bound",
+              **({} if judge.precision is None else {
+                  "precision": str(judge.precision).removeprefix("torch."), "roundings": ROUNDINGS,
+                  "formula": "|err| <= gamma_c(u)*(|d*q|+|m|) + c*eta_min + gamma_3(2^-24)*(|d*q|+|m|)"})}
+    stray = _nonfinite_elsewhere(out, tensor)
+    if not bad.any() and not stray:
+        how = "bit-exact" if judge.precision is None else "reduced-precision arithmetic"
+        expl = "" if judge.precision is None else (
+            f"reduced-precision arithmetic ({budget['precision']}): within the derived rounding bound, not a layout bug")
+        return finding("pass", how, metrics=mets, budget=budget, explanation=expl)
+    if stray and not bad.any():
+        return finding("fail", f"non-finite output where the reference is finite ({len(stray)} shown)",
+                       metrics=mets, budget=budget, evidence=stray,
+                       explanation="the kernel writes NaN/inf outside the compared blocks")
+    reason, expl, evidence = _diagnose(got, want, m, bad, idx, tensor, judge)
+    return finding("fail", reason, metrics=mets, budget=budget, explanation=expl, evidence=evidence + stray)
+
+
+def _fault_finding(finding: Callable[..., Finding], out: Outcome) -> Finding:
+    if out.status == "unsupported":
+        return finding("skip", f"kernel does not support this type: {out.message}")
+    what = {"raised": "kernel raised", "crashed": "kernel crashed", "timeout": "kernel hung",
+            "contract": "contract violation"}.get(out.status, out.status)
+    return finding("fail", f"{what}: {out.message}", explanation=f"{what} on this tensor; the check went on "
+                   "with a fresh child" if out.status in ("crashed", "timeout") else f"{what} on this tensor")
+
+
+def _metrics(got: torch.Tensor, want: torch.Tensor, mins: Optional[torch.Tensor], bad: torch.Tensor,
+             idx: np.ndarray, t: Any, out: Outcome, judge: Judge) -> dict[str, Any]:
+    n = want.numel()
+    diff = metrics.abs_diff(got, want)
+    mism = _exact_mismatch(got, want)
+    w = torch.where(torch.isnan(diff), torch.full_like(diff, float("inf")), diff)
+    worst = int(w.argmax()) if n else 0
+    wb = worst // t.block_size
+    m: dict[str, Any] = {
+        "compared_blocks": len(idx), "compared_elements": n,
+        "max_abs_diff": metrics.max_abs_diff(got, want), "rel_l2": metrics.rel_l2(got, want),
+        "mismatches": int(mism.sum()), "mismatch_fraction": float(mism.sum()) / max(n, 1),
+        "failing_elements": int(bad.sum()), "output_dtype": out.header["dtype"],
+        "output_device": out.header["device"], "kernel_seconds": out.header.get("seconds"),
+        "nonfinite_in_output": out.header.get("nonfinite", 0),
+        "sum_sq_err": float(((got.double() - want.double()) ** 2).nan_to_num(float("inf")).sum()),
+        "sum_sq_ref": float((want.double() ** 2).sum()),
+    }
+    if m["mismatches"]:
+        m["worst_block"] = {
+            "index": int(idx[wb]), "file_offset": t.offset + int(idx[wb]) * t.type_size,
+            "element": [int(v) for v in np.unravel_index(int(idx[wb]) * t.block_size + worst % t.block_size, t.shape)],
+            "got": float(got.reshape(-1)[worst]), "want": float(want.reshape(-1)[worst]),
+        }
+    if judge.precision is not None:  # how much of the rounding bound the worst element uses
+        m["bound_used"] = float((diff / reduced_precision_bound(want, mins, judge.precision)).nan_to_num(math.inf).max())
+    if got.dtype == torch.float32 and m["mismatches"]:
+        m["differing_bits"] = metrics.differing_bits(got, want)
+    return m
+
+
+def _nonfinite_elsewhere(out: Outcome, t: layout_bugs.Tensor) -> list[dict[str, Any]]:
+    """The kernel's non-finite elements (anywhere in the tensor) where the reference is finite."""
+    at = np.asarray(out.header.get("nonfinite_at", []), dtype=np.int64)
+    if not at.size:
+        return []
+    ref = t.ref_elements(at)
+    return [{"element": [int(v) for v in np.unravel_index(int(i), t.shape)], "got": g, "want": float(r)}
+            for i, g, r in zip(at, out.header["nonfinite_values"], ref) if np.isfinite(r)]
+
+
+def _diagnose(got: torch.Tensor, want: torch.Tensor, m: Optional[torch.Tensor], bad: torch.Tensor,
+              idx: np.ndarray, t: layout_bugs.Tensor, judge: Judge) -> tuple[str, str, list[Any]]:
+    """Name the layout bug (on at most _DIAGNOSE_MAX_BLOCKS of the compared blocks) or show evidence."""
+    rows = np.arange(len(idx))
+    if len(idx) > _DIAGNOSE_MAX_BLOCKS:
+        failing = rows[bad.any(dim=1).numpy()][: _DIAGNOSE_MAX_BLOCKS // 4]
+        others = np.random.default_rng(0).choice(rows, _DIAGNOSE_MAX_BLOCKS // 2, replace=False)
+        rows = np.unique(np.concatenate([[0, len(idx) - 1], failing, others]))
+    sub_got = got[torch.from_numpy(rows)]
+    sub_m = None if m is None else m[torch.from_numpy(rows)]
+
+    def matches(expected: np.ndarray, keep: np.ndarray) -> bool:
+        k = torch.from_numpy(keep)
+        exp = torch.from_numpy(np.ascontiguousarray(expected, dtype=np.float32))
+        return not judge.bad(sub_got[k], exp[k], None if sub_m is None else sub_m[k]).any()
+
+    n_bad = int(bad.sum())
+    reason = f"{n_bad} of {bad.numel()} compared elements differ" + (
+        "" if judge.precision is None else f" beyond the {str(judge.precision).removeprefix('torch.')} rounding bound")
+    if metrics.nonfinite_where_finite(got, want).any():
+        reason += " (NaN/inf where the reference is finite)"
+    cand = layout_bugs.explain(t, idx[rows], matches)
+    if cand is not None:
+        return f"{reason}: layout bug: {cand.name}", f"layout bug: {cand.name} ({cand.detail})", []
+    flat_bad = bad.reshape(-1).nonzero().flatten()[:8]
+    evidence = []
+    for j in flat_bad.tolist():
+        e = int(idx[j // t.block_size]) * t.block_size + j % t.block_size
+        evidence.append({"element": [int(v) for v in np.unravel_index(e, t.shape)],
+                         "got": float(got.reshape(-1)[j]), "want": float(want.reshape(-1)[j])})
+    return f"{reason}: unexplained", "unexplained: no candidate layout bug reproduces the output", evidence
+
+
+def _add_to_summary(by_type: dict[str, dict[str, Any]], tname: str, f: Finding) -> None:
+    s = by_type.setdefault(tname, {"tensors": 0, "passed": 0, "failed": 0, "skipped": 0,
+                                   "compared_elements": 0, "mismatches": 0, "max_abs_diff": 0.0,
+                                   "rel_l2": 0.0, "_err": 0.0, "_ref": 0.0})
+    s["tensors"] += 1
+    s[{"pass": "passed", "fail": "failed", "skip": "skipped"}[f.status]] += 1
+    mt = f.metrics
+    if "compared_elements" in mt:
+        s["compared_elements"] += mt["compared_elements"]
+        s["mismatches"] += mt["mismatches"]
+        s["max_abs_diff"] = max(s["max_abs_diff"], mt["max_abs_diff"], key=lambda x: math.inf if math.isnan(x) else x)
+        s["_err"] += mt["sum_sq_err"]
+        s["_ref"] += mt["sum_sq_ref"]
+        s["rel_l2"] = (s["_err"] / s["_ref"]) ** 0.5 if s["_ref"] else (0.0 if s["_err"] == 0 else float("inf"))
+
+
+def summary(res: Result) -> dict[str, dict[str, Any]]:
+    """Per-type totals without the internal accumulators."""
+    return {k: {kk: vv for kk, vv in v.items() if not kk.startswith("_")} for k, v in res.by_type.items()}

@@ -1,0 +1,181 @@
+"""`llmdoctor check dequant`: planted faulty kernels are caught and named, correct kernels pass.
+
+Runs on small `--only` subsets of the demo model; every run starts one isolated kernel child.
+"""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from llmdoctor import faults
+from llmdoctor.checks import dequant, layout_bugs
+from llmdoctor.cli import app
+from llmdoctor.demo import model_path
+from llmdoctor.errors import InputError
+from llmdoctor.faults.kernels import DEMO_TARGET
+
+LAYOUT = ["nibble_swap", "qh_misplaced", "scale_min_swap", "subblock_order", "d_sign", "dmin_half",
+          "unsigned_quants", "transposed", "rows_shifted", "rows_wrapped", "tail_unwritten", "wrong_type"]
+
+
+@pytest.fixture(scope="module")
+def demo():
+    return model_path()
+
+
+def _run(demo, name, **kw):
+    return dequant.run(demo, kernel=faults.get(name).build(), only=DEMO_TARGET[name], **kw)
+
+
+@pytest.mark.parametrize("name", LAYOUT)
+def test_planted_layout_bug_is_named(demo, name):
+    res = _run(demo, name)
+    failed = [f for f in res.findings if f.status == "fail"]
+    assert failed, f"{name}: the check did not fail"
+    expect = faults.get(name).expect
+    for f in failed:
+        assert f"layout bug: {expect}" in f.reason, (name, f.reason)
+        assert f.metrics["worst_block"]["file_offset"] >= f.metrics["offset"]
+
+
+@pytest.mark.parametrize("name", ["raises", "segfault", "aborts", "wrong_shape", "returns_nan"])
+def test_faulty_subject_is_reported_and_the_check_goes_on(demo, name):
+    res = _run(demo, name)
+    assert len(res.findings) == 2  # attn_k and attn_v: the second tensor is still checked
+    for f in res.findings:
+        assert f.status == "fail" and faults.get(name).expect in f.reason, f.reason
+    if name in ("segfault", "aborts"):
+        assert "killed by SIG" in res.findings[0].reason and res.restarts == 1
+
+
+def test_hanging_kernel_times_out(demo):
+    res = dequant.run(demo, kernel=faults.get("hangs").build(), only="blk.0.attn_k.weight", timeout=2)
+    (f,) = res.findings
+    assert f.status == "fail" and "kernel hung" in f.reason
+
+
+@pytest.mark.parametrize("name,dtype", [("half_precision", None), ("half_precision_f32_out", None),
+                                        ("half_precision", "float16")])
+def test_correct_half_kernel_passes_as_reduced_precision(demo, name, dtype):
+    res = dequant.run(demo, kernel=faults.get(name).build(), dtype=dtype, only="blk.0.*")
+    assert all(f.status == "pass" for f in res.findings)
+    reduced = [f for f in res.findings if f.reason == "reduced-precision arithmetic"]
+    assert {f.metrics["type"] for f in reduced} >= {"Q5_0", "Q4_K", "Q6_K", "Q8_0"}
+    assert all(f.metrics["bound_used"] <= 1 for f in reduced)
+
+
+def test_reference_kernel_passes_bit_exact(demo):
+    res = dequant.run(demo, kernel="reference", only="blk.0.*")
+    assert res.findings and all(f.status == "pass" and f.reason == "bit-exact" for f in res.findings)
+
+
+def test_torch_kernel_never_fails_silently(demo):
+    res = dequant.run(demo, kernel="torch", only="blk.0.*")
+    assert not [f for f in res.findings if f.status == "fail"], [f.reason for f in res.findings]
+    assert all(f.reason for f in res.findings if f.status == "skip")
+
+
+def test_ggml_agrees_with_gguf_py_on_the_demo_file(demo):
+    """Cross-checks the oracle (gguf-py) against the C code llama.cpp runs, on every tensor."""
+    res = dequant.run(demo, kernel="ggml", blocks=64)
+    by_status = {s: [f for f in res.findings if f.status == s] for s in ("pass", "fail", "skip")}
+    assert not by_status["fail"]
+    assert len(by_status["pass"]) == 127  # every quantized tensor
+    assert all("f32 has no to_float" in f.reason for f in by_status["skip"])  # the 109 F32 norms
+
+
+def test_reduced_precision_bound_catches_an_error_just_above_it():
+    want = torch.tensor([0.25, -1.5, 3e-6, 0.0], dtype=torch.float32)
+    m = torch.tensor([0.1, 0.0, 0.0, 0.0], dtype=torch.float32)
+    bound = dequant.reduced_precision_bound(want, m, torch.float16)
+    judge = dequant.Judge(torch.float16)
+    inside = (want.double() + 0.99 * bound).float()
+    outside = (want.double() + 1.5 * bound).float()
+    assert not judge.bad(inside, want, m).any()
+    assert judge.bad(outside, want, m).all()
+    assert dequant.Judge(None).bad(inside, want, m).any()  # float32 must be bit-exact
+
+
+def test_choose_blocks_is_seeded_and_keeps_the_ends():
+    a = dequant.choose_blocks(10_000, 50, 0, "x")
+    assert len(a) == 50 and a[0] == 0 and a[-1] == 9_999
+    assert np.array_equal(a, dequant.choose_blocks(10_000, 50, 0, "x"))
+    assert not np.array_equal(a, dequant.choose_blocks(10_000, 50, 1, "x"))
+    assert np.array_equal(dequant.choose_blocks(3, 50, 0, "x"), [0, 1, 2])
+
+
+def test_layout_bug_candidates_on_min_types():
+    """Q4_1: d and m swapped, sign of d; Q8_0 a planted output transform: no false naming."""
+    rng = np.random.default_rng(0)
+    raw = rng.integers(0, 256, (64, 20), dtype=np.uint8)
+    raw[:, 0:4] = np.frombuffer(rng.uniform(-1, 1, 128).astype(np.float16).tobytes(), np.uint8).reshape(64, 4)
+    t = layout_bugs.Tensor(layout_bugs.T.Q4_1, (2, 1024), raw.reshape(-1))
+    idx = np.arange(64)
+    swapped = raw.copy()
+    swapped[:, 0:2], swapped[:, 2:4] = raw[:, 2:4], raw[:, 0:2]
+    got = layout_bugs.reference(layout_bugs.T.Q4_1, swapped)
+
+    def exact(expected, keep):
+        return np.array_equal(expected[keep].view(np.uint32), got[keep].view(np.uint32))
+
+    assert layout_bugs.explain(t, idx, exact).name == "d/dmin from the wrong half"
+    got = layout_bugs.reference(layout_bugs.T.Q4_1, raw) * 1.5
+    assert layout_bugs.explain(t, idx, exact) is None
+
+
+# ----------------------------------------------------------------------------- CLI
+
+runner = CliRunner()
+
+
+def test_cli_pass_and_json_envelope():
+    r = runner.invoke(app, ["check", "dequant", "--kernel", "reference", "--only", "blk.0.attn_v.weight", "--json"])
+    assert r.exit_code == 0, r.output
+    env = json.loads(r.stdout)
+    assert env["schema"] == "llmdoctor.check.dequant/1" and env["verdict"] == "passed"
+    assert env["counts"] == {"passed": 1, "failed": 0, "skipped": 0}
+    assert env["by_type"]["Q8_0"]["mismatches"] == 0 and env["kernel"]["spec"] == "reference"
+    assert env["env"]["file"]["sha256"] and env["env"]["seed"] == 0
+
+
+def test_cli_fail_names_the_bug_and_exits_1():
+    spec = faults.get("d_sign").build()
+    r = runner.invoke(app, ["check", "dequant", "--kernel", spec, "--only", "blk.0.attn_output.weight", "--json"])
+    assert r.exit_code == 1
+    (f,) = json.loads(r.stdout)["findings"]
+    assert f["status"] == "fail" and "layout bug: sign of d" in f["explanation"]
+    assert f["metrics"]["differing_bits"]["sign"] > 0
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--kernel", "nosuch"], "not a built-in"),
+    (["--kernel", "nosuchmodule_xyz:fn"], "cannot import"),
+    (["--kernel", "/nonexistent/k.py:fn"], "no such file"),
+    (["--kernel", "llmdoctor.faults.kernels:nosuchfn"], "has no function"),
+    (["--device", "cuda"], "CUDA is not available"),
+    (["--blocks", "4", "--all"], "exclude each other"),
+    (["--only", "no.such.tensor"], "matches no tensor"),
+])
+def test_cli_bad_input_is_one_line_and_exit_2(args, message):
+    if "cuda" in args and torch.cuda.is_available():
+        pytest.skip("CUDA is available here")
+    r = runner.invoke(app, ["check", "dequant", "--only", "blk.0.attn_v.weight", *args])
+    assert r.exit_code == 2
+    lines = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
+    assert len(lines) == 1 and message in lines[0], r.stderr
+
+
+def test_cli_unavailable_kernel_is_skipped_with_reason_and_exit_2():
+    r = runner.invoke(app, ["check", "dequant", "--kernel", "vllm", "--only", "blk.0.attn_v.weight", "--json"])
+    assert r.exit_code == 2
+    env = json.loads(r.stdout)
+    assert env["verdict"] == "skipped" and env["counts"]["skipped"] == 1
+    assert "vllm" in env["findings"][0]["reason"]
+
+
+def test_run_validates_before_starting(demo):
+    with pytest.raises(InputError):
+        dequant.run(demo, kernel="torch", dtype="float8")
