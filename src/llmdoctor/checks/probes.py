@@ -1,0 +1,762 @@
+"""`llmdoctor probe`: black-box examination of a live OpenAI-compatible endpoint.
+
+What a user can see from outside is text and top-k log-probs. The probes turn that into evidence:
+
+- knowledge: counting, alphabet, copying a random string, a short fact, repetition. For each, the
+  log-prob and rank of the expected continuation (every listed token that is a prefix of it counts,
+  so the probe does not depend on one tokenizer) and the top-k + tail entropy (a flat distribution
+  is the garbage signature).
+- symptom bisection: greedy determinism (the same request again), streamed vs not, alone vs inside
+  a concurrent ragged batch, growing positions (a counting run of growing length: the units digit
+  needs the right relative positions), prefill vs decode (the distribution of a decoded token
+  against the same text sent as a prompt).
+- front end: the server's tokenization against the GGUF's (BOS doubled or missing), the GGUF's chat
+  template rendered in a sandboxed jinja2 environment against what the chat endpoint tokenizes, stop
+  sequences and EOS handling.
+- with the GGUF the server claims to serve: the same token ids through the reference forward pass;
+  KL and top-1 agreement per probe position through `metrics.topk_tail`.
+
+Every threshold is in `THRESHOLDS` with its derivation; the report shows them. A server that errors,
+times out, returns malformed JSON or omits logprobs is never called healthy.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import random
+import string
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+from ..errors import InputError
+from ..subjects.endpoint import Completion, Endpoint, EndpointError
+from .base import Finding
+from .metrics import topk_tail
+
+# ---------------------------------------------------------------------------------------------
+# thresholds, derived from what the healthy llama-cpp-python 0.3.36 server measures here with the
+# demo model (Gemma 3 270M Q4_K_M); numbers in notes/probe-calibration.md and bench/RESULTS.md.
+THRESHOLDS: dict[str, dict[str, Any]] = {
+    "top_k": {"value": 10, "why": "top-10 log-probs per token: enough to rank the expected token and to "
+                                  "see a flat distribution; llama-cpp-python costs the same for any k"},
+    "expected_logprob_min": {"value": -1.0, "why": "healthy: the worst knowledge probe (the fact) gives "
+        "-0.30; engines disagree by up to 0.23 on unsure tokens (llama.cpp vs transformers here), so a "
+        "healthy deployment stays above -0.53; -1.0 leaves that margin twice. The expected continuation "
+        "must also rank first. The broken server of the seed gave -20 to -24"},
+    "garbage_fraction": {"value": 0.5, "why": "more than half of the knowledge probes wrong is garbage; "
+        "one or two wrong is degraded"},
+    "flat_tail_min": {"value": 0.5, "why": "healthy: the top-10 hold >= 0.78 of the mass on every "
+        "knowledge probe (tail <= 0.22); a tail of half the mass or more is a flat distribution"},
+    "determinism_max_abs_dlogprob": {"value": 0.02, "why": "healthy: the same request repeated differs "
+        "by at most 7e-4 nats (prompt prefix caching changes the batch shape of the first step); 0.02 "
+        "is about 30x that, still far below a wrong kernel (0.1-10 nats)"},
+    "same_distribution_kl_max": {"value": 1e-3, "why": "alone vs batched, streamed vs not, prefill vs "
+        "decode: the same distribution computed twice. healthy: KL <= 1e-5 (measured); a 0.02-nat "
+        "log-prob jitter gives KL ~ 2e-4; 1e-3 stays above both"},
+    "position_logprob_min": {"value": math.log(0.5), "why": "the units digit of a counting run is "
+        "certain for a healthy model (-0.002 at every length measured here); requiring half the mass "
+        "(-0.69) is 300x looser, while a rope base of 100 instead of 1e6 gives -1.4 at 33 numbers"},
+    "reference_kl_max": {"value": 0.05, "why": "healthy server vs reference (float32, same GGUF): "
+        "KL <= 1e-3 per position here (transformers vs this server: 5.9e-4); 0.05 allows other "
+        "engines' kernels and quantized KV caches, while a broken layer gives KL > 0.3"},
+    "max_consecutive_failures": {"value": 3, "why": "stop probing (verdict inconclusive) after 3 "
+        "requests in a row failed for good: the rest would only wait for timeouts"},
+}
+
+
+def _t(name: str) -> Any:
+    return THRESHOLDS[name]["value"]
+
+
+# Symptom classes a finding can carry (the verdict lists those found, with the findings' ids).
+SYMPTOMS = {
+    "unreachable": "the server could not be reached",
+    "timeout": "requests timed out",
+    "malformed-json": "responses were not valid JSON or lacked required fields",
+    "server-errors": "the server answered with HTTP errors (even where a retry recovered)",
+    "missing-logprobs": "the server returned no log-probs: nothing can be measured",
+    "wrong-answers": "easy continuations (counting, alphabet, copying, facts) are not predicted",
+    "flat-distribution": "the next-token distribution is flat: the garbage signature",
+    "nondeterministic": "the same greedy request gives different results",
+    "stream-mismatch": "streamed and non-streamed results differ",
+    "batch-dependent": "results change when the request shares a batch with others",
+    "position-dependent": "results degrade with the position in the sequence (RoPE / long context)",
+    "decode-only": "decoded tokens' distributions differ from the same text prefilled",
+    "tokenizer-mismatch": "the server tokenizes differently from the GGUF's tokenizer",
+    "bos": "BOS doubled or missing",
+    "chat-template": "the chat endpoint formats messages differently from the GGUF's template",
+    "eos-stop": "generation does not stop at EOS or at a stop sequence",
+    "reference-mismatch": "the server's distributions differ from the reference forward pass",
+}
+
+
+@dataclass(frozen=True)
+class Knowledge:
+    name: str
+    prompt: str
+    expect: str  # the continuation; any listed token that is a prefix of it counts
+
+
+COUNT_PROMPT = "1 2 3 4 5 6 7 8 "
+POSITION_N = (12, 33, 54, 75)  # counting runs 1..N, then the tens digit of N+1; the units digit is expected
+_COPY_ALPHABET = string.ascii_letters + string.digits
+
+
+def counting_run(n: int) -> tuple[str, str]:
+    """("1 2 ... n d", units digit of n+1) where d is the tens digit of n+1 (n >= 9)."""
+    nxt = str(n + 1)
+    return " ".join(str(i) for i in range(1, n + 1)) + " " + nxt[:-1], nxt[-1]
+
+
+def knowledge_probes(seed: int) -> list[Knowledge]:
+    rnd = random.Random(seed)
+    word = "".join(rnd.choice(_COPY_ALPHABET) for _ in range(5))
+    return [
+        Knowledge("counting", COUNT_PROMPT, "9"),
+        Knowledge("alphabet", "A B C D E F G", " H"),
+        Knowledge("copy", f"Copy the text exactly.\nText: qz7Vk\nCopy: qz7Vk\nText: {word}\nCopy: {word[:2]}",
+                  word[2:]),
+        Knowledge("fact", "Paris is the capital of", " France"),
+        Knowledge("repetition", "the cat sat on the mat. the cat sat on the", " mat"),
+    ]
+
+
+def expected_stats(top: dict[str, float], expect: str) -> dict[str, Any]:
+    """Log-prob and rank of the expected continuation in one step's top-k (keyed by token text).
+
+    Every listed token that is a non-empty prefix of `expect` is a way to start it: their
+    probabilities add up (a lower bound of the continuation's first-step mass). Rank is 1-based
+    among the listed tokens; None when no listed token starts the continuation.
+    """
+    ranked = sorted(top.items(), key=lambda kv: -kv[1])
+    hits = [(i + 1, lp) for i, (tok, lp) in enumerate(ranked) if tok and expect.startswith(tok)]
+    lp = math.log(sum(math.exp(v) for _, v in hits)) if hits else -math.inf
+    return {"expected_logprob": lp, "expected_rank": hits[0][0] if hits else None,
+            "top1": ranked[0][0] if ranked else None}
+
+
+@dataclass
+class ProbeReport:
+    url: str
+    model: str | None
+    verdict: str  # healthy | degraded | garbage | inconclusive
+    findings: list[Finding]
+    symptoms: dict[str, list[str]]  # class -> ids of the findings that show it
+    features: dict[str, Any]
+    wall_s: float
+    n_requests: int
+    transport_events: list[dict[str, Any]]
+    thresholds: dict[str, dict[str, Any]] = field(default_factory=lambda: THRESHOLDS)
+
+    @property
+    def exit_code(self) -> int:
+        return {"healthy": 0, "degraded": 1, "garbage": 1}.get(self.verdict, 2)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"url": self.url, "model": self.model, "verdict": self.verdict, "symptoms": self.symptoms,
+                "features": self.features, "wall_s": self.wall_s, "n_requests": self.n_requests,
+                "transport_events": self.transport_events, "thresholds": self.thresholds}
+
+
+# The probe steps in the order they run (each a Prober method); "knowledge" always runs first.
+STEPS = {"knowledge": "knowledge probes", "repeat": "determinism and streaming",
+         "batch": "concurrent ragged batch", "positions": "positions", "prefill_decode": "prefill vs decode",
+         "front_end": "front end", "reference": "reference"}
+
+
+class _Abort(Exception):
+    """Too many requests failed in a row: stop probing."""
+
+
+class Prober:
+    """Runs the probes against one endpoint; `run()` returns the report."""
+
+    def __init__(self, ep: Endpoint, *, gguf: Path | None = None, concurrency: int = 4, seed: int = 0,
+                 progress: Callable[[str], None] | None = None, steps: Iterable[str] | None = None):
+        unknown = set(steps or ()) - set(STEPS)
+        if unknown:
+            raise InputError(f"unknown probe steps {sorted(unknown)}; known: {', '.join(STEPS)}")
+        self.steps = ["knowledge", *[s for s in STEPS if s != "knowledge" and (steps is None or s in steps)]]
+        self.ep, self.gguf, self.concurrency, self.seed = ep, gguf, max(2, concurrency), seed
+        self.progress = progress or (lambda msg: None)
+        self.k = _t("top_k")
+        self.findings: list[Finding] = []
+        self.features: dict[str, Any] = {}
+        self._fails_in_row = 0
+        self.subject = ep.base
+
+    # -- plumbing --------------------------------------------------------------------------
+
+    def _find(self, target: str, status: str, symptom: str | None = None, **kw: Any) -> Finding:
+        metrics = dict(kw.pop("metrics", {}))
+        if symptom:
+            metrics["symptom"] = symptom
+        f = Finding("probe", self.subject, target, status, metrics=metrics, **kw)
+        self.findings.append(f)
+        return f
+
+    def _req(self, what: str, fn: Callable[..., Completion], *a: Any, **kw: Any) -> Completion | None:
+        """One request; a failure (after the client's retries) becomes a skip of `what`."""
+        try:
+            out = fn(*a, **kw)
+        except EndpointError as e:
+            self._fails_in_row += 1
+            self._find(what, "skip", reason=f"request failed: {e.kind}: {e.detail}")
+            if self._fails_in_row >= _t("max_consecutive_failures"):
+                raise _Abort(str(e)) from None
+            return None
+        self._fails_in_row = 0
+        return out
+
+    def _complete(self, what: str, prompt: str, **kw: Any) -> Completion | None:
+        return self._req(what, self.ep.complete, prompt, **kw)
+
+    def _with_logprobs(self, what: str, c: Completion | None) -> bool:
+        if c is None:
+            return False
+        if not c.has_logprobs:
+            self._find(what, "fail", "missing-logprobs", reason="",
+                       explanation="the server returned no top log-probs for a request that asked for them",
+                       evidence=[{"text": c.text, "finish_reason": c.finish_reason}])
+            return False
+        return True
+
+    # -- the run ---------------------------------------------------------------------------
+
+    def run(self) -> ProbeReport:
+        t0 = time.perf_counter()
+        try:
+            self.progress(f"probing {self.ep.base}")
+            self.ep.resolve_model()
+            self.features["model"] = self.ep.model
+            for name in self.steps:
+                self.progress(f"  {STEPS[name]} ({time.perf_counter() - t0:.0f} s)")
+                getattr(self, name)()
+            aborted = None
+        except (_Abort, EndpointError) as e:
+            aborted = str(e)
+            if isinstance(e, EndpointError):
+                self._find("connect", "fail", "unreachable" if e.kind == "connect" else None,
+                           explanation=f"could not start probing: {e}")
+        self._transport()
+        verdict, symptoms = self._verdict(aborted)
+        wall = time.perf_counter() - t0
+        self.progress(f"verdict {verdict} after {wall:.0f} s, {self.ep.n_requests} requests")
+        return ProbeReport(self.ep.base, self.ep.model, verdict, self.findings, symptoms, self.features,
+                           wall, self.ep.n_requests, list(self.ep.events))
+
+    # -- knowledge -------------------------------------------------------------------------
+
+    def knowledge(self) -> None:
+        """Counting (greedy, 3 tokens: later steps feed determinism and prefill-vs-decode), alphabet,
+        copying, a fact, repetition: one step each with top-k log-probs."""
+        self.greedy: Completion | None = None
+        self.knowledge_steps: dict[str, dict[str, float]] = {}
+        for probe in knowledge_probes(self.seed):
+            n = 3 if probe.name == "counting" else 1
+            c = self._complete(f"knowledge/{probe.name}", probe.prompt, max_tokens=n, logprobs=self.k)
+            if not self._with_logprobs(f"knowledge/{probe.name}", c):
+                continue
+            if probe.name == "counting":
+                self.greedy = c
+            top = c.top_logprobs[0] or {}
+            self.knowledge_steps[probe.name] = top
+            st = expected_stats(top, probe.expect)
+            tt = topk_tail(top, top)
+            metrics = {**st, "tail_mass": tt["tail_got"], "topk_entropy": tt["entropy_got"],
+                       "listed": len(top), "elapsed_s": c.elapsed}
+            ok = st["expected_rank"] == 1 and st["expected_logprob"] >= _t("expected_logprob_min")
+            flat = tt["tail_got"] >= _t("flat_tail_min")
+            self._find(f"knowledge/{probe.name}", "pass" if ok and not flat else "fail",
+                       None if ok and not flat else ("flat-distribution" if flat else "wrong-answers"),
+                       metrics=metrics,
+                       budget={"expected_logprob_min": _t("expected_logprob_min"), "expected_rank": 1,
+                               "tail_mass_max": _t("flat_tail_min")},
+                       hypothesis=f"the model continues {probe.prompt[-24:]!r} with {probe.expect!r}",
+                       evidence=[{"prompt": probe.prompt, "expect": probe.expect, "text": c.text,
+                                  "top": _top(top, 5)}])
+        self.features["logprobs"] = bool(self.knowledge_steps)
+        if len(self.knowledge_steps) < 3:
+            raise _Abort("fewer than 3 knowledge probes returned log-probs")
+
+    # -- determinism and streaming --------------------------------------------------------------
+
+    def _compare_steps(self, target: str, symptom: str, a: Completion, b: Completion | None,
+                       hypothesis: str) -> None:
+        if b is None or not self._with_logprobs(target, b):
+            return
+        diffs = [_max_abs_dlogprob(x, y) for x, y in zip(a.top_logprobs or [], b.top_logprobs or [])]
+        worst = max(diffs, default=0.0)
+        same_text = a.text == b.text
+        ok = same_text and worst <= _t("determinism_max_abs_dlogprob")
+        self._find(target, "pass" if ok else "fail", None if ok else symptom,
+                   metrics={"max_abs_dlogprob": worst, "per_step": diffs, "same_text": same_text},
+                   budget={"max_abs_dlogprob": _t("determinism_max_abs_dlogprob")}, hypothesis=hypothesis,
+                   evidence=[{"first": a.text, "second": b.text}])
+
+    def repeat(self) -> None:
+        """The greedy counting request again (determinism), then streamed (stream vs not)."""
+        if self.greedy is None:
+            self._find("determinism", "skip", reason="the greedy counting probe did not run")
+            return
+        again = self._complete("determinism", COUNT_PROMPT, max_tokens=3, logprobs=self.k)
+        self._compare_steps("determinism", "nondeterministic", self.greedy, again,
+                            "the same request at temperature 0 gives the same tokens and log-probs")
+        streamed = self._complete("stream", COUNT_PROMPT, max_tokens=3, logprobs=self.k, stream=True)
+        self._compare_steps("stream", "stream-mismatch", self.greedy, streamed,
+                            "streaming does not change tokens or log-probs")
+
+    # -- batch ---------------------------------------------------------------------------------
+
+    def batch(self) -> None:
+        """The counting probe sent while `concurrency - 1` ragged requests (different prompt and
+        output lengths) are in flight, against the same probe alone."""
+        alone = self.knowledge_steps.get("counting")
+        if alone is None:
+            self._find("batch", "skip", reason="the counting probe did not run alone")
+            return
+        others = [(("The quick brown fox jumps over the lazy dog. " * (i + 1)).strip(), 6 + 4 * i)
+                  for i in range(self.concurrency - 1)]
+        with ThreadPoolExecutor(self.concurrency) as pool:
+            futs = [pool.submit(self.ep.complete, p, max_tokens=n) for p, n in others]
+            time.sleep(0.2)  # the probe joins a batch already in flight
+            target = pool.submit(self.ep.complete, COUNT_PROMPT, max_tokens=1, logprobs=self.k)
+            results = []
+            for f in [*futs, target]:
+                try:
+                    results.append(f.result())
+                except EndpointError as e:
+                    results.append(e)
+        errors = [r for r in results if isinstance(r, EndpointError)]
+        got = results[-1]
+        if isinstance(got, EndpointError) or not self._with_logprobs("batch", got):
+            self._find("batch", "skip", reason=f"the batched probe failed: {errors[-1] if errors else 'no logprobs'}")
+            return
+        m = topk_tail(got.top_logprobs[0] or {}, alone)
+        ok = m["kl"] <= _t("same_distribution_kl_max") and m["top1_agree"]
+        self._find("batch", "pass" if ok else "fail", None if ok else "batch-dependent", metrics=m,
+                   budget={"kl_max": _t("same_distribution_kl_max"), "top1_agree": True},
+                   hypothesis="a request's distribution does not depend on what else is in the batch",
+                   evidence=[{"alone": _top(alone, 3), "batched": _top(got.top_logprobs[0] or {}, 3),
+                              "concurrent_requests": len(others), "other_errors": [str(e) for e in errors]}])
+
+    # -- positions -------------------------------------------------------------------------
+
+    def positions(self) -> None:
+        """Counting runs of growing length: the units digit of the next number at each length."""
+        self.position_steps: dict[int, dict[str, float]] = {}
+        rows = []
+        for n in POSITION_N:
+            prompt, expect = counting_run(n)
+            c = self._complete(f"position/{n}", prompt, max_tokens=1, logprobs=self.k)
+            if not self._with_logprobs(f"position/{n}", c):
+                continue
+            top = c.top_logprobs[0] or {}
+            self.position_steps[n] = top
+            st = expected_stats(top, expect)
+            rows.append({"n": n, "prompt_tokens": c.usage.get("prompt_tokens"), **st})
+        if len(rows) < 2:
+            self._find("position", "skip", reason="fewer than two lengths measured")
+            return
+        ok = [r["expected_logprob"] >= _t("position_logprob_min") and r["expected_rank"] == 1 for r in rows]
+        if all(ok):
+            status, symptom = "pass", None
+        elif ok[0]:  # fine when short, wrong when long
+            status, symptom = "fail", "position-dependent"
+        else:
+            status, symptom = "fail", "wrong-answers"
+        self._find("position", status, symptom,
+                   metrics={"by_length": rows, "worst_logprob": min(r["expected_logprob"] for r in rows)},
+                   budget={"expected_logprob_min": _t("position_logprob_min")},
+                   hypothesis="counting continues correctly at every length tried",
+                   explanation="" if status == "pass" else
+                   ("correct at the shortest length, wrong at longer ones" if ok[0] else "wrong at every length"))
+
+    # -- prefill vs decode ---------------------------------------------------------------------
+
+    def prefill_decode(self) -> None:
+        """The greedy probe's decode steps 1 and 2 against the same text sent as a prompt (one
+        prefill each). An unrelated request before each one keeps a prefix cache from handing back
+        the decode-time state."""
+        g = self.greedy
+        if g is None or not g.tokens or len(g.tokens) < 2:
+            self._find("prefill-vs-decode", "skip", reason="the greedy probe produced fewer than 2 tokens")
+            return
+        rows, failed = [], False
+        for j in range(1, min(3, len(g.tokens))):
+            if self._complete("prefill-vs-decode/evict", "Hello", max_tokens=1) is None:
+                continue
+            text = COUNT_PROMPT + "".join(g.tokens[:j])
+            c = self._complete(f"prefill-vs-decode/{j}", text, max_tokens=1, logprobs=self.k)
+            if not self._with_logprobs(f"prefill-vs-decode/{j}", c):
+                continue
+            m = topk_tail(g.top_logprobs[j] or {}, c.top_logprobs[0] or {})
+            failed |= not (m["kl"] <= _t("same_distribution_kl_max") and m["top1_agree"])
+            rows.append({"step": j, **m, "decode": _top(g.top_logprobs[j] or {}, 3),
+                         "prefill": _top(c.top_logprobs[0] or {}, 3)})
+        if not rows:
+            self._find("prefill-vs-decode", "skip", reason="no prefill request succeeded")
+            return
+        self._find("prefill-vs-decode", "fail" if failed else "pass", "decode-only" if failed else None,
+                   metrics={"worst_kl": max(r["kl"] for r in rows)}, evidence=rows,
+                   budget={"kl_max": _t("same_distribution_kl_max"), "top1_agree": True},
+                   hypothesis="a decoded token's distribution equals the one computed by prefilling the same text")
+
+    # -- front end -----------------------------------------------------------------------------
+
+    def _vocab(self) -> Any:
+        """The GGUF's tokenizer (reference/tokenizer.py), or None without --gguf."""
+        return _reference_for(self.gguf).tok if self.gguf is not None else None
+
+    def front_end(self) -> None:
+        self.tokenization()
+        self.stop_sequence()
+        self.chat()
+
+    def tokenization(self) -> None:
+        """The server's token ids (its tokenize route) against the GGUF's tokenizer with the file's
+        add_bos, and the tokenize route against what the completion path counted (usage)."""
+        tok = self._vocab()
+        self.server_ids: dict[str, list[int]] = {}
+        try:
+            first = self.ep.tokenize(COUNT_PROMPT)
+        except EndpointError as e:
+            first = None
+            self._find("tokenization", "skip", reason=f"tokenize request failed: {e.kind}: {e.detail}")
+        self.features["tokenize_route"] = first[1] if first else None
+        texts = [COUNT_PROMPT] + [p.prompt for p in knowledge_probes(self.seed)[1:]]
+        if first:
+            self.server_ids[COUNT_PROMPT] = first[0]
+            for t in texts[1:]:
+                got = self.ep.tokenize(t)
+                if got:
+                    self.server_ids[t] = got[0]
+        counted = (self.greedy.usage or {}).get("prompt_tokens") if self.greedy else None
+        bos_twice = self._complete("bos/literal", "<bos>1 2 3 4", max_tokens=1) if tok is not None else None
+        if tok is None:
+            if first and counted is not None:
+                ok = counted == len(first[0])
+                self._find("tokenization", "pass" if ok else "fail", None if ok else "tokenizer-mismatch",
+                           metrics={"tokenize_route": len(first[0]), "completion_usage": counted},
+                           hypothesis="the tokenize route and the completion path count the same tokens")
+            self._find("bos", "skip", reason="needs --gguf (the file's add_bos and BOS id)")
+            return
+        rows, mism = [], []
+        for t in texts:
+            ours = tok.encode(t)
+            theirs = self.server_ids.get(t)
+            if theirs is None:
+                continue
+            same = theirs == ours
+            rows.append({"text": t, "ours": len(ours), "server": len(theirs), "same": same})
+            if not same:
+                i = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
+                mism.append({"text": t, "first_difference": i, "ours": ours[max(0, i - 2):i + 3],
+                             "server": theirs[max(0, i - 2):i + 3]})
+        # BOS: from the tokenize route where there is one, else from the completion's prompt count
+        ours_count = tok.encode(COUNT_PROMPT)
+        theirs = self.server_ids.get(COUNT_PROMPT)
+        if theirs is not None:
+            lead = sum(1 for _ in _leading(theirs, tok.bos_id))
+            n_bos = lead
+        elif counted is not None:
+            n_bos = (1 if tok.add_bos else 0) + counted - len(ours_count)
+        else:
+            n_bos = None
+        want_bos = 1 if tok.add_bos else 0
+        evidence = {"add_bos": tok.add_bos, "bos_id": tok.bos_id, "server_leading_bos": n_bos,
+                    "completion_prompt_tokens": counted, "ours": len(ours_count)}
+        if bos_twice is not None:
+            evidence["literal_bos_prompt_tokens"] = bos_twice.usage.get("prompt_tokens")
+            evidence["note"] = ("a prompt that already starts with the BOS text gets "
+                                f"{bos_twice.usage.get('prompt_tokens')} tokens for '<bos>1 2 3 4' "
+                                f"(vs {len(tok.encode('1 2 3 4'))} without it): clients must not render BOS themselves")
+        if n_bos is None:
+            self._find("bos", "skip", reason="the server exposes neither a tokenize route nor usage counts")
+        else:
+            ok = n_bos == want_bos
+            self._find("bos", "pass" if ok else "fail", None if ok else "bos",
+                       metrics={"leading_bos": n_bos, "expected": want_bos}, evidence=[evidence],
+                       hypothesis="the server adds BOS exactly as the GGUF's tokenizer.ggml.add_bos_token says",
+                       explanation="" if ok else ("BOS doubled" if n_bos > want_bos else "BOS missing"))
+        if not rows:
+            self._find("tokenization", "skip", reason="the server exposes no tokenize route we know")
+            return
+        ok = not mism and (counted is None or counted == len(self.server_ids[COUNT_PROMPT]))
+        self._find("tokenization", "pass" if ok else "fail", None if ok else "tokenizer-mismatch",
+                   metrics={"texts": len(rows), "mismatched": len(mism), "completion_usage": counted},
+                   evidence=mism or rows,
+                   hypothesis="the server's token ids equal the GGUF tokenizer's for every probe text")
+
+    def stop_sequence(self) -> None:
+        """A counting prompt with stop=["7"]: the text must end before it, finish_reason "stop"."""
+        c = self._complete("stop", "1 2 3 4", max_tokens=12, stop=["7"])
+        if c is None:
+            return
+        if "7" in c.text:
+            self._find("stop", "fail", "eos-stop", evidence=[{"text": c.text, "finish_reason": c.finish_reason}],
+                       explanation="the output contains the stop sequence")
+        elif c.finish_reason != "stop":
+            self._find("stop", "skip", reason=f"the model never produced the stop sequence: {c.text!r}")
+        else:
+            self._find("stop", "pass", evidence=[{"text": c.text, "finish_reason": c.finish_reason}],
+                       hypothesis="generation stops before a stop sequence and says finish_reason=stop")
+
+    def chat(self) -> None:
+        """One short chat turn: EOS handling (no end-of-turn text leaks, stops by itself) and, where
+        the GGUF has a chat template, its rendering's token count against the server's."""
+        msgs = [{"role": "user", "content": "Say hello."}]
+        c = self._req("chat", self.ep.chat, msgs, max_tokens=24)
+        if c is None:
+            return
+        tok = self._vocab()
+        markers = {"<eos>", "</s>", "<end_of_turn>", "<|im_end|>", "<|eot_id|>", "<|endoftext|>"}
+        if tok is not None and tok.eos_id is not None:
+            markers.add(tok.token_text(tok.eos_id))
+        leaked = sorted(m for m in markers if m in c.text)
+        ev = [{"text": c.text, "finish_reason": c.finish_reason, "usage": c.usage}]
+        if leaked:
+            self._find("eos", "fail", "eos-stop", evidence=ev, explanation=f"end markers in the output: {leaked}")
+        elif c.finish_reason == "stop":
+            self._find("eos", "pass", evidence=ev, hypothesis="a chat turn ends at the model's end token, "
+                       "which is not rendered into the text")
+        else:
+            self._find("eos", "skip", reason=f"the model did not end its turn within 24 tokens "
+                                             f"(finish_reason={c.finish_reason})", evidence=ev)
+        template = _gguf_chat_template(self.gguf) if self.gguf is not None else None
+        if self.gguf is None or tok is None:
+            self._find("chat-template", "skip", reason="needs --gguf (the file's tokenizer.chat_template)")
+        elif template is None:
+            self._find("chat-template", "skip", reason="the GGUF carries no tokenizer.chat_template: "
+                       "the server's chat format cannot be checked against the model's")
+        elif not c.usage.get("prompt_tokens"):
+            self._find("chat-template", "skip", reason="the chat response has no usage.prompt_tokens")
+        else:
+            rendered = render_chat_template(template, msgs, bos=tok.token_text(tok.bos_id) if tok.bos_id is not None else "",
+                                            eos=tok.token_text(tok.eos_id) if tok.eos_id is not None else "")
+            bos_text = tok.token_text(tok.bos_id) if tok.bos_id is not None else None
+            ours = tok.encode(rendered, add_bos=tok.add_bos and not (bos_text and rendered.startswith(bos_text)),
+                              parse_special=True)
+            ok = len(ours) == c.usage["prompt_tokens"]
+            self._find("chat-template", "pass" if ok else "fail", None if ok else "chat-template",
+                       metrics={"ours": len(ours), "server": c.usage["prompt_tokens"]},
+                       evidence=[{"rendered": rendered}],
+                       hypothesis="the chat endpoint's prompt is the GGUF template's rendering (same token count)")
+
+    # -- reference -------------------------------------------------------------------------
+
+    def reference(self) -> None:
+        """The probes' positions through the reference forward pass on the GGUF, on the server's
+        token ids (the GGUF tokenizer's where the server has no tokenize route)."""
+        if self.gguf is None:
+            self._find("reference", "skip", reason="no --gguf given")
+            return
+        tok = self._vocab()
+        # (name, text, the server's top-k at the end of text)
+        items = [(f"knowledge/{p.name}", p.prompt, self.knowledge_steps.get(p.name))
+                 for p in knowledge_probes(self.seed)]
+        items += [(f"position/{n}", counting_run(n)[0], top) for n, top in getattr(self, "position_steps", {}).items()]
+        if self.greedy is not None and self.greedy.tokens:
+            items += [(f"decode/{j}", COUNT_PROMPT + "".join(self.greedy.tokens[:j]), self.greedy.top_logprobs[j])
+                      for j in range(1, len(self.greedy.tokens))]
+        items = [it for it in items if it[2]]
+        seqs: list[tuple[str, list[int], dict[str, float]]] = []
+        for name, text, top in items:
+            ids = self.server_ids.get(text) if hasattr(self, "server_ids") else None
+            if ids is None and self.features.get("tokenize_route"):
+                got = self.ep.tokenize(text)
+                ids = got[0] if got else None
+            if ids is None and tok is not None:
+                ids = tok.encode(text)
+            if ids:
+                seqs.append((name, ids, top))
+        if not seqs or tok is None:
+            self._find("reference", "skip", reason="no token ids for the probe texts")
+            return
+        self.progress(f"  reference forward pass on {self.gguf} ({len(seqs)} positions)")
+        ref = _reference_for(self.gguf)
+        last = ref.last_logprobs([ids for _, ids, _ in seqs])
+        rows = []
+        for name, ids, top in seqs:
+            want, collisions = ref.groups.lookup(last[tuple(ids)], top)
+            m = topk_tail(top, want, want_complete=True)
+            rows.append({"probe": name, "position": len(ids) - 1, "kl": m["kl"], "top1_agree": m["top1_agree"],
+                         "tail_server": m["tail_got"], "tail_reference": m["tail_want"],
+                         "string_collisions": collisions, "server_top": _top(top, 3), "reference_top": _top(want, 3)})
+        rows.sort(key=lambda r: r["position"])
+        bad = [r for r in rows if r["kl"] > _t("reference_kl_max") or not r["top1_agree"]]
+        half = len(rows) // 2
+        position_dependent = bad and half and not any(r in bad for r in rows[:half])
+        status = "fail" if bad else "pass"
+        symptom = ("position-dependent" if position_dependent else "reference-mismatch") if bad else None
+        self._find("reference", status, symptom,
+                   metrics={"kl_max": max(r["kl"] for r in rows), "kl_mean": sum(r["kl"] for r in rows) / len(rows),
+                            "top1_agreement": sum(r["top1_agree"] for r in rows) / len(rows), "positions": len(rows)},
+                   budget={"kl_max": _t("reference_kl_max"), "top1_agree": True}, evidence=rows,
+                   hypothesis="the server's next-token distributions equal the reference forward pass on the same ids",
+                   explanation="" if not bad else (
+                       "agrees at short positions, diverges at long ones" if position_dependent
+                       else f"{len(bad)} of {len(rows)} positions differ"))
+
+    # -- transport and verdict --------------------------------------------------------------
+
+    def _transport(self) -> None:
+        kinds: dict[str, int] = {}
+        for e in self.ep.events:
+            kinds[e["kind"]] = kinds.get(e["kind"], 0) + 1
+        sym = {"timeout": "timeout", "malformed": "malformed-json", "http": "server-errors",
+               "connect": "server-errors"}
+        for kind, n in sorted(kinds.items()):
+            self._find(f"transport/{kind}", "fail", sym[kind],
+                       metrics={"failed_attempts": n, "requests": self.ep.n_requests},
+                       explanation=f"{n} of {self.ep.n_requests} attempts failed with {kind}",
+                       evidence=[e for e in self.ep.events if e["kind"] == kind][:5])
+        if not kinds:
+            self._find("transport", "pass", metrics={"requests": self.ep.n_requests},
+                       hypothesis="every request got a well-formed answer in time, without retries")
+
+    def _verdict(self, aborted: str | None) -> tuple[str, dict[str, list[str]]]:
+        symptoms: dict[str, list[str]] = {}
+        for f in self.findings:
+            s = f.metrics.get("symptom")
+            if f.status == "fail" and s:
+                symptoms.setdefault(s, []).append(f.id)
+        know = [f for f in self.findings if f.target.startswith("knowledge/") and f.status != "skip"]
+        wrong = [f for f in know if f.status == "fail"]
+        ref_top1 = [f.metrics.get("top1_agreement") for f in self.findings if f.target == "reference"]
+        if aborted or len(know) < 3 or "missing-logprobs" in symptoms:
+            return "inconclusive", symptoms
+        if len(wrong) / len(know) > _t("garbage_fraction") or "flat-distribution" in symptoms or \
+                (ref_top1 and ref_top1[0] is not None and ref_top1[0] < 0.5):
+            return "garbage", symptoms
+        if any(f.status == "fail" for f in self.findings):
+            return "degraded", symptoms
+        return "healthy", symptoms
+
+
+def _top(d: dict[str, float], n: int) -> list[list[Any]]:
+    return [[k, round(v, 4)] for k, v in sorted(d.items(), key=lambda kv: -kv[1])[:n]]
+
+
+def _max_abs_dlogprob(a: dict[str, float] | None, b: dict[str, float] | None) -> float:
+    """Largest |log-prob difference| over the tokens both steps list (inf when none in common)."""
+    a, b = a or {}, b or {}
+    common = [k for k in a if k in b]
+    return max((abs(a[k] - b[k]) for k in common), default=math.inf)
+
+
+def _leading(ids: list[int], bos: int | None):
+    for t in ids:
+        if t != bos:
+            return
+        yield t
+
+
+def _gguf_chat_template(path: Path) -> str | None:
+    from ..gguf import open_gguf
+
+    with open_gguf(path) as g:
+        t = g.get("tokenizer.chat_template")
+    return t if isinstance(t, str) and t else None
+
+
+def render_chat_template(template: str, messages: list[dict[str, str]], *, bos: str, eos: str) -> str:
+    """Render a GGUF chat template the way transformers' apply_chat_template does (trim_blocks,
+    lstrip_blocks, raise_exception), in jinja2's immutable sandbox: a template is data from a
+    file, it must not reach Python objects."""
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(msg: str) -> None:
+        raise ValueError(f"chat template: {msg}")
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.globals["raise_exception"] = raise_exception
+    return env.from_string(template).render(messages=messages, add_generation_prompt=True,
+                                            bos_token=bos, eos_token=eos)
+
+
+class _StringGroups:
+    """Reference log-probs grouped by token text: servers key top_logprobs by the detokenized
+    string, so tokens with the same text are one outcome (their probabilities add up)."""
+
+    def __init__(self, tok: Any):
+        import numpy as np
+
+        texts = [tok.piece(i, special=True).decode("utf-8", "replace") for i in range(tok.n_vocab)]
+        uniq, inverse, counts = np.unique(np.array(texts, dtype=object), return_inverse=True, return_counts=True)
+        self.texts = uniq.tolist()
+        self.index = {s: i for i, s in enumerate(self.texts)}
+        self.inverse, self.counts, self.n = inverse, counts, len(uniq)
+
+    def lookup(self, lp: Any, keys: dict[str, float]) -> tuple[dict[str, float], list[str]]:
+        """{text: log P(text)} for `keys` and the reference's most likely text; the keys that
+        stand for more than one token id (collisions)."""
+        import torch
+
+        p = torch.zeros(self.n, dtype=torch.float64).index_add_(0, torch.as_tensor(self.inverse), lp.exp())
+        logp = p.clamp_min(torch.finfo(torch.float64).tiny).log()
+        out = {k: float(logp[self.index[k]]) if k in self.index else -math.inf for k in keys}
+        best = int(p.argmax())
+        out[self.texts[best]] = float(logp[best])
+        collisions = [k for k in keys if k in self.index and self.counts[self.index[k]] > 1]
+        return out, collisions
+
+
+class _Reference:
+    """The reference forward pass on one GGUF (reference/forward.py), its tokenizer, and the
+    last-position log-probs of every id sequence already run: a probe run asks for prefixes of one
+    counting run, and a second run on the same file (tests, a re-probe) asks for the same texts."""
+
+    def __init__(self, path: Path):
+        from ..reference.tokenizer import Tokenizer
+
+        self.path = path
+        self.tok = Tokenizer.from_gguf(path)
+        self.rows: dict[tuple[int, ...], Any] = {}  # ids -> log-probs [V] float64 at the last position
+        self._groups: _StringGroups | None = None
+
+    @property
+    def groups(self) -> "_StringGroups":
+        if self._groups is None:
+            self._groups = _StringGroups(self.tok)
+        return self._groups
+
+    def last_logprobs(self, seqs: list[list[int]]) -> dict[tuple[int, ...], Any]:
+        """{ids: log-probs [V] after ids}; one forward pass per sequence that is no prefix of a longer one."""
+        from ..reference import load
+        from ..reference.forward import log_softmax
+
+        missing = [list(s) for s in {tuple(s) for s in seqs} if s not in self.rows]
+        if missing:
+            with load(self.path, cache=True) as model:
+                for ids in sorted(missing, key=len, reverse=True):
+                    if tuple(ids) in self.rows:
+                        continue
+                    logits, _ = model.forward(ids)
+                    lp = log_softmax(logits)  # [T, V] float64
+                    for other in missing:
+                        if ids[:len(other)] == other:
+                            self.rows[tuple(other)] = lp[len(other) - 1].clone()
+        return {tuple(s): self.rows[tuple(s)] for s in seqs}
+
+
+@functools.lru_cache(maxsize=2)
+def _reference_at(path: str, size: int, mtime_ns: int) -> _Reference:
+    return _Reference(Path(path))
+
+
+def _reference_for(path: Path) -> _Reference:
+    st = Path(path).stat()
+    return _reference_at(str(Path(path).resolve()), st.st_size, st.st_mtime_ns)
+
+
+def probe(url: str, *, model: str | None = None, gguf: Path | None = None, api_key_env: str | None = None,
+          concurrency: int = 4, timeout: float = 60.0, retries: int = 2, seed: int = 0,
+          progress: Callable[[str], None] | None = None, steps: Iterable[str] | None = None) -> ProbeReport:
+    """Probe the endpoint at `url` (see the module docstring); `steps`: a subset of STEPS."""
+    with Endpoint(url, model=model, api_key_env=api_key_env, timeout=timeout, retries=retries) as ep:
+        return Prober(ep, gguf=gguf, concurrency=concurrency, seed=seed, progress=progress, steps=steps).run()
