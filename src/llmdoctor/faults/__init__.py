@@ -11,7 +11,8 @@ import importlib
 from dataclasses import dataclass
 from typing import Any, Callable
 
-_MODULES = ("llmdoctor.faults.hostile_files", "llmdoctor.faults.reference_mla", "llmdoctor.faults.endpoint", "llmdoctor.faults.kernels")
+_MODULES = ("llmdoctor.faults.hostile_files", "llmdoctor.faults.reference", "llmdoctor.faults.reference_mla",
+            "llmdoctor.faults.endpoint", "llmdoctor.faults.kernels", "llmdoctor.faults.demo")
 
 
 @dataclass(frozen=True)

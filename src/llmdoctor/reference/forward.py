@@ -115,6 +115,16 @@ class Weights:
         raw = t.data.reshape(n_rows, -1)[ids.cpu().numpy()]  # [len(ids), row_bytes]
         return dequantize_raw(raw, t.type, (len(ids), row_len), device=self.device).to(self.dtype)
 
+    def slab(self, name: str, i: int) -> torch.Tensor:
+        """Slab i along the slowest dim (one expert of a merged [E, out, in] expert tensor), dequantizing
+        only that slab's bytes: an MoE layer never holds all its experts at once."""
+        if name in self._cached:
+            return self._cached[name][i]
+        t = self.g.tensor(name)
+        raw = t.data.reshape(t.shape[0], -1)[i]
+        w = dequantize_raw(raw, t.type, tuple(t.shape[1:]), device=self.device).to(self.dtype)
+        return self._remember(w, t.type)
+
     def row_slices(self, name: str, chunk: int) -> Iterable[torch.Tensor]:
         """A 2-D tensor in slices of `chunk` rows (the output projection over the vocabulary)."""
         if self.cache:
@@ -140,7 +150,7 @@ def tensor_name(kind: MODEL_TENSOR, il: int | None = None, suffix: str = "weight
 
 @dataclass
 class LayerStats:
-    layer: int  # -1: before the first block / after the last
+    layer: int  # -1: the embeddings, n_layer: the output head (final norm, logits)
     max_abs: float = 0.0  # over finite values of every capture point of the layer
     max_at: str = ""  # the point that held it
     n_inf: int = 0
@@ -162,9 +172,12 @@ class Recorder:
     def wants(self, name: str) -> bool:
         return name in self.patterns or any(fnmatch.fnmatchcase(name, p) for p in self.patterns)
 
-    def __call__(self, name: str, x: torch.Tensor, il: int = -1) -> None:
+    def __call__(self, name: str, x: torch.Tensor, il: int = -1, slot: int | None = None) -> None:
+        """Record point `name` of layer `il` (-1: outside the blocks, named without a suffix); its stats
+        go to layer `slot` (default `il`; the model's head uses n_layer)."""
         full = f"{name}-{il}" if il >= 0 else name
-        st = self.stats.setdefault(il, LayerStats(il))
+        slot = il if slot is None else slot
+        st = self.stats.setdefault(slot, LayerStats(slot))
         m = float(x.abs().amax())  # NaN and inf propagate: one pass in the common all-finite case
         if not math.isfinite(m):
             finite = torch.isfinite(x)
@@ -350,7 +363,7 @@ class ReferenceModel:
         out = tensor_name(MODEL_TENSOR.OUTPUT)
         return out if self.weights.has(out) else tensor_name(MODEL_TENSOR.TOKEN_EMBD)
 
-    @torch.inference_mode()
+    @torch.no_grad()  # not inference_mode: its tensors break in-place ops of dequant kernels run later
     def forward(self, token_ids, capture: Iterable[str] | None = None, *,
                 all_logits: bool = True) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """logits [T, n_vocab] (or [1, n_vocab] for the last position with all_logits=False) in the
@@ -382,11 +395,11 @@ class ReferenceModel:
         if not all_logits:
             x = x[-1:]
         x = rms_norm(x, self.weights.get(tensor_name(MODEL_TENSOR.OUTPUT_NORM)), cfg.norm_eps)
-        rec("result_norm", x)
+        rec("result_norm", x, slot=cfg.n_layer)
         logits = torch.cat([linear(x, w) for w in self.weights.row_slices(self.output_name(), self.vocab_chunk)], -1)
         if cfg.final_softcap:
             logits = cfg.final_softcap * torch.tanh(logits / cfg.final_softcap)
-        rec("result_output", logits)
+        rec("result_output", logits, slot=cfg.n_layer)
         self.stats = [rec.stats[k] for k in sorted(rec.stats)]
         return logits, rec.captured
 
