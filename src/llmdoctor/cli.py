@@ -87,6 +87,54 @@ def inspect(
         terminal.render_inspect(summary)
 
 
+
+@check_app.command("dequant")
+@guarded("check.dequant")
+def check_dequant(
+    file: Optional[Path] = typer.Argument(None, help="GGUF file (default: the demo model)."),
+    kernel: str = typer.Option("torch", "--kernel", help="reference | torch | ggml | vllm | module:function."),
+    device: str = typer.Option("cpu", "--device", help="cpu or cuda: where the kernel's input lives."),
+    dtype: Optional[str] = typer.Option(None, "--dtype", help="float32 | float16 | bfloat16, passed as dtype=."),
+    only: Optional[str] = typer.Option(None, "--only", help="Check only tensors whose name matches this glob."),
+    blocks: Optional[int] = typer.Option(None, "--blocks", help="Blocks compared per tensor (default 256)."),
+    all_blocks: bool = typer.Option(False, "--all", help="Compare every block."),
+    seed: int = typer.Option(0, "--seed", help="Seed of the block sample."),
+    timeout: float = typer.Option(120.0, "--timeout", help="Seconds one kernel call may take."),
+    json_out: bool = typer.Option(False, "--json", help="Print one JSON object on stdout."),
+) -> None:
+    """Does a dequant kernel give the reference's numbers? Names the layout bug when not."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from .checks import dequant
+    from .checks.base import exit_code
+    from .errors import InputError
+
+    if blocks is not None and all_blocks:
+        raise InputError("--blocks and --all exclude each other")
+    path = model_file(file)
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=terminal.stderr, transient=True) as bar:
+        task = bar.add_task(f"dequant {kernel}", total=None)
+
+        def on_tensor(i: int, n: int, name: str) -> None:
+            bar.update(task, completed=i, total=n, description=f"dequant {kernel}: {name}")
+
+        res = dequant.run(path, kernel=kernel, device=device, dtype=dtype, only=only,
+                          blocks=blocks or dequant.DEFAULT_BLOCKS, all_blocks=all_blocks, seed=seed,
+                          timeout=timeout, on_tensor=on_tensor)
+    code = exit_code(res.findings, required_ran=res.loaded)
+    verdict = {0: "passed", 1: "failed", 2: "skipped"}[code]
+    by_type = dequant.summary(res)
+    if json_out:
+        print(dumps(envelope("check.dequant", argv=sys.argv[1:], verdict=verdict, exit_code=code,
+                             findings=res.findings, file=path, seed=seed,
+                             kernel={"spec": kernel, "device": device, "dtype": dtype,
+                                     "restarts": res.restarts}, by_type=by_type,
+                             seconds=res.seconds)))
+    else:
+        terminal.render_dequant(kernel, by_type, res.findings, verdict)
+    raise typer.Exit(code)
+
 @app.command()
 @guarded("probe")
 def probe(
