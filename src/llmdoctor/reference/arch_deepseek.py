@@ -30,7 +30,7 @@ glm-dsa.cpp callbacks, shapes are those of its absorbed (is_mla) path:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -40,7 +40,7 @@ from ..errors import InputError
 from . import attention as attn
 from . import mla
 from .config import ModelConfig, gguf_key, register_gguf, register_hf
-from .forward import Step, dense_ffn, linear, register_block, rms_norm
+from .forward import Step, dense_ffn, linear, register_block, rms_norm, tensor_name
 
 
 @dataclass(frozen=True)
@@ -220,14 +220,16 @@ def route(logits: torch.Tensor, bias: torch.Tensor | None, moe: MoE) -> tuple[to
     return w * moe.scale, idx
 
 
-def experts(h: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
-            down: torch.Tensor) -> torch.Tensor:
-    """Routed SwiGLU experts. h [T, n_embd], w/idx [T, k], gate/up [E, F, n_embd], down [E, n_embd, F]."""
+def experts(h: torch.Tensor, w: torch.Tensor, idx: torch.Tensor,
+            expert: Callable[[str, int], torch.Tensor]) -> torch.Tensor:
+    """Routed SwiGLU experts. h [T, n_embd], w/idx [T, k]; expert(proj, e) gives expert e's matrix:
+    "gate"/"up" [F, n_embd], "down" [n_embd, F]. Only the chosen experts are touched."""
     out = torch.zeros_like(h)
     for e in idx.unique().tolist():
         tok, slot = (idx == e).nonzero(as_tuple=True)
         x = h[tok]
-        y = linear(torch.nn.functional.silu(linear(x, gate[e])) * linear(x, up[e]), down[e])  # [n, n_embd]
+        g = torch.nn.functional.silu(linear(x, expert("gate", e)))
+        y = linear(g * linear(x, expert("up", e)), expert("down", e))  # [n, n_embd]
         out.index_add_(0, tok, y * w[tok, slot, None].to(y.dtype))
     return out
 
@@ -240,8 +242,8 @@ def moe_ffn(st: Step, h: torch.Tensor) -> torch.Tensor:
     w, idx = route(logits, bias, moe)
     st.cap("ffn_moe_topk", idx)
     st.cap("ffn_moe_weights", w)
-    out = experts(h, w, idx, st.w(MODEL_TENSOR.FFN_GATE_EXP), st.w(MODEL_TENSOR.FFN_UP_EXP),
-                  st.w(MODEL_TENSOR.FFN_DOWN_EXP))
+    kinds = {"gate": MODEL_TENSOR.FFN_GATE_EXP, "up": MODEL_TENSOR.FFN_UP_EXP, "down": MODEL_TENSOR.FFN_DOWN_EXP}
+    out = experts(h, w, idx, lambda proj, e: st.weights.slab(tensor_name(kinds[proj], st.il), e))
     if moe.n_shared:
         g = torch.nn.functional.silu(linear(h, st.w(MODEL_TENSOR.FFN_GATE_SHEXP)))
         out = out + linear(g * linear(h, st.w(MODEL_TENSOR.FFN_UP_SHEXP)), st.w(MODEL_TENSOR.FFN_DOWN_SHEXP))
