@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import threading
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Callable
@@ -57,6 +58,28 @@ def register(*qtypes: GGMLQuantizationType, cuda: bool = False) -> Callable[[Blo
         return fn
 
     return deco
+
+
+_ARENA = threading.local()
+
+
+def scratch(slot: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """An uninitialized temporary for kernels, reused across chunks on CPU (per thread and `slot`).
+
+    Fresh multi-MiB CPU allocations come back from the OS as new pages and pay a page fault per 4 KiB
+    on first touch, which costs more than the arithmetic of a chunk; CUDA's caching allocator needs
+    no help. Two live temporaries must use different slots.
+    """
+    if device.type != "cpu":
+        return torch.empty(shape, dtype=dtype, device=device)
+    n = dtype.itemsize
+    for d in shape:
+        n *= d
+    bufs = _ARENA.__dict__.setdefault("bufs", {})
+    buf = bufs.get(slot)
+    if buf is None or buf.numel() < n:
+        buf = bufs[slot] = torch.empty(n, dtype=torch.uint8)
+    return buf[:n].view(dtype).view(shape)
 
 
 def supported_types() -> list[GGMLQuantizationType]:
@@ -133,7 +156,7 @@ def _run(kernel: BlockKernel, blocks: torch.Tensor, block_size: int, result: tor
         stop = min(start + step, n_blocks)
         dst = flat[start * block_size : stop * block_size].view(-1, block_size)
         direct = result.dtype == torch.float32
-        target = dst if direct else torch.empty(dst.shape, dtype=torch.float32, device=dst.device)
+        target = dst if direct else scratch("result", tuple(dst.shape), torch.float32, dst.device)
         if kernel in _WRITES_OUT:
             kernel(blocks[start:stop], out=target)
         else:
@@ -143,7 +166,15 @@ def _run(kernel: BlockKernel, blocks: torch.Tensor, block_size: int, result: tor
 
     starts = range(0, n_blocks, step)
     if workers > 1 and len(starts) > 1:
-        for _ in _cpu_pool(workers).map(one, starts):
+        # worker threads do not inherit the caller's inference mode; an inference-mode `result`
+        # may only be written from inside inference mode
+        inference = torch.is_inference_mode_enabled()
+
+        def one_in_mode(start: int) -> None:
+            with torch.inference_mode(inference):
+                one(start)
+
+        for _ in _cpu_pool(workers).map(one_in_mode, starts):
             pass
     else:
         for start in starts:

@@ -7,52 +7,39 @@ with no extra temporary). Byte layouts and the order of float operations follow
 
 - every float16 scale is widened to float32 first, then all arithmetic is float32;
 - a sub-block scale is one product (`d * sc`, `dmin * m`), rounded, then each value is one more
-  product (`scale * q`) and, for types with a minimum, one add/subtract — two or three roundings,
-  never fused (torch runs each op as its own kernel, so nothing becomes an FMA);
+  product (`scale * q`) and, for types with a minimum, one add/subtract: two or three roundings in
+  gguf-py's order. Each is its own torch op; where torch evaluates `a + alpha * b` as one fused
+  operation, alpha is -1 or a power of two and b an integer, so the fused result is the same;
 - integer work (nibble unpacking, offsets such as `q - 8`) is done on uint8 with wrap-around and
-  reinterpreted as int8, which is exact, so `float(int8)` equals gguf-py's `astype(np.float32)`.
+  reinterpreted as int8, or added in float where every value is a small integer: exact either way,
+  so the quant equals gguf-py's `astype(np.float32)` of it.
 
-Multiplication is commutative in IEEE arithmetic, so `out *= d` equals gguf-py's `d * q`.
-Kernels never write to `blocks` (it may be a read-only file mapping).
+IEEE multiplication is commutative, so `out *= d` equals gguf-py's `d * q`. The result is bit-exact
+for every input whose scales are finite; with a NaN scale both sides give NaN, but for Q4_1/Q5_1
+(`d * q + m` with d and m both NaN) which NaN payload survives may differ.
+
+Speed (CPU): torch's loops are fast on contiguous or 2-D [rows, contiguous inner] operands and slow
+on broadcasts or strides that do not flatten to two dimensions, and every row of a 2-D op costs a few
+ns. So every op here is kept 1-D or 2-D, fields of the small legacy blocks are split on the whole
+chunk at once, and temporaries come from `scratch` (reused per thread). Kernels never write to
+`blocks` (it may be a read-only file mapping).
 """
 
 from __future__ import annotations
 
 import functools
-import threading
 
 import gguf.quants as gq
 import torch
 from gguf import GGMLQuantizationType as T
 
-from .dequant import register
+from .dequant import register, scratch as _scratch
 
 
 @functools.lru_cache(maxsize=None)
 def _const(values: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A small constant tensor, built once per device (no host-to-device copy per call)."""
     return torch.tensor(values, dtype=dtype, device=device)
-
-
-_ARENA = threading.local()
-
-
-def _scratch(slot: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """An uninitialized temporary, reused across chunks on CPU (per thread and `slot`).
-
-    Fresh multi-MiB CPU allocations come back from the OS as new pages and pay a page fault per 4 KiB
-    on first touch, which cost more than the arithmetic here; CUDA's caching allocator needs no help.
-    """
-    if device.type != "cpu":
-        return torch.empty(shape, dtype=dtype, device=device)
-    n = dtype.itemsize
-    for d in shape:
-        n *= d
-    bufs = _ARENA.__dict__.setdefault("bufs", {})
-    buf = bufs.get(slot)
-    if buf is None or buf.numel() < n:
-        buf = bufs[slot] = torch.empty(n, dtype=torch.uint8)
-    return buf[:n].view(dtype).view(shape)
 
 
 def _out(blocks: torch.Tensor, block_size: int, out: torch.Tensor | None) -> torch.Tensor:
@@ -94,8 +81,8 @@ def f16(blocks: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     nan = torch.isnan(out)
     if nan.any():  # clear the quiet bit (bit 22) where the input's (bit 9) was clear
         quiet = h.view(torch.int16) & 0x0200
-        fix = nan.logical_and_(quiet == 0).int().bitwise_left_shift_(22)
-        out.view(torch.int32).bitwise_xor_(fix)
+        signalling = nan.logical_and_(quiet == 0).int().bitwise_left_shift_(22)
+        out.view(torch.int32).bitwise_and_(signalling.bitwise_not_())
     return out
 
 
