@@ -1,0 +1,478 @@
+"""`llmdoctor diagnose`: the elimination plan.
+
+An ordered list of hypotheses about the layers of the stack, cheapest first. Each runs only when its
+inputs exist and otherwise reports "skipped: why". Each returns findings (hypothesis, evidence,
+verdict, confidence). Failed findings are the suspects, ranked by the stack order of the plan (an
+earlier layer's fault explains the later symptoms: a wrong dequant kernel also makes the logits and
+the layer curve diverge), then by confidence.
+
+    file integrity -> metadata semantics -> name map / layout -> dequant kernels -> float16 overflow
+    -> attention kernels -> engine vs reference (distribution) -> symptom bisection -> layer localization
+
+The session (`Session`) computes shared evidence once, lazily: the prompt's tokens, the reference's
+float32 run with its per-layer statistics and captures, and the engine's run.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from .checks.base import Finding, count
+from .errors import InputError
+
+# A fixed, varied English prompt (counting included: the seed's first symptom).
+DEFAULT_PROMPT = (
+    "The quick brown fox jumps over the lazy dog. Counting: 1 2 3 4 5 6 7 8 9 10 11 12. "
+    "Paris is the capital of France, and Berlin is the capital of"
+)
+FP16_MAX = 65504.0
+ENGINES = ("llama.cpp", "transformers", "vllm")
+CONFIDENCE_ORDER = {"high": 0, "medium": 1, "low": 2, "": 3}
+
+
+class Skip(Exception):
+    """A hypothesis that cannot run here; the message is the reason."""
+
+
+@dataclass
+class Inputs:
+    gguf: Path | None = None
+    hf: Path | None = None
+    endpoint: str | None = None
+    engine: str | None = None
+    engine_gguf: Path | None = None  # the file the engine loads when it differs from --gguf (demo faults)
+    engine_dtype: str | None = None
+    dequant_kernel: str | None = None
+    attention_impl: str | None = None
+    attention_contract: str | None = None
+    prompt: str = DEFAULT_PROMPT
+    seed: int = 0
+    threads: int | None = None
+
+
+@dataclass
+class Hypothesis:
+    key: str
+    question: str
+    run: Callable[["Session"], list[Finding]]
+
+
+@dataclass
+class Diagnosis:
+    findings: list[Finding]
+    suspects: list[Finding]
+    ruled_out: list[Finding]
+    verdict: str
+    exit_code: int
+    curve: list[dict] = field(default_factory=list)
+    timings: dict[str, float] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "suspects": [f.id for f in self.suspects],
+            "ruled_out": [f.id for f in self.ruled_out],
+            "layer_curve": self.curve,
+            "timings_s": self.timings,
+        }
+
+
+class Session:
+    """Shared, lazily computed evidence for one diagnosis."""
+
+    def __init__(self, inputs: Inputs, progress: Callable[[str], None] = lambda s: None):
+        self.inputs = inputs
+        self.progress = progress
+        self._cache: dict[str, Any] = {}
+        self.curve: list[dict] = []
+
+    def once(self, key: str, make: Callable[[], Any]) -> Any:
+        if key not in self._cache:
+            self._cache[key] = make()
+        return self._cache[key]
+
+    # ---- evidence ----------------------------------------------------------------------------
+    def gguf(self):
+        from .gguf import open_gguf
+
+        if self.inputs.gguf is None:
+            raise Skip("no model file (--gguf)")
+        return self.once("gguf", lambda: open_gguf(self.inputs.gguf))
+
+    def config(self):
+        from .reference.config import from_gguf
+
+        return self.once("config", lambda: from_gguf(self.gguf()))
+
+    def tokens(self) -> list[int]:
+        def make() -> list[int]:
+            from .reference.tokenizer import Tokenizer
+
+            return Tokenizer.from_gguf(self.gguf()).encode(self.inputs.prompt)
+
+        return self.once("tokens", make)
+
+    def reference(self, dtype: str = "float32", emulate: str | None = None):
+        """(logits [T, V], captures, per-layer stats) of the reference run in `dtype`."""
+
+        def make():
+            import torch
+
+            from .reference import load
+
+            self.progress(f"reference forward pass ({dtype}{', ' + emulate if emulate else ''})")
+            kwargs = {}
+            if emulate:
+                from .reference.emulate import LLAMA_CPP_CPU
+
+                kwargs["emulate"] = LLAMA_CPP_CPU
+            with load(self.inputs.gguf, dtype=getattr(torch, dtype), **kwargs) as model:
+                logits, caps = model.forward(self.tokens(), capture={"l_out-*", "attn_norm-*", "kqv_out-*",
+                                                                     "ffn_inp-*", "ffn_out-*", "result_norm"})
+                return logits, caps, [s.as_dict() for s in model.stats]
+
+        return self.once(f"reference-{dtype}-{emulate}", make)
+
+    def engine_run(self):
+        """The in-process engine's logits [T, V] and captures (reference capture names)."""
+        name = self.inputs.engine
+        if name is None:
+            raise Skip("no in-process engine (--engine)")
+        if name == "llama.cpp":
+            def make():
+                from .checks.layers import LLAMA_CPP_ALIASES, engine_names_to_reference
+                from .subjects.engines import llama_cpp
+
+                self.progress("llama.cpp forward pass (capturing every layer)")
+                path = self.inputs.engine_gguf or self.inputs.gguf
+                run = llama_cpp.run(path, self.tokens(), n_threads=self.inputs.threads,
+                                    capture=("l_out-*", "attn_norm-*", "kqv_out-*", "sa_out-*", "ffn_out-*",
+                                             "result_norm"))
+                return run.logits, engine_names_to_reference(run.captures, LLAMA_CPP_ALIASES), run.info
+
+            return self.once("engine", make)
+        if name == "transformers":
+            def make():
+                from .subjects.engines import transformers as hf_engine
+
+                dtype = self.inputs.engine_dtype or "float32"
+                self.progress(f"transformers forward pass ({dtype})")
+                path = self.inputs.engine_gguf or self.inputs.gguf
+                run = hf_engine.run(path, self.tokens(), dtype=dtype, n_threads=self.inputs.threads)
+                return run.logits, run.captures, run.info
+
+            return self.once("engine", make)
+        raise Skip(f"engine {name!r} cannot run here: vLLM is not installed")
+
+    def budget_reference(self):
+        """The reference run with the engine's arithmetic: how far a healthy engine may be."""
+        if self.inputs.engine == "llama.cpp":
+            return self.reference("float32", emulate="llama.cpp")
+        return self.reference(_torch_dtype_name(self.inputs.engine_dtype or "float32"))
+
+
+def _torch_dtype_name(name: str) -> str:
+    aliases = {"fp16": "float16", "half": "float16", "bf16": "bfloat16", "fp32": "float32", "float": "float32"}
+    name = aliases.get(name.lower(), name.lower())
+    if name not in ("float32", "float16", "bfloat16", "float64"):
+        raise InputError(f"--engine-dtype {name!r}: expected float32, float16 or bfloat16")
+    return name
+
+
+# ---- the hypotheses ------------------------------------------------------------------------------
+
+def _finding(check: str, subject: str, target: str, status: str, **kw: Any) -> Finding:
+    return Finding(check=check, subject=subject, target=target, status=status, **kw)
+
+
+def h_file_integrity(s: Session) -> list[Finding]:
+    """The file parses under the hardened reader and every weight decodes to finite numbers."""
+    import torch
+
+    from .gguf import GGUFError, dequantize
+
+    try:
+        g = s.gguf()
+    except GGUFError as e:
+        return [_finding("file-integrity", "gguf", str(s.inputs.gguf), "fail", reason=str(e),
+                         hypothesis="the model file is intact", confidence="high",
+                         explanation="the file violates the GGUF format; no engine can load it correctly")]
+    s.progress(f"decoding all {len(g.tensors)} tensors")
+    bad = []
+    n_values = 0
+    for t in g.tensors:
+        if not t.supported:
+            continue
+        w = dequantize(t.data, int(t.type), t.shape)
+        n_values += w.numel()
+        n_bad = int((~torch.isfinite(w)).sum())
+        if n_bad:
+            bad.append({"tensor": t.name, "type": t.type.name, "non_finite": n_bad, "offset": t.offset})
+    status = "fail" if bad else "pass"
+    return [_finding(
+        "file-integrity", "gguf", str(s.inputs.gguf), status,
+        hypothesis="the model file is intact: it parses and every weight is finite",
+        metrics={"tensors": len(g.tensors), "values": n_values, "tensors_with_non_finite": len(bad)},
+        evidence=bad[:5], confidence="high",
+        explanation=(f"{len(bad)} tensor(s) decode to inf/NaN: the file is corrupted" if bad
+                     else f"{len(g.tensors)} tensors parse and decode to finite values"),
+    )]
+
+
+def h_engine_file(s: Session) -> list[Finding]:
+    """When the engine loads another file than the reference: does it describe the same model?"""
+    other = s.inputs.engine_gguf
+    if other is None or s.inputs.engine is None:
+        raise Skip("the engine loads the reference file itself")
+    from .gguf import open_gguf
+
+    g = s.gguf()
+    diffs = []
+    with open_gguf(other) as e:
+        for key, f in g.fields.items():
+            ef = e.fields.get(key)
+            if ef is None or _meta_value(ef.value) != _meta_value(f.value):
+                diffs.append({"key": key, "reference": _meta_value(f.value), "engine": None if ef is None
+                              else _meta_value(ef.value)})
+        changed = [t.name for t in g.tensors if t.name not in e._tensor_index
+                   or bytes(e.tensor(t.name).data) != bytes(t.data)]
+    status = "fail" if diffs or changed else "pass"
+    what = [f"metadata {d['key']}: {d['reference']} -> {d['engine']}" for d in diffs[:3]]
+    what += [f"tensor {n} bytes differ" for n in changed[:3]]
+    return [_finding("engine-file", s.inputs.engine, str(other), status, confidence="high",
+                     hypothesis="the engine's model file is the reference file",
+                     metrics={"metadata_diffs": len(diffs), "tensors_changed": len(changed)},
+                     evidence=diffs[:5] + [{"tensor": n} for n in changed[:5]],
+                     explanation="; ".join(what) if what else "same metadata and tensor bytes")]
+
+
+def _meta_value(v: Any) -> Any:
+    if hasattr(v, "tolist"):
+        v = v.tolist()
+    if isinstance(v, list) and len(v) > 64:
+        return f"<array of {len(v)}>"
+    return v
+
+
+def h_metadata(s: Session) -> list[Finding]:
+    """Metadata semantics: the hyperparameters agree with the tensor shapes they describe."""
+    from gguf import MODEL_TENSOR, TENSOR_NAMES
+
+    g, cfg = s.gguf(), s.config()
+    problems = []
+
+    def shape(kind: MODEL_TENSOR, il: int | None = None) -> tuple[int, ...] | None:
+        name = TENSOR_NAMES[kind].format(bid=il) + ".weight"
+        return g.tensor(name).shape if name in g._tensor_index else None
+
+    emb = shape(MODEL_TENSOR.TOKEN_EMBD)
+    if emb and emb != (cfg.n_vocab, cfg.n_embd):
+        problems.append(f"token_embd is {emb}, metadata says vocab {cfg.n_vocab} x n_embd {cfg.n_embd}")
+    if cfg.mla is None:
+        for il in range(cfg.n_layer):
+            q, k = shape(MODEL_TENSOR.ATTN_Q, il), shape(MODEL_TENSOR.ATTN_K, il)
+            if q and q != (cfg.n_head * cfg.head_dim, cfg.n_embd):
+                problems.append(f"blk.{il}.attn_q is {q}, metadata says {cfg.n_head} heads x {cfg.head_dim}")
+            if k and k != (cfg.n_head_kv * cfg.head_dim, cfg.n_embd):
+                problems.append(f"blk.{il}.attn_k is {k}, metadata says {cfg.n_head_kv} kv heads x {cfg.head_dim}")
+    status = "fail" if problems else "pass"
+    return [_finding("metadata", "gguf", str(s.inputs.gguf), status, confidence="high",
+                     hypothesis="the metadata describes the tensors the file holds",
+                     evidence=problems[:5], metrics={"problems": len(problems)},
+                     explanation="; ".join(problems[:2]) if problems else
+                     f"{cfg.arch}: {cfg.n_layer} layers, {cfg.n_head}/{cfg.n_head_kv} heads x {cfg.head_dim}, "
+                     f"vocab {cfg.n_vocab} match the tensor shapes")]
+
+
+DEQUANT_BLOCKS = 32  # blocks compared per tensor: first, last and 30 seeded ones
+
+
+def h_dequant(s: Session) -> list[Finding]:
+    """The engine's dequant kernel against the reference, on every tensor of the file."""
+    from .checks import dequant
+
+    kernel = s.inputs.dequant_kernel or ("ggml" if s.inputs.engine == "llama.cpp" else None)
+    if kernel is None:
+        raise Skip("no dequant kernel to check (--dequant-kernel, or an engine whose kernel is built in)")
+    s.progress(f"dequant kernel {kernel!r} vs the reference")
+    res = dequant.run(s.inputs.gguf, kernel=kernel, blocks=DEQUANT_BLOCKS, seed=s.inputs.seed)
+    failed = [f for f in res.findings if f.status == "fail"]
+    compared = [f for f in res.findings if f.status == "pass"]
+    if failed:
+        for f in failed:
+            f.check, f.confidence = "dequant", "high"
+            f.hypothesis = f"the dequant kernel {kernel!r} is right"
+        return failed[:8]
+    if not compared:
+        reasons = sorted({f.reason for f in res.findings if f.status == "skip"})
+        raise Skip(f"kernel {kernel!r} compared no tensor: " + "; ".join(reasons[:2]))
+    types = sorted(dequant.summary(res))
+    return [_finding("dequant", kernel, f"{len(compared)} tensors", "pass", confidence="high",
+                     hypothesis=f"the dequant kernel {kernel!r} is right",
+                     metrics={"tensors_compared": len(compared), "types": types,
+                              "tensors_skipped": len(res.findings) - len(compared),
+                              "blocks_per_tensor": DEQUANT_BLOCKS, "seconds": round(res.seconds, 1)},
+                     explanation=f"bit-exact on {len(compared)} tensors ({', '.join(types)})")]
+
+
+def h_fp16_overflow(s: Session) -> list[Finding]:
+    """Would float16 overflow? Margin of the float32 reference's max |activation| to 65504, per layer."""
+    _, _, stats = s.reference("float32")
+    peak = max(stats, key=lambda st: st["max_abs"])
+    over = [st for st in stats if st["max_abs"] > FP16_MAX]
+    first = over[0] if over else None
+    dtype = (s.inputs.engine_dtype or "").lower()
+    margins = [{"layer": st["layer"], "max_abs": st["max_abs"], "margin": FP16_MAX / st["max_abs"]
+                if st["max_abs"] else math.inf} for st in stats]
+    metrics = {"peak_abs": peak["max_abs"], "peak_layer": peak["layer"], "peak_at": peak["max_at"],
+               "first_overflow_layer": first["layer"] if first else None, "engine_dtype": dtype or None}
+    if first is None:
+        return [_finding("fp16-overflow", "reference", "activations", "pass", confidence="high",
+                         hypothesis="activations fit in float16", metrics=metrics, evidence=margins,
+                         explanation=f"peak |activation| {peak['max_abs']:.4g} at {peak['max_at']}: "
+                                     f"float16 margin x{FP16_MAX / peak['max_abs']:.2f}")]
+    msg = (f"the float32 residual stream reaches {first['max_abs']:.4g} at layer {first['layer']} "
+           f"({first['max_at']}), beyond float16's 65504")
+    if dtype in ("float16", "fp16", "half"):
+        # confirm: the reference itself in float16 turns inf/NaN where predicted
+        _, _, stats16 = s.reference("float16")
+        nonfinite = next((st for st in stats16 if st["n_inf"] or st["n_nan"]), None)
+        metrics["fp16_first_nonfinite_layer"] = nonfinite["layer"] if nonfinite else None
+        return [_finding("fp16-overflow", s.inputs.engine or "deployment", "activations", "fail",
+                         confidence="high" if nonfinite else "medium",
+                         hypothesis="the deployment's float16 arithmetic overflows", metrics=metrics,
+                         evidence=margins,
+                         explanation=msg + (f"; the reference run in float16 turns inf/NaN at layer "
+                                            f"{nonfinite['layer']} ({nonfinite['first_nonfinite']})"
+                                            if nonfinite else "") +
+                         ". Run the model in bfloat16 (same range as float32) instead of float16.")]
+    return [_finding("fp16-overflow", "reference", "activations", "pass", confidence="high",
+                     hypothesis="activations fit in float16", metrics={**metrics, "advisory": True},
+                     evidence=margins,
+                     explanation=f"advisory: {msg}. Harmless unless the deployment runs in float16 "
+                                 f"(deployment precision: {dtype or 'unknown'}); use bfloat16 there.")]
+
+
+def h_engine_vs_reference(s: Session) -> list[Finding]:
+    """The engine's next-token distributions match the reference within the engine's own noise."""
+    import torch
+
+    from .checks import metrics as M
+
+    logits, _, _ = s.engine_run()
+    ref, _, _ = s.reference("float32")
+    emu, _, _ = s.budget_reference()
+    got = torch.as_tensor(logits)
+    kl = M.kl_divergence(got, ref)  # [T]
+    kl_noise = M.kl_divergence(emu.float(), ref)
+    top1 = M.top1_agreement(got, ref)
+    top1_noise = M.top1_agreement(emu, ref)
+    # budget: the emulated engine's own KL, K times (checks/layers.py explains K), plus a floor for a
+    # bit-exact emulation; top-1 may flip only where the emulation flips it, plus one position.
+    from .checks.layers import FLOOR, K
+
+    limit = K * float(kl_noise.mean()) + FLOOR
+    n = got.shape[0]
+    top1_limit = max(0.0, top1_noise - 1.0 / n)
+    ok = float(kl.mean()) <= limit and top1 >= top1_limit and bool(torch.isfinite(got).all())
+    worst = int(kl.argmax())
+    return [_finding(
+        "engine-vs-reference", s.inputs.engine, "next-token distributions", "pass" if ok else "fail",
+        confidence="high", hypothesis="the engine computes the model's distribution",
+        metrics={"kl_mean": float(kl.mean()), "kl_max": float(kl.max()), "top1_agreement": top1,
+                 "positions": n, "worst_position": worst},
+        budget={"kl_mean_limit": limit, "kl_noise_mean": float(kl_noise.mean()), "top1_min": top1_limit},
+        explanation=(f"KL {float(kl.mean()):.3g} (noise {float(kl_noise.mean()):.3g}), top-1 {top1:.0%}"
+                     + ("" if ok else f": beyond the engine's noise budget {limit:.3g}")),
+    )]
+
+
+def h_layer_localization(s: Session) -> list[Finding]:
+    """Where the engine's activations leave the reference (noise-aware, layer by layer)."""
+    from .checks.layers import error_curve, first_divergent_layer
+
+    _, engine_caps, _ = s.engine_run()
+    _, ref_caps, _ = s.reference("float32")
+    _, emu_caps, _ = s.budget_reference()
+    curve = error_curve(ref_caps, emu_caps, engine_caps, s.config().n_layer)
+    if not curve:
+        raise Skip("the engine exposed no activations that map onto the reference's capture points")
+    s.curve = [p.as_dict() for p in curve]
+    layer, point = first_divergent_layer(curve)
+    if layer is None:
+        worst = max(curve, key=lambda p: p.error / p.limit)
+        return [_finding("layer-localization", s.inputs.engine, "layers", "pass", confidence="high",
+                         hypothesis="every layer stays within the engine's noise",
+                         metrics={"points": len(curve), "worst_ratio": worst.error / worst.limit,
+                                  "worst": f"{worst.point}-{worst.layer}"},
+                         explanation=f"{len(curve)} points within budget; worst {worst.point}-{worst.layer} "
+                                     f"at {worst.error / worst.limit:.2f} of its limit")]
+    return [_finding("layer-localization", s.inputs.engine, f"layer {layer}", "fail", confidence="high",
+                     hypothesis="every layer stays within the engine's noise",
+                     metrics={"first_divergent_layer": layer, "point": point.point, "error": point.error,
+                              "noise": point.noise, "limit": point.limit},
+                     evidence=[p.as_dict() for p in curve if p.layer in (layer - 1, layer, layer + 1)],
+                     explanation=f"first divergent layer {layer}: {point.point}-{layer} is off by "
+                                 f"{point.error:.3g} (rel. L2) where the engine's noise is {point.noise:.3g}")]
+
+
+def _not_requested(what: str) -> Callable[[Session], list[Finding]]:
+    def run(s: Session) -> list[Finding]:
+        raise Skip(what)
+
+    return run
+
+
+def plan(inputs: Inputs) -> list[Hypothesis]:
+    """The ordered hypotheses, cheapest first."""
+    return [
+        Hypothesis("file-integrity", "Is the model file intact?", h_file_integrity),
+        Hypothesis("engine-file", "Does the engine load the same model?", h_engine_file),
+        Hypothesis("metadata", "Does the metadata describe the tensors?", h_metadata),
+        Hypothesis("mapping", "Are the GGUF<->HF names and layouts right?",
+                   _not_requested("the mapping check (check mapping) is not part of this version")),
+        Hypothesis("dequant", "Is the engine's dequant kernel right?", h_dequant),
+        Hypothesis("fp16-overflow", "Does the model overflow in float16?", h_fp16_overflow),
+        Hypothesis("attention", "Are the attention kernels right?",
+                   _not_requested("no attention kernel given (--attention-impl)")),
+        Hypothesis("engine-vs-reference", "Does the engine compute the model's distribution?",
+                   h_engine_vs_reference),
+        Hypothesis("symptom-bisection", "Which symptom class does the endpoint show?",
+                   _not_requested("no endpoint given (--endpoint)")),
+        Hypothesis("layer-localization", "Where does the engine leave the reference?", h_layer_localization),
+    ]
+
+
+def run(inputs: Inputs, progress: Callable[[str], None] = lambda s: None) -> Diagnosis:
+    if inputs.engine is not None and inputs.engine not in ENGINES:
+        raise InputError(f"unknown engine {inputs.engine!r} (known: {', '.join(ENGINES)})")
+    s = Session(inputs, progress)
+    findings: list[Finding] = []
+    timings: dict[str, float] = {}
+    for h in plan(inputs):
+        progress(h.question)
+        t0 = time.perf_counter()
+        try:
+            fs = h.run(s)
+        except Skip as e:
+            fs = [_finding(h.key, inputs.engine or "-", "-", "skip", reason=str(e), hypothesis=h.question)]
+        timings[h.key] = round(time.perf_counter() - t0, 2)
+        for f in fs:
+            f.hypothesis = f.hypothesis or h.question
+        findings.extend(fs)
+    order = {h.key: i for i, h in enumerate(plan(inputs))}
+    suspects = sorted((f for f in findings if f.status == "fail"),
+                      key=lambda f: (order.get(f.check, 99), CONFIDENCE_ORDER.get(f.confidence, 3)))
+    ruled_out = [f for f in findings if f.status == "pass"]
+    c = count(findings)
+    if suspects:
+        verdict, code = f"fault found: {suspects[0].explanation}", 1
+    elif c["passed"] == 0 or not any(f.check in ("engine-vs-reference", "layer-localization")
+                                     and f.status == "pass" for f in findings) and inputs.engine:
+        verdict, code = "could not diagnose: nothing was compared", 2
+    else:
+        verdict, code = "healthy", 0
+    return Diagnosis(findings, suspects, ruled_out, verdict, code, s.curve, timings)

@@ -1,0 +1,49 @@
+"""Terminal rendering of a diagnosis: the verdict first, then the ranked suspects, then what was
+ruled out and what could not run (with why)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+
+def _metrics_line(m: dict[str, Any], n: int = 4) -> str:
+    def fmt(v: Any) -> str:
+        return f"{v:.3g}" if isinstance(v, float) else str(v)
+
+    return ", ".join(f"{k}={fmt(v)}" for k, v in list(m.items())[:n])
+
+
+def render(doc: dict[str, Any], console: Console) -> None:
+    code = doc["exit_code"]
+    style = {0: "bold green", 1: "bold red"}.get(code, "bold yellow")
+    console.print(f"[{style}]{doc['verdict']}[/{style}]")
+    c = doc["counts"]
+    console.print(f"{c['passed']} passed, {c['failed']} failed, {c['skipped']} skipped")
+    by_id = {f["id"]: f for f in doc["findings"]}
+    suspects = [by_id[i] for i in doc.get("suspects", []) if i in by_id]
+    if suspects:
+        t = Table(title="Suspects, most likely first", title_justify="left")
+        for col in ("#", "check", "target", "evidence", "confidence"):
+            t.add_column(col)
+        for i, f in enumerate(suspects, 1):
+            t.add_row(str(i), f["check"], f["target"], f["explanation"] or f["reason"], f.get("confidence", ""))
+        console.print(t)
+    ruled = [f for f in doc["findings"] if f["status"] == "pass"]
+    if ruled:
+        t = Table(title="Ruled out", title_justify="left")
+        for col in ("check", "evidence", "metrics"):
+            t.add_column(col)
+        for f in ruled:
+            t.add_row(f["check"], f["explanation"], _metrics_line(f.get("metrics", {})))
+        console.print(t)
+    skipped = [f for f in doc["findings"] if f["status"] == "skip"]
+    if skipped:
+        t = Table(title="Skipped", title_justify="left")
+        t.add_column("check")
+        t.add_column("why")
+        for f in skipped:
+            t.add_row(f["check"], f"skipped: {f['reason']}")
+        console.print(t)

@@ -1,0 +1,118 @@
+"""transformers as an engine under test: the GGUF's own (dequantized) weights, mapped back to the HF
+checkpoint layout by gguf/layout.py's inverse transforms, run by transformers' own modeling code.
+
+This is what a deployment that serves a GGUF through transformers computes, minus transformers' GGUF
+reader (which takes ~80 s on the demo file here): the weights are ours (bit-exact with gguf-py),
+the arithmetic is transformers'. `dtype` is the deployment's precision (float16 reproduces the
+float16-overflow failure of Gemma models). Captures: `l_out-{i}` (each decoder layer's output,
+the residual stream, from `output_hidden_states`) and `result_output` (the logits).
+
+HF config fields follow transformers' Gemma3TextConfig / LlamaConfig / Qwen2Config / Qwen3Config,
+filled from the reference's `ModelConfig` (itself read from the GGUF metadata).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+import torch
+
+from ...errors import InputError
+from .llama_cpp import EngineError, EngineRun
+
+_MODEL_TYPES = {"gemma3": "gemma3_text", "llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+
+
+def hf_config(cfg) -> dict[str, Any]:
+    """config.json (as a dict) for a dense ModelConfig read from a GGUF."""
+    model_type = _MODEL_TYPES.get(cfg.arch)
+    if model_type is None:
+        raise InputError(f"the transformers engine does not support architecture {cfg.arch!r}")
+    d: dict[str, Any] = {
+        "model_type": model_type,
+        "vocab_size": cfg.n_vocab,
+        "hidden_size": cfg.n_embd,
+        "intermediate_size": cfg.n_ff,
+        "num_hidden_layers": cfg.n_layer,
+        "num_attention_heads": cfg.n_head,
+        "num_key_value_heads": cfg.n_head_kv,
+        "head_dim": cfg.head_dim,
+        "rms_norm_eps": cfg.norm_eps,
+        "tie_word_embeddings": cfg.tied_output,
+        "max_position_embeddings": 131072,
+    }
+    if cfg.arch == "gemma3":
+        d.update({
+            "hidden_activation": "gelu_pytorch_tanh",
+            "query_pre_attn_scalar": round(1.0 / cfg.attn_scale ** 2),
+            "sliding_window": cfg.sliding_window,
+            "layer_types": ["sliding_attention" if s else "full_attention" for s in cfg.swa_layers],
+            "rope_parameters": {
+                "full_attention": {"rope_type": "default", "rope_theta": cfg.rope_base},
+                "sliding_attention": {"rope_type": "default", "rope_theta": cfg.rope_base_swa or cfg.rope_base},
+            },
+            "final_logit_softcapping": cfg.final_softcap,
+            "attn_logit_softcapping": cfg.attn_softcap,
+        })
+    else:
+        d.update({"hidden_act": "silu", "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_base},
+                  "attention_bias": cfg.qkv_bias})
+    return d
+
+
+def build(path: str | os.PathLike, dtype: torch.dtype = torch.float32):
+    """(model, config) with the GGUF's weights in transformers' layout, in `dtype`, on the CPU."""
+    import transformers
+    from transformers.initialization import no_init_weights
+
+    from ...gguf import layout, open_gguf
+    from ...reference.config import from_gguf
+    from ...reference.forward import dequantize_raw
+
+    with open_gguf(path) as g:
+        cfg = from_gguf(g)
+        config = hf_config(cfg)
+        hf_cfg = transformers.AutoConfig.for_model(**config)
+        with no_init_weights():
+            model = transformers.AutoModelForCausalLM.from_config(hf_cfg, dtype=dtype)
+        names = list(model.state_dict())
+        # HF parameter names as in a checkpoint: strip nothing (CausalLM keys are "model.layers...").
+        plan = layout.plan(cfg.arch, names, config)
+        if plan.unmapped:
+            raise EngineError(f"no GGUF source for HF parameters {plan.unmapped[:3]}")
+        gg = {}
+        for r in plan.rules:
+            for t_name in r.targets:
+                t = g.tensor(t_name)
+                gg[t_name] = dequantize_raw(t.data, t.type, t.shape, device="cpu")
+        state = {k: v.to(dtype) for k, v in layout.to_hf(plan, gg).items()}
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [m for m in missing if m not in plan.skipped and not m.endswith("rotary_emb.inv_freq")]
+    if missing or unexpected:
+        raise EngineError(f"state dict mismatch: missing {missing[:3]}, unexpected {unexpected[:3]}")
+    if cfg.tied_output:
+        model.tie_weights()
+    model.eval()
+    return model, cfg
+
+
+@torch.inference_mode()
+def run(path: str | os.PathLike, tokens: list[int], *, dtype: str = "float32",
+        n_threads: int | None = None) -> EngineRun:
+    """One forward pass of `tokens` through transformers in `dtype`: logits [T, V] and l_out-{i}."""
+    torch_dtype = getattr(torch, dtype, None)
+    if not isinstance(torch_dtype, torch.dtype):
+        raise InputError(f"unknown dtype {dtype!r}")
+    if n_threads:
+        torch.set_num_threads(n_threads)
+    model, cfg = build(path, torch_dtype)
+    out = model(torch.tensor([tokens]), output_hidden_states=True, use_cache=False)
+    logits = out.logits[0].float().numpy()  # [T, V]
+    # hidden_states[0] is the (scaled) embedding; hidden_states[i + 1] the output of layer i, except
+    # that the last entry has the final norm applied (transformers' convention): drop it.
+    caps = {f"l_out-{i}": h[0].float().numpy() for i, h in enumerate(out.hidden_states[1:-1])}
+    caps["result_output"] = logits
+    info = {"engine": "transformers", "transformers": __import__("transformers").__version__, "dtype": dtype}
+    return EngineRun(np.ascontiguousarray(logits), caps, list(caps), info)
