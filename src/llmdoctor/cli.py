@@ -194,6 +194,127 @@ def _render_probe(rep: Any) -> None:
     out.print(f"[bold]verdict: {rep.verdict}[/bold]  symptoms: {symptoms}")
 
 
+@app.command()
+@guarded("diagnose")
+def diagnose(
+    gguf: Optional[Path] = typer.Option(None, "--gguf", help="The model file (default: the demo model)."),
+    hf: Optional[Path] = typer.Option(None, "--hf", help="An HF checkpoint directory or config.json."),
+    endpoint: Optional[str] = typer.Option(None, "--endpoint", help="A live OpenAI-compatible endpoint URL."),
+    engine: Optional[str] = typer.Option(None, "--engine", help="In-process engine: llama.cpp, transformers, vllm."),
+    engine_dtype: Optional[str] = typer.Option(None, "--engine-dtype", help="The deployment's precision."),
+    dequant_kernel: Optional[str] = typer.Option(None, "--dequant-kernel", help="Kernel spec to check."),
+    attention_impl: Optional[str] = typer.Option(None, "--attention-impl", help="Attention kernel spec."),
+    attention_contract: Optional[str] = typer.Option(None, "--attention-contract", help="Its contract."),
+    prompt: Optional[str] = typer.Option(None, "--prompt", help="The text run through engine and reference."),
+    demo_fault: Optional[str] = typer.Option(None, "--demo-fault", help="Diagnose a deliberately broken demo "
+                                             "deployment; 'list' lists them."),
+    threads: Optional[int] = typer.Option(None, "--threads", help="CPU threads for the engines."),
+    seed: int = typer.Option(0, "--seed"),
+    json_out: bool = typer.Option(False, "--json", help="Print one JSON object on stdout."),
+    json_path: Optional[Path] = typer.Option(None, "--json-out", help="Write the JSON report to PATH."),
+    html_path: Optional[Path] = typer.Option(None, "--html", help="Write a self-contained HTML report to PATH."),
+) -> None:
+    """Find the first broken layer of a deployment. No arguments: the demo model in llama.cpp."""
+    import tempfile
+
+    from . import diagnose as dg
+    from .faults import demo as demo_faults
+    from .report import diagnosis as diag_report
+    from .report import html as html_report
+    from .report.envelope import write_atomic
+
+    if demo_fault == "list":
+        for f in demo_faults.all_demo_faults():
+            print(f"{f.name}\t{f.description}")
+        return
+    inputs = dg.Inputs(gguf=gguf, hf=hf, endpoint=endpoint, engine=engine, engine_dtype=engine_dtype,
+                       dequant_kernel=dequant_kernel, attention_impl=attention_impl,
+                       attention_contract=attention_contract, seed=seed, threads=threads)
+    if prompt:
+        inputs.prompt = prompt
+    if inputs.gguf is None:
+        inputs.gguf = model_file(None)
+    if not any((engine, endpoint, dequant_kernel, attention_impl, hf)):
+        inputs.engine = "llama.cpp"  # the demo deployment: the file in the built-in engine
+    with tempfile.TemporaryDirectory(prefix="llmdoctor-demo-") as tmp:
+        if demo_fault:
+            demo_faults.apply(demo_fault, inputs, Path(tmp))
+        status = terminal.stderr.status("diagnosing")
+        with status:
+            result = dg.run(inputs, progress=lambda msg: status.update(msg))
+    doc = envelope("diagnose", argv=sys.argv[1:], verdict=result.verdict, exit_code=result.exit_code,
+                   findings=result.findings, file=inputs.gguf, seed=seed, **result.to_dict())
+    if json_path:
+        write_atomic(json_path, dumps(doc))
+    if html_path:
+        write_atomic(html_path, html_report.render(doc))
+    if json_out:
+        print(dumps(doc))
+    else:
+        diag_report.render(doc, terminal.stdout)
+    raise typer.Exit(result.exit_code)
+
+
+@app.command()
+@guarded("probe")
+def probe(
+    url: str = typer.Argument(..., help="Base URL of an OpenAI-compatible server (with or without /v1)."),
+    model: Optional[str] = typer.Option(None, "--model", help="Model name to request (default: the first listed)."),
+    gguf: Optional[Path] = typer.Option(None, "--gguf", help="The GGUF the server claims to serve: compare "
+                                        "against the reference forward pass and the file's tokenizer."),
+    api_key_env: Optional[str] = typer.Option(None, "--api-key-env", help="Environment variable holding the API key."),
+    concurrency: int = typer.Option(4, "--concurrency", min=2, help="Requests in flight for the batch probe."),
+    timeout: float = typer.Option(60.0, "--timeout", help="Seconds one request may take."),
+    seed: int = typer.Option(0, "--seed", help="Seed of the random string of the copy probe."),
+    json_out: bool = typer.Option(False, "--json", help="Print one JSON object on stdout."),
+) -> None:
+    """Black-box checks of a live OpenAI-compatible endpoint: healthy, degraded, garbage or inconclusive."""
+    from .checks.probes import probe as run_probe
+    from .errors import InputError
+
+    if gguf is not None and not gguf.is_file():
+        raise InputError(f"{gguf}: no such file")
+    rep = run_probe(url, model=model, gguf=gguf, api_key_env=api_key_env, concurrency=concurrency,
+                    timeout=timeout, seed=seed, progress=lambda msg: terminal.stderr.print(msg))
+    if json_out:
+        print(dumps(envelope("probe", argv=sys.argv[1:], verdict=rep.verdict, exit_code=rep.exit_code,
+                             findings=rep.findings, file=gguf, seed=seed, result=rep.to_dict())))
+    else:
+        _render_probe(rep)
+    raise typer.Exit(rep.exit_code)
+
+
+def _render_probe(rep: Any) -> None:
+    from rich.table import Table
+
+    out = terminal.stdout
+    out.print(f"[bold]{rep.url}[/bold]  model {rep.model}  ({rep.wall_s:.0f} s, {rep.n_requests} requests)")
+    table = Table(show_edge=False)
+    for col in ("status", "probe", "symptom", "evidence"):
+        table.add_column(col)
+    for f in rep.findings:
+        m = f.metrics
+        if f.status == "skip":
+            detail = f.reason
+        elif "expected_logprob" in m:
+            detail = f"expected logprob {m['expected_logprob']:.3f}, rank {m['expected_rank']}, tail {m['tail_mass']:.3f}"
+        elif "kl_max" in m:
+            detail = f"KL max {m['kl_max']:.2e}, top-1 agreement {m['top1_agreement']:.2f} over {m['positions']} positions"
+        elif "kl" in m:
+            detail = f"KL {m['kl']:.2e}, top-1 {'same' if m['top1_agree'] else 'differs'}"
+        elif "max_abs_dlogprob" in m:
+            detail = f"max |dlogprob| {m['max_abs_dlogprob']:.2e}, same text {m['same_text']}"
+        else:
+            detail = f.explanation or ", ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}"
+                                                for k, v in m.items() if k != "symptom" and not isinstance(v, list))
+        table.add_row(f.status, f.target, m.get("symptom", ""), detail)
+    out.print(table)
+    out.print("thresholds: " + "; ".join(f"{k} {v['value']:.3g}" for k, v in rep.thresholds.items()))
+    symptoms = ", ".join(rep.symptoms) or "none"
+    out.print(f"[bold]verdict: {rep.verdict}[/bold]  symptoms: {symptoms}")
+
+
+
 def main() -> None:
     app()
 
