@@ -255,66 +255,6 @@ def diagnose(
     raise typer.Exit(result.exit_code)
 
 
-@app.command()
-@guarded("probe")
-def probe(
-    url: str = typer.Argument(..., help="Base URL of an OpenAI-compatible server (with or without /v1)."),
-    model: Optional[str] = typer.Option(None, "--model", help="Model name to request (default: the first listed)."),
-    gguf: Optional[Path] = typer.Option(None, "--gguf", help="The GGUF the server claims to serve: compare "
-                                        "against the reference forward pass and the file's tokenizer."),
-    api_key_env: Optional[str] = typer.Option(None, "--api-key-env", help="Environment variable holding the API key."),
-    concurrency: int = typer.Option(4, "--concurrency", min=2, help="Requests in flight for the batch probe."),
-    timeout: float = typer.Option(60.0, "--timeout", help="Seconds one request may take."),
-    seed: int = typer.Option(0, "--seed", help="Seed of the random string of the copy probe."),
-    json_out: bool = typer.Option(False, "--json", help="Print one JSON object on stdout."),
-) -> None:
-    """Black-box checks of a live OpenAI-compatible endpoint: healthy, degraded, garbage or inconclusive."""
-    from .checks.probes import probe as run_probe
-    from .errors import InputError
-
-    if gguf is not None and not gguf.is_file():
-        raise InputError(f"{gguf}: no such file")
-    rep = run_probe(url, model=model, gguf=gguf, api_key_env=api_key_env, concurrency=concurrency,
-                    timeout=timeout, seed=seed, progress=lambda msg: terminal.stderr.print(msg))
-    if json_out:
-        print(dumps(envelope("probe", argv=sys.argv[1:], verdict=rep.verdict, exit_code=rep.exit_code,
-                             findings=rep.findings, file=gguf, seed=seed, result=rep.to_dict())))
-    else:
-        _render_probe(rep)
-    raise typer.Exit(rep.exit_code)
-
-
-def _render_probe(rep: Any) -> None:
-    from rich.table import Table
-
-    out = terminal.stdout
-    out.print(f"[bold]{rep.url}[/bold]  model {rep.model}  ({rep.wall_s:.0f} s, {rep.n_requests} requests)")
-    table = Table(show_edge=False)
-    for col in ("status", "probe", "symptom", "evidence"):
-        table.add_column(col)
-    for f in rep.findings:
-        m = f.metrics
-        if f.status == "skip":
-            detail = f.reason
-        elif "expected_logprob" in m:
-            detail = f"expected logprob {m['expected_logprob']:.3f}, rank {m['expected_rank']}, tail {m['tail_mass']:.3f}"
-        elif "kl_max" in m:
-            detail = f"KL max {m['kl_max']:.2e}, top-1 agreement {m['top1_agreement']:.2f} over {m['positions']} positions"
-        elif "kl" in m:
-            detail = f"KL {m['kl']:.2e}, top-1 {'same' if m['top1_agree'] else 'differs'}"
-        elif "max_abs_dlogprob" in m:
-            detail = f"max |dlogprob| {m['max_abs_dlogprob']:.2e}, same text {m['same_text']}"
-        else:
-            detail = f.explanation or ", ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}"
-                                                for k, v in m.items() if k != "symptom" and not isinstance(v, list))
-        table.add_row(f.status, f.target, m.get("symptom", ""), detail)
-    out.print(table)
-    out.print("thresholds: " + "; ".join(f"{k} {v['value']:.3g}" for k, v in rep.thresholds.items()))
-    symptoms = ", ".join(rep.symptoms) or "none"
-    out.print(f"[bold]verdict: {rep.verdict}[/bold]  symptoms: {symptoms}")
-
-
-
 def main() -> None:
     app()
 
