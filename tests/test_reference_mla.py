@@ -246,6 +246,20 @@ def test_legacy_unsplit_kv_b_file_matches_transformers(tmp_path):
     assert err <= bound
 
 
+def test_lower_precisions(deepseek):
+    """float32 agrees with float64 within the same bound at float32's unit roundoff (2^-24; the
+    sensitivity is the float64 one); bfloat16 and float16 run and stay finite."""
+    bound64, ref, _ = float64_bound(deepseek.gguf_path, IDS)
+    bound32 = bound64 * 2.0**29  # u32 / u64
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        with load(deepseek.gguf_path, dtype=dtype) as model:
+            out, _ = model.forward(IDS)
+            assert out.dtype == dtype and bool(torch.isfinite(out).all())
+            assert all(s.n_inf == s.n_nan == 0 for s in model.stats)
+        if dtype == torch.float32:
+            assert float((out.double() - ref).abs().max()) <= bound32
+
+
 @pytest.mark.gpu
 def test_cuda_matches_cpu(glm):
     """The same float64 forward on CUDA (cuBLAS reduction order) agrees with the CPU one."""
