@@ -122,6 +122,8 @@ def test_mla_checkpoint_round_trip(kind, tmp_path):
     assert by["blk.1.ffn_up_exps.weight"].transform == "stack_experts"
     assert len(by["blk.1.ffn_up_exps.weight"].sources) == fx.COMMON["n_routed_experts"]
     assert "blk.1.exp_probs_b.bias" in by
+    runtime = [n for n in f.model.state_dict() if not n.endswith("inv_freq")]
+    assert sorted(layout.checkpoint_names(runtime, fx.COMMON["n_routed_experts"])) == sorted(f.checkpoint)
     if kind == "glm":
         assert {"blk.0.indexer.k_norm.weight", "blk.0.indexer.k_norm.bias", "blk.0.indexer.proj.weight",
                 "blk.0.indexer.attn_k.weight", "blk.0.indexer.attn_q_b.weight"} <= set(by)

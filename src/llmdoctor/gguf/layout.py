@@ -120,6 +120,22 @@ def unstack_experts(w: torch.Tensor) -> Tensors:
     return list(w.unbind(0))
 
 
+def checkpoint_names(runtime_names: Sequence[str], n_experts: int) -> list[str]:
+    """transformers 5's in-memory parameter names -> the checkpoint names `plan` takes: its fused
+    `mlp.experts.gate_up_proj` [E, 2F, H] and `mlp.experts.down_proj` [E, H, F] come from per-expert
+    `mlp.experts.{e}.{gate,up,down}_proj.weight` (conversion_mapping.py, "qwen2_moe" converters:
+    MergeModulelist then Concatenate(dim=1), gate rows first)."""
+    out: list[str] = []
+    for name in runtime_names:
+        m = re.match(r"^(.+\.experts)\.(gate_up_proj|down_proj)$", name)
+        if m is None:
+            out.append(name)
+            continue
+        projs = ("gate_proj", "up_proj") if m[2] == "gate_up_proj" else ("down_proj",)
+        out.extend(f"{m[1]}.{e}.{p}.weight" for e in range(n_experts) for p in projs)
+    return out
+
+
 # ---- plans -------------------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
