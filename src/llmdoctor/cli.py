@@ -194,6 +194,67 @@ def _render_probe(rep: Any) -> None:
     out.print(f"[bold]verdict: {rep.verdict}[/bold]  symptoms: {symptoms}")
 
 
+@app.command()
+@guarded("diagnose")
+def diagnose(
+    gguf: Optional[Path] = typer.Option(None, "--gguf", help="The model file (default: the demo model)."),
+    hf: Optional[Path] = typer.Option(None, "--hf", help="An HF checkpoint directory or config.json."),
+    endpoint: Optional[str] = typer.Option(None, "--endpoint", help="A live OpenAI-compatible endpoint URL."),
+    engine: Optional[str] = typer.Option(None, "--engine", help="In-process engine: llama.cpp, transformers, vllm."),
+    engine_dtype: Optional[str] = typer.Option(None, "--engine-dtype", help="The deployment's precision."),
+    dequant_kernel: Optional[str] = typer.Option(None, "--dequant-kernel", help="Kernel spec to check."),
+    attention_impl: Optional[str] = typer.Option(None, "--attention-impl", help="Attention kernel spec."),
+    attention_contract: Optional[str] = typer.Option(None, "--attention-contract", help="Its contract."),
+    prompt: Optional[str] = typer.Option(None, "--prompt", help="The text run through engine and reference."),
+    demo_fault: Optional[str] = typer.Option(None, "--demo-fault", help="Diagnose a deliberately broken demo "
+                                             "deployment; 'list' lists them."),
+    threads: Optional[int] = typer.Option(None, "--threads", help="CPU threads for the engines."),
+    seed: int = typer.Option(0, "--seed"),
+    json_out: bool = typer.Option(False, "--json", help="Print one JSON object on stdout."),
+    json_path: Optional[Path] = typer.Option(None, "--json-out", help="Write the JSON report to PATH."),
+    html_path: Optional[Path] = typer.Option(None, "--html", help="Write a self-contained HTML report to PATH."),
+) -> None:
+    """Find the first broken layer of a deployment. No arguments: the demo model in llama.cpp."""
+    import tempfile
+
+    from . import diagnose as dg
+    from .faults import demo as demo_faults
+    from .report import diagnosis as diag_report
+    from .report import html as html_report
+    from .report.envelope import write_atomic
+
+    if demo_fault == "list":
+        for f in demo_faults.all_demo_faults():
+            print(f"{f.name}\t{f.description}")
+        return
+    inputs = dg.Inputs(gguf=gguf, hf=hf, endpoint=endpoint, engine=engine, engine_dtype=engine_dtype,
+                       dequant_kernel=dequant_kernel, attention_impl=attention_impl,
+                       attention_contract=attention_contract, seed=seed, threads=threads)
+    if prompt:
+        inputs.prompt = prompt
+    if inputs.gguf is None:
+        inputs.gguf = model_file(None)
+    if not any((engine, endpoint, dequant_kernel, attention_impl, hf)):
+        inputs.engine = "llama.cpp"  # the demo deployment: the file in the built-in engine
+    with tempfile.TemporaryDirectory(prefix="llmdoctor-demo-") as tmp:
+        if demo_fault:
+            demo_faults.apply(demo_fault, inputs, Path(tmp))
+        status = terminal.stderr.status("diagnosing")
+        with status:
+            result = dg.run(inputs, progress=lambda msg: status.update(msg))
+    doc = envelope("diagnose", argv=sys.argv[1:], verdict=result.verdict, exit_code=result.exit_code,
+                   findings=result.findings, file=inputs.gguf, seed=seed, **result.to_dict())
+    if json_path:
+        write_atomic(json_path, dumps(doc))
+    if html_path:
+        write_atomic(html_path, html_report.render(doc))
+    if json_out:
+        print(dumps(doc))
+    else:
+        diag_report.render(doc, terminal.stdout)
+    raise typer.Exit(result.exit_code)
+
+
 _DTYPES = {"float64": "float64", "float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
 
 
