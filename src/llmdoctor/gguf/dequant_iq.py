@@ -238,11 +238,12 @@ def iq1_m(blocks: torch.Tensor) -> torch.Tensor:
 
 def _iq4_values(dl: torch.Tensor, qs: torch.Tensor) -> torch.Tensor:
     """dl float32 [n, S], qs uint8 [n, S, 16] -> dl * kvalues: [n, S * 32], per S: 16 low nibbles, 16 high.
-    Outputs 2j, 2j + 1 of each half come from bytes 2j, 2j + 1: key = their two low (or two high) nibbles."""
+    Outputs 2j, 2j + 1 of each half come from bytes 2j, 2j + 1: the key is their two low (or two high)
+    nibbles, taken from the byte pair as one little-endian 16-bit word (whole-word ops, no strided ones)."""
     n, s = dl.shape
-    b = qs.view(n, s, 8, 2).int()
-    lo, hi = b[..., 0], b[..., 1]  # [n, S, 8]
-    keys = torch.stack(((lo & 15) | ((hi & 15) << 4), (lo >> 4) | (hi & 0xF0)), dim=2)  # [n, S, 2, 8]
+    pair = _field(qs.reshape(n, s * 16), 0, s * 16, torch.int16).int().view(n, s, 1, 8)
+    x = torch.cat((pair, pair >> 4), dim=2) & 0x0F0F  # [n, S, 2, 8]: the pair's two low / two high nibbles
+    keys = (x | (x >> 4)) & 0xFF
     v = _table("iq4", dl.device).index_select(0, keys.view(-1)).view(torch.float32).view(n, s, 32)
     return v.mul_(dl[..., None]).view(n, -1)
 
