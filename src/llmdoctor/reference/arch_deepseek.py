@@ -86,8 +86,10 @@ def _gguf_indexer(g: Any, arch: str, n_layer: int) -> mla.Indexer | None:
     full = tuple(bool(t) for t in types) if types is not None else (True,) * n_layer
     if len(full) != n_layer or not full[0]:
         raise InputError(f"{g.path}: {mla.INDEXER_TYPES_KEY.format(arch=arch)} must have {n_layer} entries, the first full")
+    # k_norm eps: transformers' nn.LayerNorm(eps=1e-6); a file may carry attention.layer_norm_epsilon
+    eps = float(gguf_key(g, Keys.Attention.LAYERNORM_EPS, arch, 1e-6))
     return mla.Indexer(int(n_head), int(gguf_key(g, Keys.Attention.Indexer.KEY_LENGTH, arch)),
-                       int(gguf_key(g, Keys.Attention.Indexer.TOP_K, arch)), full)
+                       int(gguf_key(g, Keys.Attention.Indexer.TOP_K, arch)), full, eps)
 
 
 def _gguf_moe(g: Any, arch: str) -> MoE | None:

@@ -32,6 +32,9 @@ Conventions and sources:
   the top-k keys per query are the only keys the attention sees (transformers GlmMoeDsaIndexer,
   llama.cpp src/models/glm-dsa.cpp; llama.cpp's Hadamard rotation of iq/ik is orthogonal and leaves the
   dot products unchanged). "shared" indexer layers reuse the previous full layer's selection.
+  The rope part of iq/ik comes first, the rest after it. (llama.cpp's glm-dsa.cpp views the non-rope
+  part at an offset of D_idx - Dr elements instead of Dr: the same only when Dr = D_idx / 2, as in
+  GLM-5's 64 + 64; the fixtures keep that split.)
 """
 
 from __future__ import annotations
