@@ -38,23 +38,24 @@ class KernelUnavailable(Exception):
     """A kernel exists but cannot run here (missing library, wrong device): skipped with the reason."""
 
 
-def validate_spec(spec: str) -> None:
-    """Cheap checks done before any child starts; InputError names what is wrong with `spec`."""
-    if spec in BUILTINS:
+def validate_spec(spec: str, flag: str = "--kernel") -> None:
+    """Cheap checks done before any child starts; InputError names what is wrong with `spec` (given as `flag`)."""
+    if flag == "--kernel" and spec in BUILTINS:
         return
     if ":" not in spec:
-        raise InputError(f"--kernel {spec!r}: not a built-in ({', '.join(BUILTINS)}) nor module:function")
+        raise InputError(f"{flag} {spec!r}: not a built-in ({', '.join(BUILTINS)}) nor module:function")
     module, _, func = spec.rpartition(":")
     if not module or not func.isidentifier():
-        raise InputError(f"--kernel {spec!r}: expected module:function")
+        raise InputError(f"{flag} {spec!r}: expected module:function")
     if module.endswith(".py") and not Path(module).is_file():
-        raise InputError(f"--kernel {spec!r}: no such file {module}")
+        raise InputError(f"{flag} {spec!r}: no such file {module}")
 
 
-def load(spec: str, device: str) -> Kernel:
-    """Resolve `spec` to a kernel for `device`. InputError: a bad spec; KernelUnavailable: cannot run."""
-    validate_spec(spec)
-    if spec in BUILTINS:
+def load(spec: str, device: str, flag: str = "--kernel") -> Kernel:
+    """Resolve `spec` to a kernel for `device`. InputError: a bad spec; KernelUnavailable: cannot run.
+    `flag` names the option in messages; other commands' built-ins are theirs (--impl: module:function only)."""
+    validate_spec(spec, flag)
+    if flag == "--kernel" and spec in BUILTINS:
         return _BUILTIN_LOADERS[spec](device)
     module, _, func = spec.rpartition(":")
     if module.endswith(".py"):
@@ -66,10 +67,10 @@ def load(spec: str, device: str) -> Kernel:
         try:
             mod = importlib.import_module(module)
         except ModuleNotFoundError as e:
-            raise InputError(f"--kernel {spec!r}: cannot import {module}: {e}") from None
+            raise InputError(f"{flag} {spec!r}: cannot import {module}: {e}") from None
     fn = getattr(mod, func, None)
     if not callable(fn):
-        raise InputError(f"--kernel {spec!r}: {module} has no function {func}")
+        raise InputError(f"{flag} {spec!r}: {module} has no function {func}")
     return fn
 
 
@@ -212,21 +213,30 @@ def serve(spec: str, device: str, dtype: Optional[str]) -> Callable:
         problem = _contract_violation(out, shape, want)
         if problem:
             return {"status": "contract", "message": problem}, b""
-        flat = out.detach().reshape(-1)  # [n]
-        bad = ~torch.isfinite(flat)
-        n_bad = int(bad.sum())
-        first_bad = bad.nonzero().flatten()[:16].cpu()
-        bs = header["block_size"]
-        picked = flat.view(-1, bs)  # [n_blocks, block_size]; blocks None = all of them
-        if header["blocks"] is not None:
-            picked = picked.index_select(0, torch.as_tensor(header["blocks"], dtype=torch.int64, device=flat.device))
-        picked = picked.cpu().contiguous()  # [k, block_size]
-        reply = {"status": "ok", "dtype": str(out.dtype).removeprefix("torch."), "device": str(out.device),
-                 "seconds": seconds, "nonfinite": n_bad, "nonfinite_at": first_bad.tolist(),
-                 "nonfinite_values": flat[first_bad.to(flat.device)].double().cpu().tolist()}
-        return reply, picked.view(torch.uint8).numpy().reshape(-1)
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)  # our few passes over the output: thread hand-offs cost more on a busy host
+        try:
+            return _reply(out, header["blocks"], header["block_size"], seconds)
+        finally:
+            torch.set_num_threads(threads)
 
     return handle
+
+
+def _reply(out: torch.Tensor, blocks: Any, bs: int, seconds: float) -> tuple[dict, Any]:
+    """Reply header and payload: the compared blocks' raw bytes and the non-finite census."""
+    flat = out.detach().reshape(-1)  # [n]
+    bad = ~torch.isfinite(flat)
+    n_bad = int(bad.sum())
+    first_bad = bad.nonzero().flatten()[:16] if n_bad else torch.zeros(0, dtype=torch.int64, device=flat.device)
+    picked = flat.view(-1, bs)  # [n_blocks, block_size]; blocks None = all of them
+    if blocks is not None:
+        picked = picked.index_select(0, torch.as_tensor(blocks, dtype=torch.int64, device=flat.device))
+    picked = picked.cpu().contiguous()  # [k, block_size]
+    reply = {"status": "ok", "dtype": str(out.dtype).removeprefix("torch."), "device": str(out.device),
+             "seconds": seconds, "nonfinite": n_bad, "nonfinite_at": first_bad.cpu().tolist(),
+             "nonfinite_values": flat[first_bad].double().cpu().tolist()}
+    return reply, picked.view(torch.uint8).numpy().reshape(-1)
 
 
 def _contract_violation(out: Any, shape: tuple[int, ...], want: Optional[torch.dtype]) -> str:
