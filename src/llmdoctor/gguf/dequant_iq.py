@@ -6,10 +6,11 @@ llama.cpp keeps bit-exact with `dequantize_row_<type>` in ggml-quants.c); every 
 float16 to float32 and all arithmetic is float32, as there.
 
 The grids, sign table, IQ4 codebook and IQ1 delta are gguf-py's own (`gguf.quants.IQ2_XXS.ksigns`,
-`<TYPE>.init_grid()`/`.grid`, `IQ4_NL.kvalues`, `IQ1_S.delta`), converted once per device. Some are
-fused into product tables (grid row times sign row): that is exact, because a sign is +-1 and
-round-to-nearest is symmetric, so db * (g * s) == (db * g) * s bit for bit, as gguf-py computes it
-(for every input; only the sign bit of a NaN could differ, and NaNs compare equal in the tests).
+`<TYPE>.init_grid()`/`.grid`, `IQ4_NL.kvalues`, `IQ1_S.delta`), converted once per device. Signs are
+applied to the grid rows before the scale (in product tables, or by multiplying gathered rows): that is
+exact, because a sign is +-1 and round-to-nearest is symmetric, so db * (g * s) == (db * g) * s bit for
+bit, the order gguf-py uses (for every input; only the sign bit of a NaN could differ, and the tests
+compare NaN as equal to NaN).
 """
 
 from __future__ import annotations
@@ -54,10 +55,11 @@ def _np_signed_grid_iq2_xs() -> np.ndarray:
     return (_np_ksigns()[:, None, :] * _np_grid(T.IQ2_XS)[None, :, :]).reshape(-1, 8)
 
 
-def _np_signed_grid_iq3_xxs() -> np.ndarray:
-    """float32 [256 * 128 * 2, 4]: row (g * 128 + s) * 2 + h = grid[g] * ksigns[s][4h : 4h + 4]
-    (a 7-bit sign index covers two grid rows of 4: h picks the half)."""
-    return (_np_grid(T.IQ3_XXS)[:, None, None, :] * _np_ksigns().reshape(1, 128, 2, 4)).reshape(-1, 4)
+def _np_grid_iq3_xxs_pairs() -> np.ndarray:
+    """float32 [65536, 8]: row v = grid[v & 255] ++ grid[v >> 8], v two consecutive grid-index bytes read as
+    one little-endian uint16 (the 8 values one 7-bit sign index covers)."""
+    grid = _np_grid(T.IQ3_XXS)  # [256, 4]
+    return np.concatenate(np.broadcast_arrays(grid[None, :, :], grid[:, None, :]), axis=-1).reshape(-1, 8)
 
 
 def _np_signed_grid_iq3_s() -> np.ndarray:
@@ -81,10 +83,11 @@ def _np_iq4_pairs() -> np.ndarray:
 
 _TABLES = {
     "bit_signs": _np_bit_signs,
+    "ksigns": _np_ksigns,
     "iq2_xxs": _np_signed_grid_iq2_xxs,
     "iq2_xs": _np_signed_grid_iq2_xs,
     "iq2_s": lambda: _np_grid(T.IQ2_S),
-    "iq3_xxs": _np_signed_grid_iq3_xxs,
+    "iq3_xxs": _np_grid_iq3_xxs_pairs,
     "iq3_s": _np_signed_grid_iq3_s,
     "iq1": _np_iq1_grid,
     "iq4": _np_iq4_pairs,
@@ -185,9 +188,9 @@ def iq3_xxs(blocks: torch.Tensor) -> torch.Tensor:
     aux = _u32(blocks, 66, 98)  # [n, 8]
     db = d * (0.5 + ((aux >> 28) & 15).float()) * 0.5  # [n, 8]
     sign_idx = (aux[..., None] >> _shifts(dev, 0, 7, 14, 21)) & 127  # [n, 8, 4]
-    grid_idx = blocks[:, 2:66].view(n, 8, 4, 2).int()  # [n, 8, 4, 2]: each sign index covers 2 grid rows
-    v = _rows(_table("iq3_xxs", dev), grid_idx * 256 + (sign_idx[..., None] * 2 + _shifts(dev, 0, 1)))
-    return v.view(n, 8, 32).mul_(db[..., None]).view(n, 256)  # v: [n, 8, 4, 2, 4]
+    v = _rows(_table("iq3_xxs", dev), _u16(blocks, 2, 66))  # [n, 32, 8]: grid rows in pairs
+    v.mul_(_rows(_table("ksigns", dev), sign_idx).view(n, 32, 8))
+    return v.view(n, 8, 32).mul_(db[..., None]).view(n, 256)
 
 
 @register(T.IQ3_S)
