@@ -228,16 +228,14 @@ def dequantize(
 def dequantize_blocks(blocks: torch.Tensor | np.ndarray, qtype: int) -> torch.Tensor:
     """float32 [n, block_size] for uint8 blocks [n, type_size] (e.g. blocks sampled from a tensor), on
     the blocks' device."""
-    if isinstance(blocks, np.ndarray):
-        blocks = torch.from_numpy(np.ascontiguousarray(blocks, dtype=np.uint8))
     if blocks.ndim != 2:
         raise InputError(f"blocks must be 2-D [n, type_size], got shape {tuple(blocks.shape)}")
-    q, _ = _kernel(qtype, blocks.device)
+    n, width = blocks.shape
+    q, _ = _kernel(qtype, torch.device("cpu") if isinstance(blocks, np.ndarray) else blocks.device)
     block_size, type_size = GGML_QUANT_SIZES[q]
-    if blocks.shape[1] != type_size:
-        raise InputError(f"{q.name}: blocks have {blocks.shape[1]} bytes, a block has {type_size}")
-    n = blocks.shape[0]
-    return dequantize(blocks.contiguous().view(-1), q, (n, block_size)).view(n, block_size)
+    if width != type_size:
+        raise InputError(f"{q.name}: blocks have {width} bytes, a block has {type_size}")
+    return dequantize(blocks, q, (n, block_size))
 
 
 def dequantize_tensor(
