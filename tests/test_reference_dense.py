@@ -252,10 +252,13 @@ def write_gguf(path, arch: str, config: dict, tensors: dict[str, torch.Tensor]) 
     w.add_feed_forward_length(config["intermediate_size"])
     w.add_head_count(n_head)
     w.add_head_count_kv(config["num_key_value_heads"])
-    w.add_rope_freq_base(config["rope_parameters"]["rope_theta"])
+    rp = config["rope_parameters"]
+    w.add_rope_freq_base((rp.get("full_attention") or rp)["rope_theta"])
     w.add_layer_norm_rms_eps(config["rms_norm_eps"])
     w.add_key_length(head_dim)
     w.add_value_length(head_dim)
+    if arch == "gemma3":  # Gemma3Model.set_gguf_parameters; llama.cpp hardcodes the pattern and local base
+        w.add_sliding_window(config["sliding_window"])
     if arch == "llama":
         w.add_vocab_size(config["vocab_size"])
         w.add_rope_dimension_count(head_dim)
@@ -271,35 +274,54 @@ def write_gguf(path, arch: str, config: dict, tensors: dict[str, torch.Tensor]) 
 def tiny_hf(model_type: str, **extra):
     import transformers
 
-    cfg_cls = transformers.AutoConfig.for_model
-    config = cfg_cls(model_type, vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                     rms_norm_eps=1e-6, rope_parameters={"rope_type": "default", "rope_theta": 5000.0},
-                     attn_implementation="sdpa", **extra)
-    torch.manual_seed(hash(model_type) % 1000)
+    kw = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6,
+              rope_parameters={"rope_type": "default", "rope_theta": 5000.0}, attn_implementation="sdpa")
+    kw.update(extra)
+    config = transformers.AutoConfig.for_model(model_type, **kw)
+    torch.manual_seed(sum(map(ord, model_type)))
     model = transformers.AutoModelForCausalLM.from_config(config)
     with torch.no_grad():  # weights large enough for peaked distributions, exactly float32-representable
         for n, p in model.named_parameters():
             p.copy_(1 + 0.2 * torch.randn_like(p) if n.endswith("norm.weight") else 0.3 * torch.randn_like(p))
-    return hf_float64(model), config
+    model = hf_float64(model)
+    if model_type.startswith("gemma"):  # HF holds w of (1 + w): make the GGUF's stored w + 1 float32-exact
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if n.endswith("norm.weight"):
+                    p.sub_(1)
+    return model, config
 
 
-@pytest.mark.parametrize("model_type,extra", [
-    ("llama", {"tie_word_embeddings": False}),
-    ("qwen2", {"tie_word_embeddings": True}),
-    ("qwen3", {"tie_word_embeddings": True, "head_dim": 32}),
-])
-def test_tiny_model_matches_transformers_float64(tmp_path, model_type, extra):
+# gemma3: 6 layers so that the default pattern has local layers 0-4 and global layer 5; a window of 8
+# on a 40-token prompt; the GGUF side stores the norms with the +1 folded in (layout.norm_offset).
+GEMMA3_TINY = {"num_hidden_layers": 6, "head_dim": 16, "sliding_window": 8, "query_pre_attn_scalar": 16,
+               "tie_word_embeddings": True,
+               "rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                                   "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}}
+TINY = [("llama", "llama", {"tie_word_embeddings": False}),
+        ("qwen2", "qwen2", {"tie_word_embeddings": True}),
+        ("qwen3", "qwen3", {"tie_word_embeddings": True, "head_dim": 32}),
+        ("gemma3_text", "gemma3", GEMMA3_TINY)]
+
+
+def tiny_gguf(tmp_path, model_type: str, arch: str, extra: dict):
+    """(HF model in float64, its config dict, the GGUF path written from it)."""
     model, config = tiny_hf(model_type, **extra)
     d = config.to_dict()
-    sd = {k: v for k, v in model.state_dict().items()}
+    sd = dict(model.state_dict())
     if d.get("tie_word_embeddings"):
         sd.pop("lm_head.weight", None)
-    plan = layout.plan(model_type, list(sd), d)
+    plan = layout.plan(arch, list(sd), d)
     assert not plan.unmapped, plan.unmapped
-    path = tmp_path / f"{model_type}.gguf"
-    write_gguf(path, model_type, d, layout.to_gguf(plan, sd))
+    path = tmp_path / f"{arch}.gguf"
+    write_gguf(path, arch, d, layout.to_gguf(plan, sd))
+    return model, d, path
 
+
+@pytest.mark.parametrize("model_type,arch,extra", TINY, ids=[t[1] for t in TINY])
+def test_tiny_model_matches_transformers_float64(tmp_path, model_type, arch, extra):
+    model, d, path = tiny_gguf(tmp_path, model_type, arch, extra)
     ours = load(path, dtype=torch.float64)
     assert ours.config.diff(from_hf(d)) == {}
     ids = torch.randint(0, 96, (40,), generator=torch.Generator().manual_seed(1))
@@ -308,11 +330,31 @@ def test_tiny_model_matches_transformers_float64(tmp_path, model_type, extra):
         want = model(ids[None]).logits[0]
     bound = float64_bound(ours.config, 40, max(s.max_abs for s in ours.stats))
     err = metrics.max_abs_diff(got, want)
-    print(f"{model_type} float64: max |diff| {err:.3g}, bound {bound:.3g}")
+    print(f"{arch} float64: max |diff| {err:.3g}, bound {bound:.3g}")
     assert err <= bound, (err, bound)
     # the planted rope-base fault breaks the agreement by far more than the bound
     faulty, _ = faults.get("reference-wrong-rope-base").build(load(path, dtype=torch.float64)).forward(ids)
     assert metrics.max_abs_diff(faulty, want) > 1e3 * bound
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("model_type,arch,extra", TINY, ids=[t[1] for t in TINY])
+def test_tiny_model_on_cuda(tmp_path, model_type, arch, extra):
+    """The same forward on CUDA: float64 within the float64 bound of CPU, float32 within float32's."""
+    model, d, path = tiny_gguf(tmp_path, model_type, arch, extra)
+    ids = torch.randint(0, 96, (40,), generator=torch.Generator().manual_seed(1))
+    cpu = load(path, dtype=torch.float64)
+    want, _ = cpu.forward(ids)
+    for dtype in (torch.float64, torch.float32):
+        gpu = load(path, dtype=dtype, device="cuda")
+        got, acts = gpu.forward(ids, capture={"l_out-0"})
+        assert got.is_cuda and acts["l_out-0"].is_cuda
+        bound = float64_bound(cpu.config, 40, max(s.max_abs for s in cpu.stats))
+        if dtype == torch.float32:  # same K roundings at u = 2^-24
+            bound *= metrics.unit_roundoff(torch.float32) / metrics.unit_roundoff(torch.float64)
+        err = metrics.max_abs_diff(got, want)
+        print(f"{arch} cuda {dtype}: max |diff| vs cpu float64 {err:.3g}, bound {bound:.3g}")
+        assert err <= bound, (dtype, err, bound)
 
 
 def test_demo_matches_transformers_gemma3_float64(demo_path):
