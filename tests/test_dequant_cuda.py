@@ -119,3 +119,22 @@ def test_entry_point_on_cuda(qtype: Q) -> None:
     got = dequant.dequantize(blocks.reshape(-1), qtype, (3, 41 * block_size), device="cuda")
     assert got.is_cuda and tuple(got.shape) == (3, 41 * block_size)
     assert_bit_exact(got, gguf_dequantize(blocks, qtype), qtype.name)
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="needs 11 GB of GPU memory")
+def test_offsets_past_2_31() -> None:
+    """A tensor of more than 2**31 input bytes and output elements: its last blocks land right (the
+    kernels index with int64; int32 offsets would wrap)."""
+    qtype = Q.Q8_0
+    n = (1 << 31) // 32 + 5  # 34 bytes and 32 output elements per block: both past 2**31
+    if torch.cuda.mem_get_info()[0] < n * (34 + 4 * 32) * 1.1:
+        pytest.skip("not enough free GPU memory")
+    ends = random_blocks(qtype, 128, seed=31)
+    raw = torch.zeros((n, 34), dtype=torch.uint8, device="cuda")
+    raw[:64] = torch.from_numpy(ends[:64]).cuda()
+    raw[-64:] = torch.from_numpy(ends[64:]).cuda()
+    out = torch.full((n, 32), float("nan"), device="cuda")  # poisoned
+    dequant_cuda.launch(raw, qtype, out=out)
+    want = gguf_dequantize(ends, qtype)
+    assert_bit_exact(out[:64], want[:64], "first blocks")
+    assert_bit_exact(out[-64:], want[64:], "last blocks")
