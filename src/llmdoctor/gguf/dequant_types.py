@@ -78,10 +78,10 @@ def f16(blocks: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     out = _out(blocks, 1, out)
     h = _view(blocks, torch.float16)  # [n, 1]
     out.copy_(h)
-    nan = torch.isnan(out)
-    if nan.any():  # clear the quiet bit (bit 22) where the input's (bit 9) was clear
+    if torch.isnan(out.sum()):  # any NaN (a fast test: torch's isnan is ~15x slower than sum)
+        # clear the quiet bit (bit 22) where the input's (bit 9) was clear
         quiet = h.view(torch.int16) & 0x0200
-        signalling = nan.logical_and_(quiet == 0).int().bitwise_left_shift_(22)
+        signalling = torch.isnan(out).logical_and_(quiet == 0).int().bitwise_left_shift_(22)
         out.view(torch.int32).bitwise_and_(signalling.bitwise_not_())
     return out
 
@@ -95,38 +95,53 @@ def bf16(blocks: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     return out
 
 
+# ---------------------------------------------------------------- shared steps
+
+
+def _scaled(out: torch.Tensor, q: torch.Tensor, offset: int, scale: torch.Tensor, run: int) -> torch.Tensor:
+    """out = scale * float(int8(q - offset)), one scale per `run` consecutive values.
+
+    q: uint8 scratch in out's element order (modified); scale: float32 [out.numel() / run, 1].
+    """
+    if offset:
+        q.sub_(offset)  # wraps mod 256: the int8 view is q - offset
+    out.copy_(q.view(torch.int8).view(out.shape))
+    out.view(-1, run).mul_(scale)
+    return out
+
+
 # ---------------------------------------------------------------- legacy 32-element blocks
-# Many small blocks: an op on a field (16 bytes of every 18-24) pays a per-row cost for every block,
-# so the nibbles are split on the whole chunk at once and the fields are picked in the final copy.
+# Many small blocks: every op on a field (16 bytes of every 18-24) pays a per-row cost for every block,
+# so the nibbles are split on the whole chunk at once and each field is gathered once, as bytes.
 
 
-def _nibble_planes(blocks: torch.Tensor, offset: int = 0) -> torch.Tensor:
-    """uint8 [2, n, type_size]: low nibbles (minus `offset`, wrapping) and high nibbles of every byte."""
+def _nibble_planes(blocks: torch.Tensor) -> torch.Tensor:
+    """uint8 [2, n, type_size]: the low and the high nibble of every byte of the chunk."""
     flat = blocks.reshape(-1)
     planes = _scratch("planes", (2, *blocks.shape), torch.uint8, blocks.device)
     torch.bitwise_and(flat, 15, out=planes[0].view(-1))
     torch.bitwise_right_shift(flat, 4, out=planes[1].view(-1))
-    if offset:
-        planes.sub_(offset)  # the int8 view is now nibble - offset
     return planes
 
 
-def _legacy_q(out: torch.Tensor, blocks: torch.Tensor, qs_start: int, offset: int) -> None:
-    """out[:, j] = float(nibble j - offset): j < 16 low nibble of qs[j], j >= 16 high nibble of qs[j-16]."""
-    planes = _nibble_planes(blocks, offset).view(torch.int8)[:, :, qs_start : qs_start + 16]
-    out[:, :16].copy_(planes[0])
-    out[:, 16:].copy_(planes[1])
+def _legacy_q(blocks: torch.Tensor, qs_start: int) -> torch.Tensor:
+    """uint8 [n, 32]: j < 16 the low nibble of qs[j], j >= 16 the high nibble of qs[j - 16]."""
+    planes = _nibble_planes(blocks)
+    q = _scratch("q", (blocks.shape[0], 32), torch.uint8, blocks.device)
+    q[:, :16].copy_(planes[0, :, qs_start : qs_start + 16])
+    q[:, 16:].copy_(planes[1, :, qs_start : qs_start + 16])
+    return q
 
 
-def _q5_high_bits(out: torch.Tensor, blocks: torch.Tensor, qh_start: int) -> None:
-    """out[:, j] += 16 * (bit j of the little-endian uint32 qh at byte `qh_start`)."""
+def _q5_high_bits(q: torch.Tensor, blocks: torch.Tensor, qh_start: int) -> torch.Tensor:
+    """q[:, j] |= 16 * (bit j of the little-endian uint32 qh at byte `qh_start`). q: uint8 [n, 32]."""
     halves = _view(blocks[:, qh_start : qh_start + 4], torch.int16)  # [n, 2]
     qh = (halves[:, 0].int() & 0xFFFF) | (halves[:, 1].int() << 16)  # [n]
-    bits = _scratch("bits", tuple(out.shape), torch.int32, out.device)
+    bits = _scratch("bits", tuple(q.shape), torch.int32, q.device)
     torch.bitwise_right_shift(qh.unsqueeze(1), _const(tuple(range(32)), torch.int32, qh.device), out=bits)
-    bits_f = _scratch("bits_f", tuple(out.shape), torch.float32, out.device)
-    bits_f.copy_(bits.bitwise_and_(1))
-    out.add_(bits_f, alpha=16)  # exact: small integers
+    high = _scratch("high", tuple(q.shape), torch.uint8, q.device)
+    high.copy_(bits.bitwise_and_(1))
+    return q.bitwise_or_(high.bitwise_left_shift_(4))
 
 
 @register(T.Q8_0)
@@ -140,42 +155,34 @@ def q8_0(blocks: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
 
 @register(T.Q4_0)
 def q4_0(blocks: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    # block: d f16 | qs[16]
+    # block: d f16 | qs[16]; value d * (q - 8)
     out = _out(blocks, 32, out)
-    _legacy_q(out, blocks, 2, 8)
-    out.mul_(_f16(blocks, 0))
-    return out
+    return _scaled(out, _legacy_q(blocks, 2), 8, _f16(blocks, 0), 32)
 
 
 @register(T.Q4_1)
 def q4_1(blocks: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    # block: d f16 | m f16 | qs[16]
+    # block: d f16 | m f16 | qs[16]; value d * q + m
     out = _out(blocks, 32, out)
-    _legacy_q(out, blocks, 4, 0)
-    out.mul_(_f16(blocks, 0))
-    out.add_(_f16(blocks, 2))
-    return out
+    _scaled(out, _legacy_q(blocks, 4), 0, _f16(blocks, 0), 32)
+    return out.add_(_f16(blocks, 2))
 
 
 @register(T.Q5_0)
 def q5_0(blocks: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     # block: d f16 | qh[4] | qs[16]; value d * (q - 16), q = nibble + 16 * bit
     out = _out(blocks, 32, out)
-    _legacy_q(out, blocks, 6, 16)
-    _q5_high_bits(out, blocks, 2)
-    out.mul_(_f16(blocks, 0))
-    return out
+    q = _q5_high_bits(_legacy_q(blocks, 6), blocks, 2)
+    return _scaled(out, q, 16, _f16(blocks, 0), 32)
 
 
 @register(T.Q5_1)
 def q5_1(blocks: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    # block: d f16 | m f16 | qh[4] | qs[16]
+    # block: d f16 | m f16 | qh[4] | qs[16]; value d * q + m
     out = _out(blocks, 32, out)
-    _legacy_q(out, blocks, 8, 0)
-    _q5_high_bits(out, blocks, 4)
-    out.mul_(_f16(blocks, 0))
-    out.add_(_f16(blocks, 2))
-    return out
+    q = _q5_high_bits(_legacy_q(blocks, 8), blocks, 4)
+    _scaled(out, q, 0, _f16(blocks, 0), 32)
+    return out.add_(_f16(blocks, 2))
 
 
 # ---------------------------------------------------------------- K-quants (256-element super-blocks)
@@ -227,15 +234,6 @@ def _spread_fields(field: torch.Tensor, q: torch.Tensor, bits: int, shift: int, 
     return q
 
 
-def _k_out(out: torch.Tensor, q: torch.Tensor, offset: int, scale: torch.Tensor, rows: int) -> torch.Tensor:
-    """out = scale * float(int8(q - offset)) with one scale per run of `rows` consecutive values."""
-    if offset:
-        q.sub_(offset)
-    out.copy_(q.view(torch.int8).view(out.shape))
-    out.view(-1, rows).mul_(scale)
-    return out
-
-
 @register(T.Q2_K)
 def q2_k(blocks: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     # block: scales[16] (low nibble scale, high nibble min) | qs[64] | d f16 | dmin f16
@@ -245,7 +243,7 @@ def q2_k(blocks: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     minimum = _sub_block_scale(_f16(blocks, 82), scales >> 4)
     q = _scratch("q", (blocks.shape[0], 256), torch.uint8, blocks.device)
     _spread_fields(blocks[:, 16:80], q, 2, 0, 32)  # element 128h + 32s + i: (qs[32h + i] >> 2s) & 3
-    _k_out(out, q, 0, scale, 16)
+    _scaled(out, q, 0, scale, 16)
     out.view(-1, 16).sub_(minimum)
     return out
 
@@ -266,7 +264,7 @@ def q3_k(blocks: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     hbit = _scratch("hbit", (n, 256), torch.uint8, dev)
     _spread_fields(blocks[:, :32], hbit, 1, 2, 32)  # element 32b + i: bit b of hmask[i], times 4
     q.bitwise_or_(hbit)  # q + 4 * bit, minus 4 below: q - 4 where the hmask bit is clear
-    return _k_out(out, q, 4, scale, 16)
+    return _scaled(out, q, 4, scale, 16)
 
 
 def _q4_k_like(blocks: torch.Tensor, out: torch.Tensor | None, qh_start: int | None) -> torch.Tensor:
@@ -283,7 +281,7 @@ def _q4_k_like(blocks: torch.Tensor, out: torch.Tensor | None, qh_start: int | N
         hbit = _scratch("hbit", (n, 256), torch.uint8, dev)
         _spread_fields(blocks[:, qh_start : qh_start + 32], hbit, 1, 4, 32)  # bit b of qh[i] -> 32b + i
         q.bitwise_or_(hbit)
-    _k_out(out, q, 0, scale, 32)
+    _scaled(out, q, 0, scale, 32)
     out.view(-1, 32).sub_(minimum)
     return out
 
@@ -311,7 +309,7 @@ def q6_k(blocks: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     high = _scratch("hbit", (n, 256), torch.uint8, dev)
     _spread_fields(blocks[:, 128:192], high, 2, 4, 32)  # element 128h + 32s + i
     q.bitwise_or_(high)
-    return _k_out(out, q, 32, scale, 16)
+    return _scaled(out, q, 32, scale, 16)
 
 
 # ---------------------------------------------------------------- ternary
@@ -331,7 +329,7 @@ def tq1_0(blocks: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor
             torch.mul(blocks[:, start : start + width], 3**k, out=dst)
     digit = x.to(torch.int16).mul_(3).bitwise_right_shift_(8)
     x.copy_(digit)
-    return _k_out(out, x, 1, _f16(blocks, 52), 256)
+    return _scaled(out, x, 1, _f16(blocks, 52), 256)
 
 
 @register(T.TQ2_0)
@@ -340,18 +338,20 @@ def tq2_0(blocks: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor
     out = _out(blocks, 256, out)
     q = _scratch("q", (blocks.shape[0], 256), torch.uint8, blocks.device)
     _spread_fields(blocks[:, :64], q, 2, 0, 32)  # element 128h + 32s + i
-    return _k_out(out, q, 1, _f16(blocks, 64), 256)
+    return _scaled(out, q, 1, _f16(blocks, 64), 256)
 
 
 # ---------------------------------------------------------------- FP4
 
 
-def _fp4_out(codes: torch.Tensor, scale: torch.Tensor, out: torch.Tensor, rows: int) -> torch.Tensor:
-    """out = scale * kvalues[code] per run of `rows` values; kvalues is gguf-py's doubled E2M1 table.
-    codes: int32, out's shape."""
-    kvalues = _const(tuple(float(v) for v in gq.MXFP4.kvalues), torch.float32, codes.device)
+def _fp4_out(q: torch.Tensor, scale: torch.Tensor, out: torch.Tensor, run: int) -> torch.Tensor:
+    """out = scale * kvalues[q] per `run` values; kvalues is gguf-py's doubled E2M1 table.
+    q: uint8 codes in out's element order."""
+    kvalues = _const(tuple(float(v) for v in gq.MXFP4.kvalues), torch.float32, q.device)
+    codes = _scratch("codes", tuple(q.shape), torch.int32, q.device)
+    codes.copy_(q)
     torch.index_select(kvalues, 0, codes.view(-1), out=out.view(-1))
-    out.view(-1, rows).mul_(scale)
+    out.view(-1, run).mul_(scale)
     return out
 
 
@@ -359,15 +359,11 @@ def _fp4_out(codes: torch.Tensor, scale: torch.Tensor, out: torch.Tensor, rows: 
 def mxfp4(blocks: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """Scale: E8M0 exponent e decoded as 2^(e-128) (half the OCP value, matching the doubled table),
     built from the bits as ggml_e8m0_to_fp32_half does (subnormal for e < 2)."""
-    # block: e u8 | qs[16]
+    # block: e u8 | qs[16]; codes in Q4_0's order
     out = _out(blocks, 32, out)
     e = blocks[:, :1].int()
     bits = torch.where(e < 2, 0x00200000 << e, (e - 1) << 23)
-    planes = _nibble_planes(blocks)[:, :, 1:17]
-    codes = _scratch("codes", tuple(out.shape), torch.int32, out.device)
-    codes[:, :16].copy_(planes[0])
-    codes[:, 16:].copy_(planes[1])
-    return _fp4_out(codes, bits.view(torch.float32), out, 32)
+    return _fp4_out(_legacy_q(blocks, 1), bits.view(torch.float32), out, 32)
 
 
 @register(T.NVFP4)
@@ -383,7 +379,10 @@ def nvfp4(blocks: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor
     pow2 = ((exp + (127 - 7)) << 23).view(torch.float32)  # 2^(exp-7) for exp >= 1
     d = torch.where(exp == 0, man * 2.0**-9, (1.0 + man / 8.0) * pow2)
     d = torch.where((x == 0) | (x == 0x7F), 0.0, d * 0.5).view(-1, 1)  # [n * 4, 1]
-    planes = _nibble_planes(blocks)[:, :, 4:].unflatten(2, (4, 8))  # [2, n, 4, 8]
-    codes = _scratch("codes", (blocks.shape[0], 4, 2, 8), torch.int32, out.device)
-    codes.copy_(planes.permute(1, 2, 0, 3))  # sub-block s: low nibbles of its 8 bytes, then high
-    return _fp4_out(codes, d, out, 16)
+    planes = _nibble_planes(blocks)
+    q = _scratch("q", (blocks.shape[0], 64), torch.uint8, out.device)
+    runs = q.view(-1, 8, 8)  # run 2s + p: nibble p of the 8 bytes of sub-block s (2-D copies only)
+    for s in range(4):
+        for p in range(2):
+            runs[:, 2 * s + p].copy_(planes[p, :, 4 + 8 * s : 12 + 8 * s])
+    return _fp4_out(q, d, out, 16)
