@@ -194,12 +194,19 @@ def _k_scale_min(blocks: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.
     """The 6-bit (scale, min) pairs of Q4_K/Q5_K, packed in 12 bytes at `start`: two uint8 [n, 8].
 
     Bytes 0-3 hold scales 0-3 (low 6 bits) and the top 2 bits of scales 4-7; bytes 4-7 the same for the
-    mins; bytes 8-11 the low 4 bits of scales 4-7 (low nibble) and mins 4-7 (high nibble).
+    mins; bytes 8-11 the low 4 bits of scales 4-7 (low nibble) and mins 4-7 (high nibble). Unpacked four
+    bytes at a time as little-endian int32 words with per-byte masks (bits shifted in from a neighbour
+    byte, or from the sign, always land on masked-out positions).
     """
-    d, m, md = (blocks[:, start + 4 * k : start + 4 * k + 4] for k in range(3))  # [n, 4] each
-    sc = torch.cat([d & 0x3F, (md & 0x0F) | ((d >> 2) & 0x30)], dim=1)
-    mn = torch.cat([m & 0x3F, (md >> 4) | ((m >> 2) & 0x30)], dim=1)
-    return sc, mn
+    words = _view(blocks[:, start : start + 12], torch.int32)  # [n, 3]
+    d, m, md = words[:, 0], words[:, 1], words[:, 2]  # [n] each
+    sc = torch.empty(blocks.shape[0], 2, dtype=torch.int32, device=blocks.device)
+    mn = torch.empty_like(sc)
+    torch.bitwise_and(d, 0x3F3F3F3F, out=sc[:, 0])
+    torch.bitwise_or(md & 0x0F0F0F0F, (d >> 2) & 0x30303030, out=sc[:, 1])
+    torch.bitwise_and(m, 0x3F3F3F3F, out=mn[:, 0])
+    torch.bitwise_or((md >> 4) & 0x0F0F0F0F, (m >> 2) & 0x30303030, out=mn[:, 1])
+    return sc.view(torch.uint8), mn.view(torch.uint8)
 
 
 def _sub_block_scale(d: torch.Tensor, sc: torch.Tensor) -> torch.Tensor:
