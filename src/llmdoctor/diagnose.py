@@ -32,6 +32,8 @@ DEFAULT_PROMPT = (
 FP16_MAX = 65504.0
 ENGINES = ("llama.cpp", "transformers", "vllm")
 CONFIDENCE_ORDER = {"high": 0, "medium": 1, "low": 2, "": 3}
+# Reference capture points compared with an engine's (checks/layers.py POINTS).
+REFERENCE_POINTS = ("l_out-*", "attn_norm-*", "kqv_out-*", "ffn_inp-*", "ffn_out-*", "result_norm")
 
 
 class Skip(Exception):
@@ -115,26 +117,36 @@ class Session:
 
         return self.once("tokens", make)
 
-    def reference(self, dtype: str = "float32", emulate: str | None = None):
-        """(logits [T, V], captures, per-layer stats) of the reference run in `dtype`."""
-
+    def model(self, dtype: str = "float32"):
+        """The reference model in `dtype`, its dequantized weights cached for every later use."""
         def make():
             import torch
 
             from .reference import load
 
-            self.progress(f"reference forward pass ({dtype}{', ' + emulate if emulate else ''})")
-            kwargs = {}
-            if emulate:
-                from .reference.emulate import LLAMA_CPP_CPU
+            return load(self.inputs.gguf, dtype=getattr(torch, dtype), cache=True)
 
-                kwargs["emulate"] = LLAMA_CPP_CPU
-            with load(self.inputs.gguf, dtype=getattr(torch, dtype), **kwargs) as model:
-                logits, caps = model.forward(self.tokens(), capture={"l_out-*", "attn_norm-*", "kqv_out-*",
-                                                                     "ffn_inp-*", "ffn_out-*", "result_norm"})
-                return logits, caps, [s.as_dict() for s in model.stats]
+        return self.once(f"model-{dtype}", make)
+
+    def reference(self, dtype: str = "float32", emulate: str | None = None):
+        """(logits [T, V], captures, per-layer stats) of the reference run in `dtype`, optionally with
+        an engine's arithmetic emulated (reference/emulate.py)."""
+
+        def make():
+            from .reference.emulate import LLAMA_CPP_CPU
+
+            self.progress(f"reference forward pass ({dtype}{', ' + emulate + ' arithmetic' if emulate else ''})")
+            model = self.model(dtype)
+            logits, caps = model.forward(self.tokens(), capture=set(REFERENCE_POINTS),
+                                         emulate=LLAMA_CPP_CPU if emulate == "llama.cpp" else None)
+            return logits, caps, [st.as_dict() for st in model.stats]
 
         return self.once(f"reference-{dtype}-{emulate}", make)
+
+    def close(self) -> None:
+        for key, value in self._cache.items():
+            if key.startswith("model-") or key == "gguf":
+                value.close()
 
     def engine_run(self):
         """The in-process engine's logits [T, V] and captures (reference capture names)."""
@@ -203,10 +215,12 @@ def h_file_integrity(s: Session) -> list[Finding]:
     s.progress(f"decoding all {len(g.tensors)} tensors")
     bad = []
     n_values = 0
+    weights = s.model().weights if s.inputs.gguf else None  # decoded once, reused by the reference runs
     for t in g.tensors:
         if not t.supported:
             continue
-        w = dequantize(t.data, int(t.type), t.shape)
+        w = weights.get(t.name) if weights is not None and weights.has(t.name) else \
+            dequantize(t.data, int(t.type), t.shape)
         n_values += w.numel()
         n_bad = int((~torch.isfinite(w)).sum())
         if n_bad:
@@ -309,7 +323,8 @@ def h_dequant(s: Session) -> list[Finding]:
     if not compared:
         reasons = sorted({f.reason for f in res.findings if f.status == "skip"})
         raise Skip(f"kernel {kernel!r} compared no tensor: " + "; ".join(reasons[:2]))
-    types = sorted(dequant.summary(res))
+    g = s.gguf()
+    types = sorted({g.tensor(f.target).type.name for f in compared if f.target in g._tensor_index})
     return [_finding("dequant", kernel, f"{len(compared)} tensors", "pass", confidence="high",
                      hypothesis=f"the dequant kernel {kernel!r} is right",
                      metrics={"tensors_compared": len(compared), "types": types,
@@ -450,6 +465,13 @@ def run(inputs: Inputs, progress: Callable[[str], None] = lambda s: None) -> Dia
     if inputs.engine is not None and inputs.engine not in ENGINES:
         raise InputError(f"unknown engine {inputs.engine!r} (known: {', '.join(ENGINES)})")
     s = Session(inputs, progress)
+    try:
+        return _run(s, inputs, progress)
+    finally:
+        s.close()
+
+
+def _run(s: Session, inputs: Inputs, progress: Callable[[str], None]) -> Diagnosis:
     findings: list[Finding] = []
     timings: dict[str, float] = {}
     for h in plan(inputs):

@@ -75,22 +75,19 @@ def dequantize_raw(raw: np.ndarray, qtype: int, shape: tuple[int, ...], *, devic
 class Weights:
     """Dequantized tensors of one GGUF, on demand, in the run's dtype and device.
 
-    With `emulate` set, every tensor handed out is remembered with its GGML type (by storage
-    address, which is unique while the tensor is alive) so that `linear` can reproduce the
-    engine's activation quantization for it (reference/emulate.py).
+    Every tensor handed out is remembered with its GGML type (by storage address, which is unique
+    while the tensor is alive) so that `linear` can reproduce an engine's activation quantization
+    for it when a run emulates one (reference/emulate.py).
     """
 
-    def __init__(self, g, *, dtype: torch.dtype, device: torch.device, cache: bool,
-                 emulate: EnginePrecision | None = None):
+    def __init__(self, g, *, dtype: torch.dtype, device: torch.device, cache: bool):
         self.g, self.dtype, self.device, self.cache = g, dtype, device, cache
-        self.emulate = emulate
-        self.qtypes: dict[int, int] = {}  # data_ptr -> GGML type, only when emulating
+        self.qtypes: dict[int, int] = {}  # data_ptr -> GGML type
         self._names = {t.name for t in g.tensors}
         self._cached: dict[str, torch.Tensor] = {}
 
     def _remember(self, w: torch.Tensor, qtype: int) -> torch.Tensor:
-        if self.emulate is not None:
-            self.qtypes[w.data_ptr()] = int(qtype)
+        self.qtypes[w.data_ptr()] = int(qtype)
         return w
 
     def has(self, name: str) -> bool:
@@ -242,8 +239,9 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return y.to(x.dtype)
 
 
-# The weights of the run in progress when it emulates an engine's arithmetic (see Weights).
-_EMULATING: ContextVar["Weights | None"] = ContextVar("llmdoctor_emulating", default=None)
+_DEFAULT = object()  # "the model's own setting" for per-call options
+# (engine arithmetic, weights) of the run in progress when it emulates an engine (see Weights).
+_EMULATING: ContextVar["tuple[EnginePrecision, Weights] | None"] = ContextVar("llmdoctor_emulating", default=None)
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
@@ -252,9 +250,9 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> t
     When emulating an engine that quantizes activations (llama.cpp's CPU matmuls), x is first put
     through the round trip the engine applies for w's GGML type.
     """
-    ws = _EMULATING.get()
-    if ws is not None and ws.emulate.activation_quant:
-        qtype = ws.qtypes.get(w.data_ptr())
+    em = _EMULATING.get()
+    if em is not None and em[0].activation_quant:
+        qtype = em[1].qtypes.get(w.data_ptr())
         if qtype is not None:
             x = quantize_activations(x, qtype)
     y = x @ w.t()
@@ -295,8 +293,8 @@ def dense_attention(st: Step, h: torch.Tensor) -> torch.Tensor:
     st.cap("Qcur", q)
     st.cap("Kcur", k)
     st.cap("Vcur", v)
-    ws = _EMULATING.get()
-    kv_dtype = ws.emulate.kv_dtype if ws is not None else None
+    em = _EMULATING.get()
+    kv_dtype = em[0].kv_dtype if em is not None else None
     if kv_dtype is not None:  # the engine's KV cache (and the matmuls against it) in kv_dtype
         q, k, v = (t.to(kv_dtype).to(t.dtype) for t in (q, k, v))
     o = attn.attention(q, k, v, scale=cfg.attn_scale, window=cfg.layer_window(st.il),
@@ -345,7 +343,8 @@ class ReferenceModel:
         if self.block is None:
             raise InputError(f"{path}: no reference block for architecture {self.config.arch!r}")
         self.dtype, self.device = dtype, torch.device(device)
-        self.weights = Weights(self.g, dtype=dtype, device=self.device, cache=cache, emulate=emulate)
+        self.weights = Weights(self.g, dtype=dtype, device=self.device, cache=cache)
+        self.emulate = emulate
         self.vocab_chunk, self.kv_chunk = vocab_chunk, kv_chunk
         self.stats: list[LayerStats] = []
 
@@ -364,11 +363,14 @@ class ReferenceModel:
         return out if self.weights.has(out) else tensor_name(MODEL_TENSOR.TOKEN_EMBD)
 
     @torch.no_grad()  # not inference_mode: its tensors break in-place ops of dequant kernels run later
-    def forward(self, token_ids, capture: Iterable[str] | None = None, *,
-                all_logits: bool = True) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def forward(self, token_ids, capture: Iterable[str] | None = None, *, all_logits: bool = True,
+                emulate: "EnginePrecision | None | object" = _DEFAULT,
+                ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """logits [T, n_vocab] (or [1, n_vocab] for the last position with all_logits=False) in the
-        run dtype, and {capture name: tensor}. Positions are 0..T-1 (one sequence)."""
-        token = _EMULATING.set(self.weights if self.weights.emulate is not None else None)
+        run dtype, and {capture name: tensor}. Positions are 0..T-1 (one sequence). `emulate`
+        (default: the model's) reproduces an engine's arithmetic for this run (reference/emulate.py)."""
+        emulate = self.emulate if emulate is _DEFAULT else emulate
+        token = _EMULATING.set((emulate, self.weights) if emulate is not None else None)
         try:
             return self._forward(token_ids, capture, all_logits)
         finally:
