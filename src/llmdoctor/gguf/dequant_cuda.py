@@ -8,6 +8,9 @@ Bit-exactness: every scale is decoded float16 -> float32 (exact), every quant in
 (exact), and each float32 multiply or add of gguf-py is one rounded operation here, in the same
 order. Kernels are compiled with `enable_fp_fusion=False`: otherwise `d * q - m` may become one
 fused multiply-add that rounds once instead of twice and differs from gguf-py in the last bit.
+Where a scale is inf or NaN, both sides give NaN but not the same NaN bits: NumPy keeps NaN payloads
+(and gives 0 * inf the x86 default NaN 0xffc00000), the GPU returns its canonical NaN 0x7fffffff
+(measured on an H200, notes/device-dequant.md). Every non-NaN output is bit-exact.
 
 Speed: one program dequantizes BB blocks. Quants are loaded and results stored as tiles
 [BB, C, L] whose last axis is a run of L consecutive input bytes and of L consecutive output floats,
@@ -299,9 +302,12 @@ def launch(blocks: torch.Tensor, qtype: GGMLQuantizationType, bb: int | None = N
     if dst is None:
         dst = torch.empty((n, block_size), dtype=torch.float32, device=blocks.device)
     bb = bb or tuned_bb
-    if n:
-        opts = {} if _INTERPRET else dict(num_warps=num_warps or tuned_warps, enable_fp_fusion=False)
-        kernel[(triton.cdiv(n, bb),)](blocks, dst, n, _kvalues(blocks.device), BB=bb, **consts, **opts)
+    if n and _INTERPRET:
+        kernel[(triton.cdiv(n, bb),)](blocks, dst, n, _kvalues(blocks.device), BB=bb, **consts)
+    elif n:
+        with torch.cuda.device(blocks.device):  # Triton launches on the current device
+            kernel[(triton.cdiv(n, bb),)](blocks, dst, n, _kvalues(blocks.device), BB=bb, **consts,
+                                          num_warps=num_warps or tuned_warps, enable_fp_fusion=False)
     if out is not None and dst is not out:
         out.copy_(dst)
     return out if out is not None else dst
