@@ -142,7 +142,7 @@ def from_hf(config: dict | Any) -> ModelConfig:
 
 # ---- GGUF -------------------------------------------------------------------------------------
 
-def gguf_key(g: Any, key: str, arch: str, default: Any = ..., ) -> Any:
+def gguf_key(g: Any, key: str, arch: str, default: Any = ...) -> Any:
     """Metadata value of a gguf-py `Keys` template (`{arch}` filled in); InputError if required and absent."""
     name = key.format(arch=arch)
     v = g.get(name)
@@ -169,9 +169,8 @@ def dense_from_gguf(g: Any, arch: str, **overrides: Any) -> ModelConfig:
     head_dim = int(gguf_key(g, Keys.Attention.KEY_LENGTH, arch, n_embd // n_head))
     scaling = gguf_key(g, Keys.Rope.SCALING_TYPE, arch, "none")
     factor = float(gguf_key(g, Keys.Rope.SCALING_FACTOR, arch, 0.0) or 0.0)
-    if scaling not in ("none", "linear") and not overrides.get("allow_rope_scaling"):
+    if scaling not in ("none", "linear"):  # llama3-style factors come as the rope_freqs tensor, not here
         raise InputError(f"{g.path}: rope scaling {scaling!r} not supported for {arch}")
-    overrides.pop("allow_rope_scaling", None)
     n_layer = int(gguf_key(g, Keys.LLM.BLOCK_COUNT, arch))
     embd = g.tensor("token_embd.weight")
     cfg = dict(
@@ -277,9 +276,8 @@ def dense_from_hf(d: dict, arch: str, **overrides: Any) -> ModelConfig:
     n_head = int(d["num_attention_heads"])
     head_dim = int(d.get("head_dim") or n_embd // n_head)
     theta, rope_scale, rtype = _hf_rope(d)
-    if rtype not in ("default", "linear") and not overrides.pop("allow_rope_scaling", False):
+    if rtype not in ("default", "linear"):
         raise InputError(f"HF rope type {rtype!r} not supported for {arch}")
-    overrides.pop("allow_rope_scaling", None)
     prf = float(d.get("partial_rotary_factor", 1.0) or 1.0)
     cfg = dict(
         arch=arch,
