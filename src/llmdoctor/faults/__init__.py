@@ -12,7 +12,8 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 _MODULES = ("llmdoctor.faults.hostile_files", "llmdoctor.faults.reference", "llmdoctor.faults.reference_mla",
-            "llmdoctor.faults.endpoint", "llmdoctor.faults.kernels", "llmdoctor.faults.demo")
+            "llmdoctor.faults.endpoint", "llmdoctor.faults.kernels", "llmdoctor.faults.demo",
+            "llmdoctor.faults.attention")
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,727 @@
+"""`llmdoctor check attention`: attention kernels against the float64 reference, case by case.
+
+Cases come from a model's attention shape (a preset, an HF config or a GGUF), at lengths scaled down
+to stay fast (the bugs hunted live in the batch structure, not in the length): batch 1 and ragged
+batches, q_len 1, q_len < k_len, a context chunk in which a sequence has kv_len 0, lengths that are
+not multiples of the cache block size, a long sequence, sliding window / softcap when the model has
+them, paged latent caches with unused pages full of NaN, DSA top-k selections with -1 and duplicates.
+Every case draws fresh random inputs (never zeros); a subject taking `out=` gets a NaN-filled buffer.
+
+Budget (issue 6): the noise floor of a case in a dtype is the largest error, over 5 seeds, of the
+reference math run with its inputs rounded to the dtype, the probabilities P rounded to the dtype
+before P·V, and the output rounded to the dtype (lse rounded to float32, what kernels return),
+measured against the float64 math on the unrounded inputs. The emulation accumulates in float32
+(`reference.attention.acc_dtype`), as kernels do: measured on CPU, a float64-accumulating emulation
+gives a float32 floor 4-8x below what correct float32 kernels (SDPA math, flex) reach on 300-key rows,
+because the P·V sum's rounding scales with sum |p v| while the output's scales with |sum p v|. A
+correct kernel makes the same kinds of roundings in a different order, so its error stays within a
+small multiple of the floor; a case fails above K_FLOOR = 4 x floor in max |err| (per sequence) or in
+relative L2 (per case). NaN/inf where the reference is finite always fails. The subject's error is
+measured against the float64 math on the inputs it was given (already rounded), so input rounding is
+counted once, in the floor: the budget errs generous.
+
+A failure is explained twice: by pattern (which sequences of the case fail; across cases, which
+dtype / head size / contract / chunked mode alone fails) and by signature (the output equals the
+reference with one named mistake applied: softmax scale from the wrong dim, top-left causal
+alignment, V read from the wrong part of the latent cache row, LSE in log2).
+Consistency cases: prefill row t == decode at t, chunked == unchunked (context chunks merged by the
+subject's own LSE), absorbed MLA == naive MLA (a subject with both prefill and mla-decode).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import torch
+
+from ..errors import InputError
+from ..reference import attention_cases as ref
+from ..reference import mla as mla_ref
+from ..subjects import attention as subj
+from ..subjects.isolation import Isolated, LoadFailed, Outcome
+from . import metrics
+from .base import Finding
+
+CHECK = "attention"
+K_FLOOR = 4.0
+FLOOR_SEEDS = 5
+DTYPES = ("float32", "bfloat16", "float16")
+LN2 = math.log(2.0)
+
+
+# ----------------------------------------------------------------------------- shapes
+
+@dataclass(frozen=True)
+class Shape:
+    """A model's attention shape: the dense (prefill) view, plus the MLA latent view when it has one."""
+
+    name: str
+    n_head: int
+    n_head_kv: int
+    head_dim: int  # Dqk of the prefill contract (MLA: qk_nope + qk_rope, the naive form)
+    head_dim_v: int
+    scale: float
+    window: Optional[int] = None  # sliding window of the model (keys seen, own included)
+    softcap: Optional[float] = None
+    mla: Optional[mla_ref.MLA] = None
+
+    @property
+    def top_k(self) -> int:
+        return self.mla.indexer.top_k if self.mla and self.mla.indexer else 0
+
+
+def _mla_shape(name: str, m: mla_ref.MLA, n_head: int) -> Shape:
+    return Shape(name, n_head, n_head, m.qk_dim, m.v_dim, mla_ref.kq_scale(m), mla=m)
+
+
+# Numbers from the models' HF configs (GLM-5's as issue 6 gives them).
+PRESETS: dict[str, Shape] = {
+    "glm-5": _mla_shape("glm-5", mla_ref.MLA(2048, 512, 192, 64, 256, indexer=mla_ref.Indexer(32, 128, 2048, (True,))),
+                        64),
+    "deepseek-v3": _mla_shape("deepseek-v3", mla_ref.MLA(1536, 512, 128, 64, 128,
+                                                         yarn=mla_ref.Yarn(40.0, 4096, 32.0, 1.0, 1.0)), 128),
+    "gemma3-270m": Shape("gemma3-270m", 4, 1, 256, 256, 1 / math.sqrt(256), window=512),
+    "llama-3-8b": Shape("llama-3-8b", 32, 8, 128, 128, 1 / math.sqrt(128)),
+}
+
+
+def shape_from_config(cfg: Any, name: str) -> Shape:
+    """Shape of a `reference.config.ModelConfig` (from a GGUF or an HF config)."""
+    if cfg.mla is not None:
+        return _mla_shape(name, cfg.mla, cfg.n_head)
+    return Shape(name, cfg.n_head, cfg.n_head_kv, cfg.head_dim, cfg.head_dim_v, cfg.attn_scale,
+                 window=cfg.sliding_window, softcap=cfg.attn_softcap)
+
+
+def load_shape(preset: Optional[str], config: Optional[Path], gguf_file: Optional[Path]) -> Shape:
+    given = [x for x in (preset, config, gguf_file) if x is not None]
+    if len(given) > 1:
+        raise InputError("give one of --preset, --config, --gguf")
+    from ..reference import config as cfgmod
+
+    if config is not None:
+        try:
+            d = json.loads(Path(config).read_text())
+        except (OSError, ValueError) as e:
+            raise InputError(f"--config {config}: {e}") from None
+        return shape_from_config(cfgmod.from_hf(d), str(config))
+    if gguf_file is not None:
+        from ..gguf import open_gguf
+
+        with open_gguf(gguf_file) as g:
+            return shape_from_config(cfgmod.from_gguf(g), str(gguf_file))
+    preset = preset or "glm-5"
+    if preset not in PRESETS:
+        raise InputError(f"--preset {preset!r}: expected one of {', '.join(PRESETS)}")
+    return PRESETS[preset]
+
+
+# ----------------------------------------------------------------------------- cases
+
+@dataclass(frozen=True)
+class Case:
+    """One call pattern. seqs: (q_len, kv_len) per sequence (MLA: kv_len = seq_len, the query
+    tokens being its last q_len positions). `chunk`: run as chunked prefill (context chunks of this
+    many keys, non-causal, then the causal new-token part, merged by the subject's LSE)."""
+
+    name: str
+    contract: str
+    seqs: tuple[tuple[int, int], ...]
+    causal: bool = True
+    window: Optional[int] = None
+    softcap: Optional[float] = None
+    block_size: int = 16
+    top_k: int = 0
+    chunk: int = 0
+
+    @property
+    def total_q(self) -> int:
+        return sum(t for t, _ in self.seqs)
+
+
+# Scaled-down stand-ins: a long sequence of 300 keys, windows and top-k of ~1/8 of the lengths.
+LONG, WINDOW, TOPK = 300, 13, 24
+
+
+def cases(shape: Shape) -> list[Case]:
+    out = [
+        Case("batch1", "prefill", ((37, 37),)),
+        Case("ragged", "prefill", ((5, 5), (1, 19), (7, 40), (16, 16))),
+        Case("decode-batch", "prefill", ((1, 33), (1, 1), (1, 64))),
+        Case("context-chunk-kv0", "prefill", ((4, 16), (3, 0), (5, 9)), causal=False),
+        Case("long", "prefill", ((9, LONG),)),
+        Case("chunked", "prefill", ((4, 20), (3, 3), (6, 45)), chunk=16),
+    ]
+    if shape.window:
+        out.append(Case("sliding-window", "prefill", ((6, 40), (17, 17)), window=min(shape.window, WINDOW)))
+    if shape.softcap:
+        out.append(Case("softcap", "prefill", ((6, 40), (17, 17)), softcap=shape.softcap))
+    if shape.mla:
+        out += [
+            Case("mla-decode-b1", "mla-decode", ((1, 37),)),
+            Case("mla-decode-ragged", "mla-decode", ((1, 1), (1, 17), (1, 64), (1, 100))),
+            Case("mla-decode-long", "mla-decode", ((1, LONG),), block_size=64),
+        ]
+    if shape.top_k:
+        k = min(shape.top_k, TOPK)
+        out += [
+            Case("sparse-decode", "mla-sparse-decode", ((1, 37), (1, 9), (1, 100)), top_k=k),
+            Case("sparse-prefill", "mla-sparse-prefill", ((5, 20), (1, 9), (12, 12), (7, 70)), top_k=k),
+        ]
+    return out
+
+
+def _dims(shape: Shape, case: Case) -> dict[str, int]:
+    """Head sizes of a case (what 'only one head size fails' is judged on)."""
+    if case.contract == "prefill":
+        return {"dqk": shape.head_dim, "dv": shape.head_dim_v}
+    return {"dqk": shape.mla.kv_lora_rank + shape.mla.qk_rope, "dv": shape.mla.kv_lora_rank}
+
+
+# ----------------------------------------------------------------------------- inputs
+
+def make_inputs(shape: Shape, case: Case, seed: int) -> dict[str, torch.Tensor]:
+    """Fresh float64 inputs (int32 index tensors) of a case on the CPU."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def randn(*size: int) -> torch.Tensor:
+        return torch.randn(*size, generator=gen, dtype=torch.float64)
+
+    lens_q = torch.tensor([t for t, _ in case.seqs])
+    lens_k = torch.tensor([s for _, s in case.seqs])
+    cu_q = torch.nn.functional.pad(lens_q.cumsum(0), (1, 0)).to(torch.int32)
+    x: dict[str, torch.Tensor] = {"cu_q": cu_q}
+    if case.contract == "prefill":
+        tk = int(lens_k.sum())
+        x |= {"q": randn(case.total_q, shape.n_head, shape.head_dim),
+              "k": randn(tk, shape.n_head_kv, shape.head_dim),
+              "v": randn(tk, shape.n_head_kv, shape.head_dim_v),
+              "cu_k": torch.nn.functional.pad(lens_k.cumsum(0), (1, 0)).to(torch.int32)}
+        return x
+    m = shape.mla
+    width, bs = m.kv_lora_rank + m.qk_rope, case.block_size
+    pages = [-(-s // bs) for _, s in case.seqs]
+    n_blocks = sum(pages) + 2  # + unused pages, left NaN
+    order = torch.randperm(n_blocks, generator=gen)
+    cache = torch.full((n_blocks, bs, width), float("nan"), dtype=torch.float64)
+    table = torch.full((len(case.seqs), max(max(pages), 1) + 1), int(order[-1]), dtype=torch.int32)  # pad: a NaN page
+    at = 0
+    for b, (_, s) in enumerate(case.seqs):
+        blocks = order[at:at + pages[b]]
+        at += pages[b]
+        table[b, :pages[b]] = blocks.to(torch.int32)
+        rows = randn(s, width)
+        flat = cache[blocks.long()].reshape(-1, width)
+        flat[:s] = rows  # the tail of the last page stays NaN
+        cache[blocks.long()] = flat.reshape(-1, bs, width)
+    x |= {"q": randn(case.total_q, shape.n_head, width), "kv_cache": cache, "block_table": table,
+          "seq_lens": lens_k.to(torch.int32)}
+    if case.top_k:
+        x["topk"] = _topk(case, gen)
+    return x
+
+
+def _topk(case: Case, gen: torch.Generator) -> torch.Tensor:
+    """int32 [total_q, K]: per query, distinct random positions of its sequence (some beyond its causal
+    range in prefill), one duplicate, and -1 padding, in shuffled order."""
+    k = case.top_k
+    rows = []
+    for t, s in case.seqs:
+        for _ in range(t):
+            n = min(k - 2, s)
+            pick = torch.randperm(s, generator=gen)[:n]
+            row = torch.cat([pick, pick[:1], torch.full((k - n - min(n, 1),), -1, dtype=torch.int64)])
+            rows.append(row[torch.randperm(k, generator=gen)])
+    return torch.stack(rows).to(torch.int32)
+
+
+def _rounded(x: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The inputs in `dtype` (the reference math on them accumulates in float32)."""
+    return {n: (v.to(dtype) if v.is_floating_point() else v) for n, v in x.items()}
+
+
+# ----------------------------------------------------------------------------- the reference
+
+@dataclass(frozen=True)
+class Variant:
+    """A reference computed with one named mistake (None fields: the contract's own semantics)."""
+
+    scale: Optional[float] = None
+    top_left: bool = False
+    v_from: int = 0
+
+
+def reference(shape: Shape, case: Case, x: dict[str, torch.Tensor], *, p_dtype: Optional[torch.dtype] = None,
+              out_dtype: Optional[torch.dtype] = None, variant: Variant = Variant()) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse [H, Tq]) in float64 of a case on inputs x; with out_dtype, each kernel call's output
+    is rounded to it (its lse to float32), as a kernel writes them."""
+    scale = variant.scale or shape.scale
+
+    def rnd(o: torch.Tensor, l: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if out_dtype is None:
+            return o.double(), l.double()
+        return o.to(out_dtype).to(torch.float64), l.to(torch.float32).to(torch.float64)
+
+    if case.contract != "prefill":
+        topk = x.get("topk")
+        return rnd(*ref.mla_paged(x["q"], x["kv_cache"], x["block_table"], x["cu_q"], x["seq_lens"], scale=scale,
+                                  kv_lora_rank=shape.mla.kv_lora_rank, topk=topk, top_left=variant.top_left,
+                                  p_dtype=p_dtype, v_from=variant.v_from))
+    kw = dict(scale=scale, window=case.window, softcap=case.softcap, top_left=variant.top_left, p_dtype=p_dtype)
+    if not case.chunk:
+        return rnd(*ref.varlen(x["q"], x["k"], x["v"], x["cu_q"], x["cu_k"], causal=case.causal, **kw))
+    pieces = [rnd(*ref.varlen(x["q"], k, v, x["cu_q"], cu_k, causal=causal, **kw))
+              for k, v, cu_k, causal in chunk_calls(case, x)]
+    out, lse = ref.merge_chunks([o for o, _ in pieces], [l for _, l in pieces])
+    return rnd(out, lse)
+
+
+def chunk_calls(case: Case, x: dict[str, torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool]]:
+    """The prefill calls of a chunked case: (k, v, cu_k, causal) per call — context chunks of
+    `case.chunk` keys per sequence (kv_len 0 where a sequence's context is shorter), then the causal
+    call over each sequence's own new tokens."""
+    ctx = [s - t for t, s in case.seqs]
+    n_chunks = max(-(-c // case.chunk) for c in ctx) if any(ctx) else 0
+    cu = x["cu_k"].tolist()
+    calls = []
+
+    def gather(spans: list[tuple[int, int]], causal: bool) -> None:
+        idx = torch.cat([torch.arange(a, b) for a, b in spans]) if spans else torch.zeros(0, dtype=torch.int64)
+        lens = torch.tensor([b - a for a, b in spans])
+        cu_k = torch.nn.functional.pad(lens.cumsum(0), (1, 0)).to(torch.int32)
+        calls.append((x["k"][idx], x["v"][idx], cu_k, causal))
+
+    for c in range(n_chunks):
+        gather([(cu[b] + min(c * case.chunk, ctx[b]), cu[b] + min((c + 1) * case.chunk, ctx[b]))
+                for b in range(len(ctx))], False)
+    gather([(cu[b] + ctx[b], cu[b + 1]) for b in range(len(ctx))], True)
+    return calls
+
+
+@dataclass
+class Floor:
+    out_max: float
+    out_rel: float
+    lse_max: float
+
+
+def noise_floor(shape: Shape, case: Case, dtype: torch.dtype) -> Floor:
+    """Largest error over FLOOR_SEEDS seeds of the rounded emulation (module docstring)."""
+    fl = Floor(0.0, 0.0, 0.0)
+    for seed in range(FLOOR_SEEDS):
+        x = make_inputs(shape, case, 10_000 + seed)
+        want, want_lse = reference(shape, case, x)
+        emu, emu_lse = reference(shape, case, _rounded(x, dtype), p_dtype=dtype, out_dtype=dtype)
+        fl.out_max = max(fl.out_max, metrics.max_abs_diff(emu, want))
+        fl.out_rel = max(fl.out_rel, metrics.rel_l2(emu, want))
+        fin = torch.isfinite(want_lse)
+        fl.lse_max = max(fl.lse_max, metrics.max_abs_diff(emu_lse[fin], want_lse[fin]))
+    return fl
+
+
+# ----------------------------------------------------------------------------- calling a subject
+
+@dataclass
+class Got:
+    status: str  # ok | unsupported | raised | crashed | timeout | contract
+    message: str = ""
+    out: Optional[torch.Tensor] = None
+    lse: Optional[torch.Tensor] = None
+    seconds: float = 0.0
+
+
+def _call(iso: Isolated, contract: str, args: list[Any], kwargs: dict[str, Any], out_shape: tuple[int, ...],
+          lse_shape: tuple[int, ...]) -> Got:
+    r: Outcome = iso.call({"contract": contract, "out_shape": list(out_shape), "lse_shape": list(lse_shape)},
+                          subj.pack({"args": args, "kwargs": kwargs}))
+    if r.status != "ok":
+        return Got(r.status, r.message, seconds=r.seconds)
+    res = subj.unpack(r.payload)
+    return Got("ok", out=res["out"], lse=res["lse"], seconds=r.header.get("seconds", r.seconds))
+
+
+def run_case(iso: Isolated, shape: Shape, case: Case, x: dict[str, torch.Tensor], dtype: torch.dtype) -> Got:
+    """Call the subject on a case (several calls, merged by its LSE, for a chunked case)."""
+    c = {n: (v.to(dtype) if v.is_floating_point() else v) for n, v in x.items()}
+    kw: dict[str, Any] = {}
+    if case.window:
+        kw["window_left"] = case.window - 1
+    if case.softcap:
+        kw["softcap"] = case.softcap
+    h, tq = shape.n_head, case.total_q
+    if case.contract == "prefill":
+        def one(k, v, cu_k, causal):
+            lens = (cu_k[1:] - cu_k[:-1]).tolist() or [0]
+            return _call(iso, "prefill", [c["q"], k, v, c["cu_q"], cu_k, max(t for t, _ in case.seqs), max(lens),
+                                          shape.scale, causal], kw, (tq, h, shape.head_dim_v), (h, tq))
+
+        if not case.chunk:
+            return one(c["k"], c["v"], c["cu_k"], case.causal)
+        parts = [one(k, v, cu_k, causal) for k, v, cu_k, causal in chunk_calls(case, c)]
+        bad = next((p for p in parts if p.status != "ok"), None)
+        if bad:
+            return bad
+        if any(p.lse is None for p in parts):
+            return Got("unsupported", "returns no lse: chunked prefill cannot merge its partial results")
+        out, lse = ref.merge_chunks([p.out.double() for p in parts], [p.lse.double() for p in parts])
+        return Got("ok", out=out.to(dtype), lse=lse, seconds=sum(p.seconds for p in parts))
+    r = shape.mla.kv_lora_rank
+    common = [c["q"], c["kv_cache"], c["block_table"]]
+    if case.contract == "mla-decode":
+        args = common + [c["seq_lens"], shape.scale, r]
+    elif case.contract == "mla-sparse-decode":
+        args = common + [c["seq_lens"], c["topk"], shape.scale, r]
+    else:
+        args = common + [c["cu_q"], c["seq_lens"], c["topk"], shape.scale, r]
+    return _call(iso, case.contract, args, kw, (tq, h, r), (h, tq))
+
+
+# ----------------------------------------------------------------------------- judging
+
+def _seq_spans(case: Case) -> list[slice]:
+    spans, at = [], 0
+    for t, _ in case.seqs:
+        spans.append(slice(at, at + t))
+        at += t
+    return spans
+
+
+def _within(got: torch.Tensor, want: torch.Tensor, fl: Floor, *, whole: bool = True) -> bool:
+    """Within budget: max |err| always; relative L2 only over a whole case (its floor is a case's)."""
+    if metrics.nonfinite_where_finite(got, want).any():
+        return False
+    return (metrics.max_abs_diff(got, want) <= K_FLOOR * fl.out_max
+            and (not whole or metrics.rel_l2(got, want) <= K_FLOOR * fl.out_rel))
+
+
+def _scale_candidates(shape: Shape, case: Case) -> dict[str, float]:
+    """Softmax scales a kernel might wrongly use, by the dim they come from."""
+    d = _dims(shape, case)
+    cands = {f"1/sqrt({d['dqk']}) (q's full width)": d["dqk"] ** -0.5,
+             f"1/sqrt({d['dv']}) (the value dim)": d["dv"] ** -0.5}
+    if shape.mla:
+        m = shape.mla
+        cands[f"1/sqrt({m.qk_nope}+{m.qk_rope}) without the YaRN mscale^2"] = m.qk_dim ** -0.5
+        cands[f"1/sqrt({m.qk_nope}) (qk_nope only)"] = m.qk_nope ** -0.5
+    return {k: v for k, v in cands.items() if not math.isclose(v, shape.scale, rel_tol=1e-9)}
+
+
+def signature(shape: Shape, case: Case, x: dict[str, torch.Tensor], got: torch.Tensor, fl: Floor,
+              dtype: torch.dtype) -> str:
+    """The named mistake whose reference the output matches, or ''. The match budget is K_FLOOR x the
+    larger of the case's floor and the variant's own rounding error on these inputs (P and output
+    rounded to the dtype): a variant's output can be larger than the contract's (top-left rows see
+    few keys), and so are its roundings."""
+    variants: dict[str, Variant] = {}
+    for what, s in _scale_candidates(shape, case).items():
+        variants[f"softmax scale from the wrong dim: the output equals attention with scale {what} = {s:.6g} "
+                 f"instead of the contract's {shape.scale:.6g}"] = Variant(scale=s)
+    if case.causal and any(t < s for t, s in case.seqs):
+        variants["top-left causal alignment: the queries were placed at the FIRST q_len positions "
+                 "(SDPA's is_causal) instead of the last (bottom-right)"] = Variant(top_left=True)
+    if shape.mla and case.contract != "prefill":
+        m = shape.mla
+        variants[f"V not taken from the latent: the output equals V = cache[..., {m.qk_rope}:] instead of the "
+                 f"latent cache[..., :{m.kv_lora_rank}]"] = Variant(v_from=m.qk_rope)
+    for name, v in variants.items():
+        want, _ = reference(shape, case, x, variant=v)
+        emu, _ = reference(shape, case, _rounded(x, dtype), p_dtype=dtype, out_dtype=dtype, variant=v)
+        own = Floor(max(fl.out_max, metrics.max_abs_diff(emu, want)), max(fl.out_rel, metrics.rel_l2(emu, want)), 0)
+        if _within(got, want, own):
+            return name
+    return ""
+
+
+def judge(shape: Shape, case: Case, x: dict[str, torch.Tensor], got: Got, fl: Floor, dtype_name: str,
+          subject: str) -> Finding:
+    """One case's finding: metrics, budget, per-sequence pattern and signature."""
+    target = f"{case.name}/{dtype_name}"
+    dims = _dims(shape, case)
+    info = {"contract": case.contract, "dtype": dtype_name, "seqs": [list(s) for s in case.seqs],
+            "chunked": bool(case.chunk), **dims}
+    if got.status == "unsupported":
+        return Finding(CHECK, subject, target, "skip", reason=got.message, metrics=info)
+    if got.status != "ok":
+        what = {"raised": "kernel raised", "crashed": "kernel crashed", "timeout": "kernel hung",
+                "contract": "contract violation"}.get(got.status, got.status)
+        return Finding(CHECK, subject, target, "fail", reason=f"{what}: {got.message}", metrics=info,
+                       explanation=f"{what} on case {case.name} ({dtype_name}); the check went on")
+    want, want_lse = reference(shape, case, x)
+    out = got.out.double()
+    budget = {"rule": f"{K_FLOOR:g} x noise floor (max over {FLOOR_SEEDS} seeds of the rounded float64 emulation)",
+              "floor_max_abs": fl.out_max, "floor_rel_l2": fl.out_rel, "floor_lse_max_abs": fl.lse_max,
+              "k": K_FLOOR}
+    mets = {**info, "max_abs_diff": metrics.max_abs_diff(out, want), "rel_l2": metrics.rel_l2(out, want),
+            "nonfinite": int((~torch.isfinite(out)).sum()), "kernel_seconds": got.seconds}
+    per_seq = [_within(out[sp], want[sp], fl, whole=False) for sp in _seq_spans(case)]
+    lse_ok = True
+    if got.lse is not None:
+        lg = got.lse.double()
+        mets["lse_max_abs_diff"] = metrics.max_abs_diff(lg, want_lse)
+        lse_ok = not metrics.nonfinite_where_finite(lg, want_lse).any() and bool(
+            (metrics.abs_diff(lg, want_lse) <= K_FLOOR * fl.lse_max).all())
+    mets["failing_sequences"] = [b for b, ok in enumerate(per_seq) if not ok]
+    out_ok = all(per_seq) and _within(out, want, fl)
+    if out_ok and lse_ok:
+        return Finding(CHECK, subject, target, "pass", reason="within budget", metrics=mets, budget=budget)
+    if out_ok:
+        fin = torch.isfinite(want_lse)
+        log2 = bool((metrics.abs_diff(got.lse.double()[fin], want_lse[fin] / LN2) <= K_FLOOR * fl.lse_max / LN2).all())
+        sig = "LSE in log2 instead of natural log: lse equals the reference's / ln 2" if log2 else ""
+        return Finding(CHECK, subject, target, "fail", reason=f"lse wrong{': ' + sig if sig else ''}", metrics=mets,
+                       budget=budget, explanation=sig or "the output is right but the returned lse is not",
+                       evidence=[{"signature": sig}] if sig else [])
+    pattern = seq_pattern(case, per_seq)
+    sig = signature(shape, case, x, out, fl, getattr(torch, dtype_name))
+    nan = mets["nonfinite"] and metrics.nonfinite_where_finite(out, want).any()
+    reason = "; ".join(filter(None, [
+        "NaN/inf in the output where the reference is finite" if nan else
+        f"error {mets['max_abs_diff']:.3g} > {K_FLOOR:g} x floor {fl.out_max:.3g}", pattern, sig]))
+    expl = sig or pattern or "unexplained: no named signature reproduces the output"
+    if nan and not sig:
+        expl = "NaN/inf where the reference is finite: " + (pattern or (
+            "unused cache pages and out= buffers are NaN here, so the kernel read beyond seq_len or left "
+            "elements unwritten"))
+    return Finding(CHECK, subject, target, "fail", reason=reason, metrics=mets, budget=budget, explanation=expl,
+                   evidence=[{"pattern": pattern, "signature": sig}])
+
+
+def seq_pattern(case: Case, per_seq: list[bool]) -> str:
+    """Which sequences of a batch fail, in words ('' when it says nothing more than 'all').
+
+    A predicate is reported when it separates the failing sequences from the passing ones exactly.
+    Sequences with at most one key are left out of the passing side except for the kv_len-0
+    predicate: one key makes the softmax 1 whatever the scale, mask or offset, so they pass even
+    under most bugs and would blur every other pattern."""
+    bad = [b for b, ok in enumerate(per_seq) if not ok]
+    if not bad or len(per_seq) == 1:
+        return ""
+    paged = case.contract != "prefill"
+    attrs: list[tuple[str, Callable[[int], bool]]] = [
+        ("only sequences with kv_len 0 fail (an empty key range must give out 0, lse -inf)",
+         lambda b: case.seqs[b][1] == 0),
+        ("only sequences with q_len < k_len fail", lambda b: case.seqs[b][0] < case.seqs[b][1] and not paged),
+        ("only sequences whose length is not a multiple of the block size fail (the last page's unused tail?)",
+         lambda b: paged and case.seqs[b][1] % case.block_size != 0),
+        ("only sequences with q_len 1 fail", lambda b: case.seqs[b][0] == 1 and not paged),
+        ("only sequences after the first fail (per-sequence offsets?)", lambda b: b > 0),
+    ]
+    for i, (words, pred) in enumerate(attrs):
+        good = [b for b, ok in enumerate(per_seq) if ok and (i == 0 or case.seqs[b][1] > 1)]
+        if good and all(pred(b) for b in bad) and not any(pred(b) for b in good):
+            return words
+    return "" if len(bad) == len(per_seq) else f"sequences {bad} of {len(per_seq)} fail"
+
+
+def subject_patterns(findings: list[Finding]) -> list[str]:
+    """Across a subject's cases: a failure confined to one dtype, head size, contract or chunked mode."""
+    judged = [f for f in findings if f.status != "skip" and "contract" in f.metrics]
+    bad = [f for f in judged if f.status == "fail"]
+    if not bad or len(bad) == len(judged):
+        return []
+    out = []
+    for key, words in (("dtype", "only dtype {} fails"), ("dqk", "only head size {} fails"),
+                       ("contract", "only the {} contract fails"), ("chunked", "only chunked mode fails")):
+        vals = {f.metrics.get(key) for f in bad}
+        others = {f.metrics.get(key) for f in judged if f.status == "pass"}
+        if len(vals) == 1 and others and not (vals & others):
+            v = vals.pop()
+            if key == "chunked" and not v:
+                continue
+            out.append(words.format(v))
+    return out
+
+
+# ----------------------------------------------------------------------------- consistency
+
+def consistency(iso: Isolated, shape: Shape, dtype: torch.dtype, dtype_name: str, subject: str,
+                contracts: set[str], seed: int) -> list[Finding]:
+    """prefill row t == decode at t; absorbed MLA == naive MLA (when the subject has both contracts)."""
+    out: list[Finding] = []
+    if "prefill" in contracts:
+        L = 29
+        full = Case("prefill-vs-decode", "prefill", ((L, L),))
+        rows = (0, L // 2, L - 1)
+        step = Case("prefill-vs-decode", "prefill", tuple((1, t + 1) for t in rows))
+        out.append(_pair(iso, shape, dtype, dtype_name, subject, "prefill-row-vs-decode", full, step,
+                         lambda xa: _decode_inputs(xa, rows), lambda o: o[list(rows)], seed))
+    if "prefill" in contracts and "mla-decode" in contracts and shape.mla:
+        out.append(_absorbed_vs_naive(iso, shape, dtype, dtype_name, subject, seed))
+    return out
+
+
+def _decode_inputs(x: dict[str, torch.Tensor], rows: tuple[int, ...]) -> dict[str, torch.Tensor]:
+    """The decode-step inputs of the given rows of a one-sequence causal prefill."""
+    k = torch.cat([x["k"][: t + 1] for t in rows])
+    v = torch.cat([x["v"][: t + 1] for t in rows])
+    lens = torch.tensor([t + 1 for t in rows])
+    return {"q": x["q"][list(rows)], "k": k, "v": v, "cu_q": torch.arange(len(rows) + 1, dtype=torch.int32),
+            "cu_k": torch.nn.functional.pad(lens.cumsum(0), (1, 0)).to(torch.int32)}
+
+
+def _pair(iso, shape, dtype, dtype_name, subject, name, case_a, case_b, derive, select, seed) -> Finding:
+    """Two subject calls that must agree: budget K_FLOOR x max over seeds of the summed emulation errors."""
+    floor = 0.0
+    for s in range(FLOOR_SEEDS):
+        xa = make_inputs(shape, case_a, 20_000 + s)
+        xb = derive(xa)
+        ea = select(reference(shape, case_a, _rounded(xa, dtype), p_dtype=dtype, out_dtype=dtype)[0])
+        eb = reference(shape, case_b, _rounded(xb, dtype), p_dtype=dtype, out_dtype=dtype)[0]
+        wa = select(reference(shape, case_a, xa)[0])
+        floor = max(floor, float(((ea - wa).abs() + (eb - wa).abs()).max()))
+    xa = make_inputs(shape, case_a, seed)
+    ga, gb = run_case(iso, shape, case_a, xa, dtype), run_case(iso, shape, case_b, derive(xa), dtype)
+    return _agree(subject, f"{name}/{dtype_name}", ga, gb, select, floor, dtype_name)
+
+
+def _agree(subject: str, target: str, ga: Got, gb: Got, select: Callable, floor: float, dtype_name: str) -> Finding:
+    info = {"dtype": dtype_name, "consistency": True}
+    bad = next((g for g in (ga, gb) if g.status != "ok"), None)
+    if bad is not None:
+        status = "skip" if bad.status == "unsupported" else "fail"
+        return Finding(CHECK, subject, target, status, reason=f"{bad.status}: {bad.message}", metrics=info)
+    a, b = select(ga.out.double()) if select else ga.out.double(), gb.out.double()
+    d = metrics.max_abs_diff(a, b)
+    ok = not (torch.isnan(a).any() or torch.isnan(b).any()) and d <= K_FLOOR * floor
+    return Finding(CHECK, subject, target, "pass" if ok else "fail",
+                   reason=f"the two paths differ by {d:.3g} (budget {K_FLOOR:g} x {floor:.3g})",
+                   metrics={**info, "max_abs_diff": d},
+                   budget={"rule": f"{K_FLOOR:g} x max over seeds of the two rounded emulations' summed errors",
+                           "floor": floor},
+                   explanation="" if ok else "the subject disagrees with itself between two equivalent call paths")
+
+
+def _absorbed_vs_naive(iso: Isolated, shape: Shape, dtype: torch.dtype, dtype_name: str, subject: str,
+                       seed: int) -> Finding:
+    """Decode of B sequences as naive MLA (prefill on decompressed K/V) and absorbed MLA (mla-decode on the
+    latent cache, then v_b): both must give the same [B, H, Dv]."""
+    m = shape.mla
+    dec = Case("absorbed", "mla-decode", ((1, 21), (1, 40)))
+    naive_case = Case("naive", "prefill", dec.seqs)
+
+    def build(s: int) -> tuple[dict, dict, torch.Tensor]:
+        gen = torch.Generator().manual_seed(s)
+        x = make_inputs(shape, dec, s)
+        k_b = torch.randn(shape.n_head, m.kv_lora_rank, m.qk_nope, generator=gen, dtype=torch.float64) / m.kv_lora_rank ** 0.5
+        v_b = torch.randn(shape.n_head, m.v_dim, m.kv_lora_rank, generator=gen, dtype=torch.float64) / m.kv_lora_rank ** 0.5
+        q_nope = torch.randn(len(dec.seqs), shape.n_head, m.qk_nope, generator=gen, dtype=torch.float64)
+        q_pe = torch.randn(len(dec.seqs), shape.n_head, m.qk_rope, generator=gen, dtype=torch.float64)
+        x["q"] = mla_ref.absorb_q(q_nope, q_pe, k_b)  # [B, H, R+Dr]
+        ks, vs = [], []
+        for b, (_, n) in enumerate(dec.seqs):
+            rows = ref.gather_pages(x["kv_cache"], x["block_table"][b], n)  # [n, R+Dr]
+            k_nope, v = mla_ref.decompress(rows[:, :m.kv_lora_rank], k_b, v_b)
+            ks.append(torch.cat([k_nope, rows[:, None, m.kv_lora_rank:].expand(-1, shape.n_head, -1)], -1))
+            vs.append(v)
+        lens = torch.tensor([n for _, n in dec.seqs])
+        xn = {"q": torch.cat([q_nope, q_pe], -1), "k": torch.cat(ks), "v": torch.cat(vs), "cu_q": x["cu_q"],
+              "cu_k": torch.nn.functional.pad(lens.cumsum(0), (1, 0)).to(torch.int32)}
+        return x, xn, v_b
+
+    def up(o: torch.Tensor, v_b: torch.Tensor) -> torch.Tensor:
+        return torch.einsum("bhr,hvr->bhv", o, v_b)
+
+    floor = 0.0
+    for s in range(FLOOR_SEEDS):
+        x, xn, v_b = build(20_000 + s)
+        want = reference(shape, naive_case, xn)[0]
+        ea = up(reference(shape, dec, _rounded(x, dtype), p_dtype=dtype, out_dtype=dtype)[0], v_b)
+        en = reference(shape, naive_case, _rounded(xn, dtype), p_dtype=dtype, out_dtype=dtype)[0]
+        floor = max(floor, float(((ea - want).abs() + (en - want).abs()).max()))
+    x, xn, v_b = build(seed)
+    ga = run_case(iso, shape, dec, x, dtype)
+    gn = run_case(iso, shape, naive_case, xn, dtype)
+    if ga.status == "ok":
+        ga.out = up(ga.out.double(), v_b)
+    return _agree(subject, f"absorbed-vs-naive/{dtype_name}", ga, gn, None, floor, dtype_name)
+
+
+# ----------------------------------------------------------------------------- the run
+
+@dataclass
+class Result:
+    shape: Shape
+    device: str
+    findings: list[Finding] = field(default_factory=list)
+    patterns: dict[str, list[str]] = field(default_factory=dict)
+    subjects: dict[str, dict[str, Any]] = field(default_factory=dict)
+    seconds: float = 0.0
+
+
+def run(shape: Shape, subjects: list[tuple[str, Optional[str]]], *, device: str = "cpu",
+        dtypes: tuple[str, ...] = DTYPES, explicit: tuple[str, ...] = (), timeout: float = 300.0, seed: int = 0,
+        only: Optional[set[str]] = None, on_step: Optional[Callable[[str], None]] = None) -> Result:
+    """Run every case of `shape` through each (spec, contract or None) subject. `explicit` names the
+    subjects the user asked for by name (their load failure is a failure to run: exit 2)."""
+    if device not in ("cpu", "cuda"):
+        raise InputError(f"--device {device!r}: expected cpu or cuda")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise InputError(f"--device cuda: CUDA is not available here (torch {torch.__version__})")
+    for d in dtypes:
+        if d not in DTYPES:
+            raise InputError(f"--dtype {d!r}: expected one of {', '.join(DTYPES)}")
+    res = Result(shape, device)
+    t0 = time.perf_counter()
+    all_cases = [c for c in cases(shape) if only is None or c.name in only]
+    floors: dict[tuple[str, str], Floor] = {}
+    inputs = {c.name: make_inputs(shape, c, seed + i) for i, c in enumerate(all_cases)}
+    for spec, contract in subjects:
+        label = spec if contract is None else f"{spec} ({contract})"
+        st = time.perf_counter()
+        found: list[Finding] = []
+        with Isolated("llmdoctor.subjects.attention:serve", (spec, device, contract), call_timeout=timeout) as iso:
+            try:
+                iso.start()
+            except LoadFailed as e:
+                if e.kind == "InputError":
+                    raise InputError(str(e)) from None
+                res.findings.append(Finding(CHECK, label, "load", "skip", reason=f"{label} could not run: {e}"))
+                res.subjects[label] = {"loaded": False, "reason": str(e)}
+                continue
+            mine = [c for c in all_cases if contract is None or c.contract == contract]
+            has: set[str] = set()
+            for dname in dtypes:
+                dtype = getattr(torch, dname)
+                for case in mine:
+                    if on_step:
+                        on_step(f"{label}: {case.name} {dname}")
+                    key = (case.name, dname)
+                    if key not in floors:
+                        floors[key] = noise_floor(shape, case, dtype)
+                    got = run_case(iso, shape, case, inputs[case.name], dtype)
+                    f = judge(shape, case, inputs[case.name], got, floors[key], dname, label)
+                    if f.status != "skip" or "has no" not in f.reason:
+                        has.add(case.contract)
+                    found.append(f)
+                if only is None:
+                    found += consistency(iso, shape, dtype, dname, label, has, seed)
+            res.subjects[label] = {"loaded": True, "restarts": iso.restarts, "seconds": time.perf_counter() - st}
+        res.findings += found
+        pats = subject_patterns(found)
+        if pats:
+            res.patterns[label] = pats
+    res.seconds = time.perf_counter() - t0
+    return res
+
+
+def builtin_subjects(names: str, device: str) -> list[tuple[str, Optional[str]]]:
+    """--subjects all | comma list of built-in names."""
+    if names == "all":
+        return [(n, None) for n in subj.BUILTINS]
+    picked = [n.strip() for n in names.split(",") if n.strip()]
+    for n in picked:
+        if n not in subj.BUILTINS:
+            raise InputError(f"--subjects {n!r}: expected all or some of {', '.join(subj.BUILTINS)}")
+    return [(n, None) for n in picked]
+
+
+def engine_explainer(shape: Shape, dtype: str) -> dict[str, Any]:
+    """Which attention backends vLLM would select for this shape and dtype (its own selection code)."""
+    m = shape.mla
+    head = (m.kv_lora_rank + m.qk_rope) if m else shape.head_dim
+    return subj.vllm_backends(head, dtype, use_mla=m is not None, use_sparse=bool(shape.top_k))

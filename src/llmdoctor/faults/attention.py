@@ -1,0 +1,152 @@
+"""Planted attention kernels for `llmdoctor check attention`: one correct eager torch kernel for all
+four contracts, and faulty twins, one per bug the check must name (issue 6): softmax scale from the
+wrong dim, top-left causal alignment, LSE in log2, V not taken from the latent, a batch-offset bug
+(only sequences after the first), an empty-key-range bug (only kv_len 0), and NaN leaking from unused
+cache pages.
+
+Each fault's `build()` returns {"impl": "llmdoctor.faults.attention:<function>", "contract": name};
+`expect` is a substring the check's explanation must contain. Written independently of the
+reference wrappers (reference/attention_cases.py), computing in float32 like a kernel.
+"""
+
+from __future__ import annotations
+
+import math
+import torch
+
+from . import register
+
+_SPEC = "llmdoctor.faults.attention:"
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor, scale: float,
+            bug: str = "") -> tuple[torch.Tensor, torch.Tensor]:
+    """q [t, H, D], k [s, Hk, D], v [s, Hk, Dv], allowed bool [t, s] -> out [t, H, Dv] (q's dtype), lse [H, t]."""
+    h, hk = q.shape[1], k.shape[1]
+    kf = k.float().repeat_interleave(h // hk, 1)  # [s, H, D]
+    vf = v.float().repeat_interleave(h // hk, 1)  # [s, H, Dv]
+    x = torch.einsum("thd,shd->hts", q.float(), kf) * scale  # [H, t, s]
+    x = x.masked_fill(~allowed[None], float("-inf"))
+    if bug == "kv0-nan":  # the textbook softmax: 0/0 on an empty row
+        m = x.amax(-1, keepdim=True) if x.shape[-1] else torch.zeros(*x.shape[:2], 1)
+        e = torch.exp(x - m)
+        p = e / e.sum(-1, keepdim=True)
+        lse = torch.log(e.sum(-1)) + m[..., 0]
+        out = torch.einsum("hts,shd->thd", p, vf) if x.shape[-1] else torch.full(
+            (q.shape[0], h, v.shape[2]), float("nan"))
+        return out.to(q.dtype), lse
+    lse = torch.logsumexp(x, -1)  # [H, t]
+    p = torch.exp(x - torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))[..., None])
+    out = torch.einsum("hts,shd->thd", p, vf)
+    return out.to(q.dtype), (lse / math.log(2) if bug == "lse-log2" else lse)
+
+
+def _causal(t: int, s: int, top_left: bool, device: torch.device) -> torch.Tensor:
+    off = 0 if top_left else s - t
+    return torch.arange(s, device=device)[None, :] <= torch.arange(t, device=device)[:, None] + off
+
+
+def _prefill(q, k, v, cu_q, cu_k, scale, causal, bug: str = ""):
+    cq, ck = cu_q.tolist(), cu_k.tolist()
+    out = torch.zeros(q.shape[0], q.shape[1], v.shape[2], dtype=q.dtype, device=q.device)
+    lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), device=q.device)
+    for b in range(len(cq) - 1):
+        a = max(ck[b] - (1 if bug == "batch-offset" and b > 0 else 0), 0)  # reads one row of the previous sequence
+        t, s = cq[b + 1] - cq[b], ck[b + 1] - ck[b]
+        allowed = _causal(t, s, bug == "top-left", q.device) if causal else torch.ones(t, s, dtype=torch.bool)
+        o, l = _attend(q[cq[b]:cq[b + 1]], k[a:a + s], v[a:a + s], allowed, scale, bug)
+        out[cq[b]:cq[b + 1]], lse[:, cq[b]:cq[b + 1]] = o, l
+    return out, lse
+
+
+def _latent(q, kv_cache, block_table, cu_q, seq_lens, topk, scale, r, bug: str = ""):
+    bs, width = kv_cache.shape[1], kv_cache.shape[2]
+    if bug == "scale-576":
+        scale = 1.0 / math.sqrt(width)  # from q's full width R + Dr, not from qk_nope + qk_rope
+    out = torch.zeros(q.shape[0], q.shape[1], r, dtype=q.dtype, device=q.device)
+    lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), device=q.device)
+    for b, s in enumerate(seq_lens.tolist()):
+        n = -(-s // bs)
+        rows = kv_cache[block_table[b, :n].long()].reshape(-1, width)  # [n*bs, R+Dr]
+        if bug != "page-tail":  # the bug: attend the whole last page, unused slots included
+            rows = rows[:s]
+        t = cu_q[b + 1] - cu_q[b]
+        allowed = _causal(t, s, False, q.device)
+        if bug == "page-tail":
+            allowed = torch.ones(t, rows.shape[0], dtype=torch.bool)
+        if topk is not None:
+            sel = torch.zeros(t, rows.shape[0], dtype=torch.bool)
+            for i in range(t):
+                pos = topk[cu_q[b] + i]
+                pos = pos[(pos >= 0) & (pos < s)].long()
+                sel[i, pos] = True
+            allowed &= sel
+        v = rows[:, width - r:] if bug == "v-rope" else rows[:, :r]  # v-rope: cache[..., Dr:]
+        o, l = _attend(q[cu_q[b]:cu_q[b + 1]], rows[:, None], v[:, None], allowed, scale)
+        out[cu_q[b]:cu_q[b + 1]], lse[:, cu_q[b]:cu_q[b + 1]] = o, l
+    return out, lse
+
+
+# ----------------------------------------------------------------------------- contract entry points
+
+def prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal):
+    """Correct eager prefill kernel (float32 math), returns (out, lse)."""
+    return _prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal)
+
+
+def mla_decode(q, kv_cache, block_table, seq_lens, softmax_scale, kv_lora_rank):
+    """Correct eager MLA decode over the paged latent cache."""
+    return _latent(q, kv_cache, block_table, list(range(q.shape[0] + 1)), seq_lens, None, softmax_scale,
+                   kv_lora_rank)
+
+
+def mla_sparse_decode(q, kv_cache, block_table, seq_lens, topk_indices, softmax_scale, kv_lora_rank):
+    return _latent(q, kv_cache, block_table, list(range(q.shape[0] + 1)), seq_lens, topk_indices, softmax_scale,
+                   kv_lora_rank)
+
+
+def mla_sparse_prefill(q, kv_cache, block_table, cu_seqlens_q, seq_lens, topk_indices, softmax_scale,
+                       kv_lora_rank):
+    return _latent(q, kv_cache, block_table, cu_seqlens_q.tolist(), seq_lens, topk_indices, softmax_scale,
+                   kv_lora_rank)
+
+
+def _prefill_bug(bug: str):
+    def fn(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal):
+        return _prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal, bug)
+    return fn
+
+
+def _decode_bug(bug: str):
+    def fn(q, kv_cache, block_table, seq_lens, softmax_scale, kv_lora_rank):
+        return _latent(q, kv_cache, block_table, list(range(q.shape[0] + 1)), seq_lens, None, softmax_scale,
+                       kv_lora_rank, bug)
+    return fn
+
+
+prefill_top_left = _prefill_bug("top-left")
+prefill_lse_log2 = _prefill_bug("lse-log2")
+prefill_batch_offset = _prefill_bug("batch-offset")
+prefill_kv0_nan = _prefill_bug("kv0-nan")
+mla_decode_scale_576 = _decode_bug("scale-576")
+mla_decode_v_rope = _decode_bug("v-rope")
+mla_decode_page_tail = _decode_bug("page-tail")
+
+
+def _fault(name: str, fn: str, contract: str, description: str, expect: str) -> None:
+    register(name, "kernel", description, expect)(lambda: {"impl": _SPEC + fn, "contract": contract})
+
+
+_fault("attn-top-left", "prefill_top_left", "prefill",
+       "prefill kernel aligning causal top-left (SDPA's is_causal) instead of bottom-right", "top-left causal")
+_fault("attn-lse-log2", "prefill_lse_log2", "prefill", "prefill kernel returning lse in log2", "LSE in log2")
+_fault("attn-batch-offset", "prefill_batch_offset", "prefill",
+       "prefill kernel reading the keys of sequences after the first one row early", "only sequences after the first")
+_fault("attn-kv0-nan", "prefill_kv0_nan", "prefill",
+       "prefill kernel whose softmax divides 0/0 for an empty key range", "only sequences with kv_len 0")
+_fault("attn-scale-576", "mla_decode_scale_576", "mla-decode",
+       "MLA decode using 1/sqrt(R+Dr) = 1/sqrt(576) instead of the given scale", "softmax scale from the wrong dim")
+_fault("attn-v-rope", "mla_decode_v_rope", "mla-decode",
+       "MLA decode taking V from cache[..., Dr:] instead of the latent", "V not taken from the latent")
+_fault("attn-page-tail", "mla_decode_page_tail", "mla-decode",
+       "MLA decode attending the unused (NaN) tail of the last page", "read beyond seq_len")
