@@ -107,3 +107,14 @@ def test_unaligned_raw_view(qtype: T) -> None:
     buf[1:] = torch.from_numpy(blocks.reshape(-1))
     got = dequantize(buf[1:], qtype, (3 * GGML_QUANT_SIZES[qtype][0],))
     assert_bit_exact(got.numpy(), gguf_dequantize(blocks.reshape(1, -1), qtype).reshape(-1))
+
+
+@pytest.mark.parametrize("qtype", IQ_TYPES, ids=lambda q: q.name)
+def test_kernel_without_out_returns_fresh_result(qtype: T) -> None:
+    """Called directly (no `out=`), a block kernel returns a new float32 [n, block_size] tensor."""
+    from llmdoctor.gguf.dequant import _kernel
+
+    blocks = _random_blocks(qtype, 5, seed=3)
+    got = _kernel(qtype, torch.device("cpu"))[1](torch.from_numpy(blocks))
+    assert got.shape == (5, GGML_QUANT_SIZES[qtype][0])
+    assert_bit_exact(got.numpy(), gguf_dequantize(blocks, qtype))

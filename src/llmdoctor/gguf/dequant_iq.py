@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType as T
 
-from .dequant import register
+from .dequant import register, scratch
 
 # ---------------------------------------------------------------- gguf-py tables, once per device
 
@@ -102,9 +102,22 @@ def _table(name: str, device: torch.device) -> torch.Tensor:
 # ---------------------------------------------------------------- field helpers
 
 
-def _rows(table: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    """table [R, C], idx int [...] -> table rows [..., C]."""
-    return table.index_select(0, idx.reshape(-1)).view(*idx.shape, table.shape[1])
+def _rows(table: torch.Tensor, idx: torch.Tensor, slot: str) -> torch.Tensor:
+    """table [R, *C], idx int [...] -> table rows [..., *C], gathered into the per-thread scratch `slot`.
+    (A 1-D table gathers element-wise: much faster than rows of one.)"""
+    rows = scratch(slot, (idx.numel(), *table.shape[1:]), table.dtype, table.device)
+    torch.index_select(table, 0, idx.reshape(-1), out=rows)
+    return rows.view(*idx.shape, *table.shape[1:])
+
+
+def _scaled(v: torch.Tensor, scale: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    """v float32 [n, S, R], scale float32 [n, S] -> out [n, S * R] = v * scale, one scale per R values
+    (IEEE products commute: equal to gguf-py's scale * v). `out` is written when given, else fresh."""
+    n, s, r = v.shape
+    if out is None:
+        out = torch.empty(n, s * r, dtype=torch.float32, device=v.device)
+    torch.mul(v, scale[..., None], out=out.view(n, s, r))
+    return out
 
 
 def _field(blocks: torch.Tensor, start: int, stop: int, dtype: torch.dtype) -> torch.Tensor:
@@ -142,11 +155,12 @@ def _shifts(device: torch.device, *s: int) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------- kernels
-# Each gathers (signed) grid rows into a fresh buffer and scales it in place: v * db == db * v bit for bit.
+# Each gathers (signed) grid rows into a reused scratch buffer, then writes rows * scale into `out`
+# (a slice of the caller's buffer when the entry point passes one).
 
 
 @register(T.IQ2_XXS)
-def iq2_xxs(blocks: torch.Tensor) -> torch.Tensor:
+def iq2_xxs(blocks: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """66 bytes: d f16, 8 x (4 grid-index bytes, uint32 of 4 x 7-bit sign indices + 4-bit scale)."""
     n = blocks.shape[0]
     d = _f16(blocks, 0)  # [n, 1]
@@ -154,66 +168,67 @@ def iq2_xxs(blocks: torch.Tensor) -> torch.Tensor:
     db = d * (0.5 + ((aux >> 28) & 15).float()) * 0.25  # [n, 8]
     grid_idx = blocks[:, 2:66].view(n, 8, 8)[..., :4].int()  # [n, 8, 4]
     sign_idx = (aux[..., None] >> _shifts(blocks.device, 0, 7, 14, 21)) & 127  # [n, 8, 4]
-    v = _rows(_table("iq2_xxs", blocks.device), grid_idx * 128 + sign_idx)  # [n, 8, 4, 8]
-    return v.view(n, 8, 32).mul_(db[..., None]).view(n, 256)
+    v = _rows(_table("iq2_xxs", blocks.device), grid_idx * 128 + sign_idx, "iq_rows")  # [n, 8, 4, 8]
+    return _scaled(v.view(n, 8, 32), db, out)
 
 
 @register(T.IQ2_XS)
-def iq2_xs(blocks: torch.Tensor) -> torch.Tensor:
+def iq2_xs(blocks: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """74 bytes: d f16, 32 x uint16 (9-bit grid index | 7-bit sign index << 9), 16 x 4-bit scales."""
     n = blocks.shape[0]
     d = _f16(blocks, 0)  # [n, 1]
     db = d * (0.5 + _nibbles(blocks[:, 66:74]).float()) * 0.25  # [n, 16]
-    v = _rows(_table("iq2_xs", blocks.device), _u16(blocks, 2, 66))  # [n, 32, 8]
-    return v.view(n, 16, 16).mul_(db[..., None]).view(n, 256)
+    v = _rows(_table("iq2_xs", blocks.device), _u16(blocks, 2, 66), "iq_rows")  # [n, 32, 8]
+    return _scaled(v.view(n, 16, 16), db, out)
 
 
 @register(T.IQ2_S)
-def iq2_s(blocks: torch.Tensor) -> torch.Tensor:
+def iq2_s(blocks: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """82 bytes: d f16, 32 grid-index low bytes, 32 sign bytes, 8 bytes of 2-bit index highs, 16 x 4-bit scales."""
     n, dev = blocks.shape[0], blocks.device
     d = _f16(blocks, 0)  # [n, 1]
     db = d * (0.5 + _nibbles(blocks[:, 74:82]).float()) * 0.25  # [n, 16]
     high = (blocks[:, 66:74, None].int() >> _shifts(dev, 0, 2, 4, 6)) & 3  # [n, 8, 4]
     grid_idx = blocks[:, 2:34].int() | (high.view(n, 32) << 8)  # [n, 32]
-    v = _rows(_table("iq2_s", dev), grid_idx).mul_(_rows(_table("bit_signs", dev), blocks[:, 34:66].int()))
-    return v.view(n, 16, 16).mul_(db[..., None]).view(n, 256)  # v: [n, 32, 8]
+    v = _rows(_table("iq2_s", dev), grid_idx, "iq_rows")  # [n, 32, 8]
+    v.mul_(_rows(_table("bit_signs", dev), blocks[:, 34:66].int(), "iq_signs"))
+    return _scaled(v.view(n, 16, 16), db, out)
 
 
 @register(T.IQ3_XXS)
-def iq3_xxs(blocks: torch.Tensor) -> torch.Tensor:
+def iq3_xxs(blocks: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """98 bytes: d f16, 64 grid-index bytes (4 values each), 8 x uint32 (4 x 7-bit sign indices + 4-bit scale)."""
     n, dev = blocks.shape[0], blocks.device
     d = _f16(blocks, 0)  # [n, 1]
     aux = _u32(blocks, 66, 98)  # [n, 8]
     db = d * (0.5 + ((aux >> 28) & 15).float()) * 0.5  # [n, 8]
     sign_idx = (aux[..., None] >> _shifts(dev, 0, 7, 14, 21)) & 127  # [n, 8, 4]
-    v = _rows(_table("iq3_xxs", dev), _u16(blocks, 2, 66))  # [n, 32, 8]: grid rows in pairs
-    v.mul_(_rows(_table("ksigns", dev), sign_idx).view(n, 32, 8))
-    return v.view(n, 8, 32).mul_(db[..., None]).view(n, 256)
+    v = _rows(_table("iq3_xxs", dev), _u16(blocks, 2, 66), "iq_rows")  # [n, 32, 8]: grid rows in pairs
+    v.mul_(_rows(_table("ksigns", dev), sign_idx, "iq_signs").view(n, 32, 8))
+    return _scaled(v.view(n, 8, 32), db, out)
 
 
 @register(T.IQ3_S)
-def iq3_s(blocks: torch.Tensor) -> torch.Tensor:
+def iq3_s(blocks: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """110 bytes: d f16, 64 grid-index low bytes, 8 bytes of 1-bit index highs, 32 sign bytes, 8 x 4-bit scales."""
     n, dev = blocks.shape[0], blocks.device
     d = _f16(blocks, 0)  # [n, 1]
     db = d * (1 + 2 * _nibbles(blocks[:, 106:110])).float()  # [n, 8]
     high = (blocks[:, 66:74, None].int() >> _shifts(dev, *range(8))) & 1  # [n, 8, 8]
     grid_idx = blocks[:, 2:66].int() | (high.view(n, 64) << 8)  # [n, 64]
-    v = _rows(_table("iq3_s", dev), grid_idx * 16 + _nibbles(blocks[:, 74:106]))  # [n, 64, 4]
-    return v.view(n, 8, 32).mul_(db[..., None]).view(n, 256)
+    v = _rows(_table("iq3_s", dev), grid_idx * 16 + _nibbles(blocks[:, 74:106]), "iq_rows")  # [n, 64, 4]
+    return _scaled(v.view(n, 8, 32), db, out)
 
 
-def _iq1_values(dl: torch.Tensor, grid_idx: torch.Tensor, negative_delta: torch.Tensor) -> torch.Tensor:
+def _iq1_values(dl: torch.Tensor, grid_idx: torch.Tensor, negative_delta: torch.Tensor, out) -> torch.Tensor:
     """dl [n, S] float32, grid_idx / negative_delta int [n, S, k] -> dl * (grid + -+delta): [n, S * k * 8]."""
-    v = _rows(_table("iq1", dl.device), grid_idx | (negative_delta << 11))  # [n, S, k, 8]
+    v = _rows(_table("iq1", dl.device), grid_idx | (negative_delta << 11), "iq_rows")  # [n, S, k, 8]
     n, s = dl.shape
-    return v.view(n, s, -1).mul_(dl[..., None]).view(n, -1)
+    return _scaled(v.view(n, s, -1), dl, out)
 
 
 @register(T.IQ1_S)
-def iq1_s(blocks: torch.Tensor) -> torch.Tensor:
+def iq1_s(blocks: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """50 bytes: d f16, 32 grid-index low bytes, 8 x uint16 (4 x 3-bit index highs, 3-bit scale, delta sign)."""
     n, dev = blocks.shape[0], blocks.device
     d = _f16(blocks, 0)  # [n, 1]
@@ -221,11 +236,11 @@ def iq1_s(blocks: torch.Tensor) -> torch.Tensor:
     dl = d * (2 * ((qh >> 12) & 7) + 1).float()  # [n, 8]
     high = (qh[..., None] >> _shifts(dev, 0, 3, 6, 9)) & 7  # [n, 8, 4]
     grid_idx = blocks[:, 2:34].view(n, 8, 4).int() | (high << 8)  # [n, 8, 4]
-    return _iq1_values(dl, grid_idx, (qh[..., None] >> 15) & 1)
+    return _iq1_values(dl, grid_idx, (qh[..., None] >> 15) & 1, out)
 
 
 @register(T.IQ1_M)
-def iq1_m(blocks: torch.Tensor) -> torch.Tensor:
+def iq1_m(blocks: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """56 bytes: 32 grid-index low bytes, 32 nibbles (3-bit index high, delta sign), 4 x uint16 holding
     16 x 3-bit scales and, in their top nibbles, the float16 d."""
     n, dev = blocks.shape[0], blocks.device
@@ -236,10 +251,10 @@ def iq1_m(blocks: torch.Tensor) -> torch.Tensor:
     dl = d * (2 * scales + 1).float()  # [n, 16]
     nib = _nibbles(blocks[:, 32:48]).view(n, 16, 2)  # [n, 16, 2]
     grid_idx = blocks[:, 0:32].view(n, 16, 2).int() | ((nib & 7) << 8)  # [n, 16, 2]
-    return _iq1_values(dl, grid_idx, nib >> 3)
+    return _iq1_values(dl, grid_idx, nib >> 3, out)
 
 
-def _iq4_values(dl: torch.Tensor, qs: torch.Tensor) -> torch.Tensor:
+def _iq4_values(dl: torch.Tensor, qs: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
     """dl float32 [n, S], qs uint8 [n, S, 16] -> dl * kvalues: [n, S * 32], per S: 16 low nibbles, 16 high.
     Outputs 2j, 2j + 1 of each half come from bytes 2j, 2j + 1: the key is their two low (or two high)
     nibbles, taken from the byte pair as one little-endian 16-bit word (whole-word ops, no strided ones)."""
@@ -247,22 +262,22 @@ def _iq4_values(dl: torch.Tensor, qs: torch.Tensor) -> torch.Tensor:
     pair = _field(qs.reshape(n, s * 16), 0, s * 16, torch.int16).int().view(n, s, 1, 8)
     x = torch.cat((pair, pair >> 4), dim=2) & 0x0F0F  # [n, S, 2, 8]: the pair's two low / two high nibbles
     keys = (x | (x >> 4)) & 0xFF
-    v = _table("iq4", dl.device).index_select(0, keys.view(-1)).view(torch.float32).view(n, s, 32)
-    return v.mul_(dl[..., None]).view(n, -1)
+    v = _rows(_table("iq4", dl.device), keys, "iq_rows")  # int64 [n, S, 2, 8]: float32 pairs
+    return _scaled(v.view(torch.float32).view(n, s, 32), dl, out)
 
 
 @register(T.IQ4_NL)
-def iq4_nl(blocks: torch.Tensor) -> torch.Tensor:
+def iq4_nl(blocks: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """18 bytes: d f16, 16 bytes: low nibbles are values 0..15, high nibbles 16..31 (codebook indices)."""
-    return _iq4_values(_f16(blocks, 0), blocks[:, None, 2:18])
+    return _iq4_values(_f16(blocks, 0), blocks[:, None, 2:18], out)
 
 
 @register(T.IQ4_XS)
-def iq4_xs(blocks: torch.Tensor) -> torch.Tensor:
+def iq4_xs(blocks: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """136 bytes: d f16, uint16 of 8 x 2-bit scale highs, 8 x 4-bit scale lows, 8 x 16 bytes of nibbles
     (per 32 values: low nibbles first, then high), scale = 6 bits - 32."""
     n, dev = blocks.shape[0], blocks.device
     d = _f16(blocks, 0)  # [n, 1]
     high = (_u16(blocks, 2, 4) >> _shifts(dev, 0, 2, 4, 6, 8, 10, 12, 14)) & 3  # [n, 8]
     dl = d * ((_nibbles(blocks[:, 4:8]) | (high << 4)) - 32).float()  # [n, 8]
-    return _iq4_values(dl, blocks[:, 8:136].view(n, 8, 16))
+    return _iq4_values(dl, blocks[:, 8:136].view(n, 8, 16), out)
