@@ -214,31 +214,37 @@ def _sub_block_scale(d: torch.Tensor, sc: torch.Tensor) -> torch.Tensor:
     return (d * sc.float()).view(-1, 1)
 
 
-def _spread_nibbles(qs: torch.Tensor, q: torch.Tensor, width: int) -> None:
-    """For each run of `width` bytes of qs [n, k], its low nibbles then its high nibbles, into q [n, 2k]."""
-    lo = _scratch("lo", tuple(qs.shape), torch.uint8, qs.device)
-    hi = _scratch("hi", tuple(qs.shape), torch.uint8, qs.device)
-    torch.bitwise_and(qs, 15, out=lo)
-    torch.bitwise_right_shift(qs, 4, out=hi)
-    runs = q.view(-1, 2, width)  # [n * k / width, 2, width]
-    runs[:, 0].copy_(lo.view(-1, width))
-    runs[:, 1].copy_(hi.view(-1, width))
+def _words(field: torch.Tensor) -> torch.Tensor:
+    """int32 [n, k / 4]: a contiguous copy of the uint8 field [n, k] (k a multiple of 4), as words.
+
+    Bit fields are then unpacked four bytes per element with per-byte masks; bits shifted in from
+    the neighbouring byte (or from the sign) always land on masked-out positions. Ops go to contiguous
+    temporaries and are then copied into place: torch's copy handles strided destinations well, its
+    bitwise ops do not.
+    """
+    words = _scratch("words", tuple(field.shape), torch.uint8, field.device)
+    words.copy_(field)
+    return words.view(torch.int32)
 
 
 def _spread_fields(field: torch.Tensor, q: torch.Tensor, bits: int, shift: int, width: int) -> torch.Tensor:
-    """Unpack `bits`-wide fields: q [n, k * 8 / bits] gets, for each run of `width` bytes of `field`
-    [n, k], the field at bit 0 of each byte, then at bit `bits`, ... ; each shifted left by `shift`."""
-    n, k = field.shape
-    per_byte = 8 // bits
-    packed = _scratch("packed", (n, k), torch.uint8, field.device)
-    packed.copy_(field)
-    runs = q.view(-1, per_byte, width)  # [n * k / width, per_byte, width]
-    for j in range(per_byte):
-        torch.bitwise_right_shift(packed.view(-1, width), bits * j, out=runs[:, j])
-    q.bitwise_and_((1 << bits) - 1)
-    if shift:
-        q.bitwise_left_shift_(shift)
+    """Unpack `bits`-wide fields of the uint8 field [n, k] into q [n, k * 8 / bits]: for each run of
+    `width` bytes, the field at bit 0 of each byte, then at bit `bits`, ...; each shifted left by `shift`."""
+    words = _words(field)
+    tmp = _scratch("field", tuple(words.shape), torch.int32, field.device)
+    mask = ((1 << bits) - 1) * 0x01010101
+    runs = q.view(-1, 8 // bits, width)  # [n * k / width, 8 / bits, width]
+    for j in range(8 // bits):
+        torch.bitwise_right_shift(words, bits * j, out=tmp).bitwise_and_(mask)
+        if shift:
+            tmp.bitwise_left_shift_(shift)  # fields < 2^bits: stays within its byte
+        runs[:, j].copy_(tmp.view(torch.uint8).view(-1, width))
     return q
+
+
+def _spread_nibbles(qs: torch.Tensor, q: torch.Tensor, width: int) -> torch.Tensor:
+    """For each run of `width` bytes of qs [n, k], its low nibbles then its high nibbles, into q [n, 2k]."""
+    return _spread_fields(qs, q, 4, 0, width)
 
 
 @register(T.Q2_K)
