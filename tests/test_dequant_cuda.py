@@ -138,3 +138,28 @@ def test_offsets_past_2_31() -> None:
     want = gguf_dequantize(ends, qtype)
     assert_bit_exact(out[:64], want[:64], "first blocks")
     assert_bit_exact(out[-64:], want[64:], "last blocks")
+
+
+def assert_same_up_to_nan_bits(got: torch.Tensor, want: np.ndarray, what: str) -> None:
+    """Bit-exact except that a NaN may have other bits (payload, sign) than gguf-py's NaN there."""
+    got = got.cpu().numpy().reshape(-1)
+    want = want.astype(np.float32).reshape(-1)
+    nan = np.isnan(want)
+    assert np.array_equal(np.isnan(got), nan), f"{what}: NaN at other positions"
+    assert_bit_exact(torch.from_numpy(got[~nan]), want[~nan], what)
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="tests the torch kernels on CUDA")
+def test_types_without_triton_kernel_on_cuda() -> None:
+    """The other types reach CUDA through the device-agnostic torch block kernels: also exact there.
+    Random bytes (scales may be inf/NaN, hence NaN bits are not compared)."""
+    rng = np.random.default_rng(5)
+    others = [q for q in dequant.supported_types() if q not in dequant_cuda._SPECS]
+    assert others
+    for qtype in others:
+        block_size, type_size = GGML_QUANT_SIZES[qtype]
+        blocks = rng.integers(0, 256, size=(97, type_size), dtype=np.uint8)
+        got = dequant.dequantize(blocks.reshape(-1), qtype, (97 * block_size,), device="cuda")
+        with np.errstate(all="ignore"):
+            want = gguf_dequantize(blocks.reshape(-1), qtype)
+        assert_same_up_to_nan_bits(got, want, qtype.name)
