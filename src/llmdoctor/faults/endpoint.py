@@ -139,6 +139,8 @@ class FaultProxy:
                 r = self._client.request(method, path, json=body)
                 status, data, ctype = r.status_code, r.content, r.headers.get("content-type", "application/json")
                 status, data = self.fault.response(path, body, status, data)
+        except (httpx.HTTPError, RuntimeError) as e:  # upstream gone, or the proxy closed meanwhile
+            status, data, ctype = 502, json.dumps({"error": f"proxy: {e}"}).encode(), "application/json"
         finally:
             self.fault.done(path, body)
         try:

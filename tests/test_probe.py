@@ -1,0 +1,194 @@
+"""`llmdoctor probe` against the real llama-cpp-python server (no mocks of the engine): healthy on
+the demo model, degraded/garbage with the right symptom on corrupted copies, and every proxy fault
+classified as expected. One server per model file; the proxy faults share the healthy one."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+import httpx
+import pytest
+from typer.testing import CliRunner
+
+from llmdoctor.checks.metrics import topk_tail
+from llmdoctor.checks.probes import THRESHOLDS, counting_run, expected_stats, probe, render_chat_template
+from llmdoctor.cli import app
+from llmdoctor.demo import model_path
+from llmdoctor.errors import InputError
+from llmdoctor.faults import all_faults, get
+from llmdoctor.subjects.endpoint import Endpoint
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def llama_server(model: Path, log: Path) -> Iterator[str]:
+    """`python -m llama_cpp.server` on 127.0.0.1 (2 threads, small context), ready, then stopped."""
+    port = _free_port()
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "llama_cpp.server", "--model", str(model), "--host", "127.0.0.1",
+             "--port", str(port), "--n_threads", "2", "--n_threads_batch", "2", "--n_ctx", "1024"],
+            stdout=out, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"llama_cpp.server exited {proc.returncode}: {log.read_text()[-2000:]}")
+            try:
+                if httpx.get(url + "/v1/models", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                pytest.fail(f"llama_cpp.server not ready after 180 s: {log.read_text()[-2000:]}")
+            time.sleep(0.5)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    with llama_server(model_path(), tmp_path_factory.mktemp("srv") / "server.log") as url:
+        yield url
+
+
+def _symptoms(rep) -> str:
+    return "; ".join(f"{f.status} {f.target} {f.metrics.get('symptom', '')} {f.reason}{f.explanation}"
+                     for f in rep.findings if f.status != "pass")
+
+
+# ---------------------------------------------------------------------------- no server needed
+
+def test_expected_stats_counts_every_prefix_token() -> None:
+    top = {" Fr": -1.0, " France": -1.0, " the": -0.5}
+    st = expected_stats(top, " France")
+    assert st["expected_rank"] == 2 and st["top1"] == " the"
+    assert st["expected_logprob"] == pytest.approx(-1.0 + 0.6931471805599453)
+
+
+def test_topk_tail_is_a_lower_bound_of_the_true_kl() -> None:
+    import torch
+
+    torch.manual_seed(0)
+    p, q = torch.randn(50).log_softmax(0), (torch.randn(50) * 2).log_softmax(0)  # want, got
+    true_kl = float((p.exp() * (p - q)).sum())
+    top = {i: float(q[i]) for i in q.topk(10).indices.tolist()}
+    m = topk_tail(top, {i: float(p[i]) for i in range(50)}, want_complete=True)
+    assert 0 <= m["kl"] <= true_kl
+    assert topk_tail({"a": -0.01}, {"b": -0.01})["top1_agree"] is False  # disjoint: top-1 catches it
+
+
+def test_counting_run_asks_for_the_units_digit() -> None:
+    assert counting_run(12) == ("1 2 3 4 5 6 7 8 9 10 11 12 1", "3")
+
+
+def test_chat_template_is_sandboxed() -> None:
+    from jinja2.exceptions import SecurityError
+
+    msgs = [{"role": "user", "content": "hi"}]
+    assert render_chat_template("{{ bos_token }}{{ messages[0]['content'] }}", msgs, bos="<s>", eos="") == "<s>hi"
+    with pytest.raises(SecurityError):
+        render_chat_template("{{ messages.append(1) }}", msgs, bos="", eos="")
+
+
+def test_api_key_comes_from_the_environment_and_is_never_shown(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("LLMDOCTOR_TEST_KEY", raising=False)
+    with pytest.raises(InputError, match="LLMDOCTOR_TEST_KEY"):
+        Endpoint("http://127.0.0.1:1", api_key_env="LLMDOCTOR_TEST_KEY")
+    monkeypatch.setenv("LLMDOCTOR_TEST_KEY", "sk-secret-123")
+    ep = Endpoint("http://127.0.0.1:1/v1/", api_key_env="LLMDOCTOR_TEST_KEY")
+    assert ep.base == "http://127.0.0.1:1" and "sk-secret" not in repr(ep)
+    ep.close()
+
+
+def test_faults_are_registered() -> None:
+    names = {f.name: f.kind for f in all_faults()}
+    for n in ("crosstalk", "decode-perturb", "nondeterministic", "http-500", "malformed-json", "slow"):
+        assert names[n] == "endpoint"
+    assert names["attn-block-scales"] == names["rope-base"] == "file"
+
+
+# ---------------------------------------------------------------------------- the real server
+
+@pytest.mark.slow
+def test_healthy_real_server_with_reference(server: str) -> None:
+    rep = probe(server, gguf=model_path(), concurrency=3)
+    assert rep.verdict == "healthy", _symptoms(rep)
+    assert rep.exit_code == 0 and not rep.symptoms and not rep.transport_events
+    ref = next(f for f in rep.findings if f.target == "reference")
+    assert ref.status == "pass" and ref.metrics["top1_agreement"] == 1.0
+    assert ref.metrics["kl_max"] <= THRESHOLDS["reference_kl_max"]["value"]
+    print(f"\nhealthy probe: {rep.wall_s:.0f} s, {rep.n_requests} requests, reference KL max "
+          f"{ref.metrics['kl_max']:.2e} mean {ref.metrics['kl_mean']:.2e}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, verdicts, symptom", [
+    ("attn-block-scales", {"garbage"}, "wrong-answers"),
+    ("rope-base", {"degraded", "garbage"}, "position-dependent"),
+])
+def test_corrupted_file(name: str, verdicts: set[str], symptom: str, tmp_path: Path) -> None:
+    bad = get(name).build(model_path(), tmp_path)
+    with llama_server(bad, tmp_path / "server.log") as url:
+        rep = probe(url, gguf=model_path(), steps=["positions", "front_end", "reference"])
+    assert rep.verdict in verdicts, _symptoms(rep)
+    assert symptom in rep.symptoms, _symptoms(rep)
+    ref = next(f for f in rep.findings if f.target == "reference")
+    assert ref.status == "fail"
+    print(f"\n{name}: {rep.verdict} {sorted(rep.symptoms)} reference KL max {ref.metrics['kl_max']:.2f}, "
+          f"Spearman(position, KL) {ref.metrics['kl_position_spearman']:.2f}, {rep.wall_s:.0f} s")
+
+
+# Each proxy fault with the probe steps that can see it (knowledge always runs) and client options.
+_PROXY = {
+    "crosstalk": (["batch"], {}, {}),
+    "decode-perturb": (["repeat", "prefill_decode"], {}, {}),
+    "nondeterministic": (["repeat"], {}, {}),
+    "http-500": ([], {}, {}),
+    "malformed-json": (None, {"retries": 1}, {}),
+    "slow": (None, {"timeout": 2.0, "retries": 1}, {"delay": 3.0}),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(_PROXY))
+def test_proxy_fault_is_classified(name: str, server: str) -> None:
+    steps, client, options = _PROXY[name]
+    fault = get(name)
+    with fault.build(server, **options) as proxy:
+        rep = probe(proxy.url, steps=steps, concurrency=3, **client)
+    assert rep.verdict != "healthy"
+    assert fault.expect in rep.symptoms, _symptoms(rep)
+    assert rep.exit_code in (1, 2)
+
+
+@pytest.mark.slow
+def test_cli_json_inconclusive_and_key_never_written(server: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LLMDOCTOR_TEST_KEY", "sk-secret-123")
+    with get("slow").build(server, delay=3.0) as proxy:
+        res = CliRunner().invoke(app, ["probe", proxy.url, "--api-key-env", "LLMDOCTOR_TEST_KEY",
+                                       "--timeout", "1", "--json"])
+    assert res.exit_code == 2, res.output
+    assert "sk-secret" not in res.output
+    out = json.loads(res.stdout)
+    assert out["schema"] == "llmdoctor.probe/1" and out["verdict"] == "inconclusive"
+    assert "timeout" in out["result"]["symptoms"] and out["result"]["thresholds"]
