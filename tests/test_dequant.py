@@ -138,6 +138,24 @@ def test_chunked_output_matches_one_piece(monkeypatch, threads):
         torch.set_num_threads(before)
 
 
+def test_inference_mode_out_written_from_the_chunk_workers(monkeypatch):
+    """An `out` created under inference mode can only be written under it: the workers must inherit it."""
+    from llmdoctor.gguf import dequant
+
+    monkeypatch.setitem(dequant._CHUNK_ELEMENTS, "cpu", 1000)
+    monkeypatch.setattr(dequant, "_MIN_PARALLEL_CHUNK", 1000)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        blocks = random_blocks(T.Q8_0, 100, np.random.default_rng(4))
+        with torch.inference_mode():
+            out = torch.empty(100, 32)
+            dequantize(torch.from_numpy(blocks.reshape(-1)), T.Q8_0, (100, 32), out=out)
+        assert_bits_equal(out, reference(blocks, T.Q8_0), "Q8_0 in inference mode")
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_out_and_dtype():
     blocks = random_blocks(T.Q6_K, 8, np.random.default_rng(2))
     raw = torch.from_numpy(blocks.reshape(-1))
