@@ -43,6 +43,8 @@ ROUNDINGS = 4
 # Roundings in the float32 reference itself (gguf-py: d·sc, ·q, - dmin·m).
 REFERENCE_ROUNDINGS = 3
 _DIAGNOSE_MAX_BLOCKS = 512  # blocks used to name a layout bug (the candidates decode them ~30 times)
+_CHUNK_ELEMENTS = 1 << 21  # compared in chunks: --all on a 168M-element tensor stays within ~100 MB
+_EVIDENCE = 8  # differing elements shown when no layout bug explains them
 
 
 def reduced_precision_bound(want: torch.Tensor, m: Optional[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
@@ -74,8 +76,14 @@ def reduced_precision_bound(want: torch.Tensor, m: Optional[torch.Tensor], dtype
 
 
 def _representable(x: torch.Tensor, dtype: torch.dtype) -> bool:
-    finite = x[torch.isfinite(x)]
-    return bool((finite.to(dtype).to(x.dtype) == finite).all())
+    """Every finite value of x (float32) is exactly a `dtype` number (checked in chunks)."""
+    flat = x.reshape(-1)
+    for i in range(0, flat.numel(), _CHUNK_ELEMENTS):
+        c = flat[i:i + _CHUNK_ELEMENTS]
+        c = c[torch.isfinite(c)]
+        if not bool((c.to(dtype).to(x.dtype) == c).all()):
+            return False
+    return True
 
 
 @dataclass
@@ -83,16 +91,6 @@ class Judge:
     """How one tensor's output is judged: bit-exact, or the reduced-precision bound in `precision`."""
 
     precision: Optional[torch.dtype]  # None: bit-exact
-
-    @classmethod
-    def for_output(cls, got: torch.Tensor, mismatching: bool) -> "Judge":
-        if got.dtype in (torch.float16, torch.bfloat16):
-            return cls(got.dtype)
-        if got.dtype == torch.float32 and mismatching:
-            for half in (torch.float16, torch.bfloat16):  # float32 output computed in half precision
-                if _representable(got, half):
-                    return cls(half)
-        return cls(None)
 
     def bad(self, got: torch.Tensor, want: torch.Tensor, m: Optional[torch.Tensor]) -> torch.Tensor:
         """bool [n]: elements that fail. got any float dtype; want float32 reference values."""
@@ -114,7 +112,7 @@ def choose_blocks(n_blocks: int, n: int, seed: int, name: str) -> np.ndarray:
     if n >= n_blocks:
         return np.arange(n_blocks, dtype=np.int64)
     rng = np.random.default_rng([seed, zlib.crc32(name.encode())])
-    inner = rng.choice(np.arange(1, n_blocks - 1), size=max(n - 2, 0), replace=False) if n_blocks > 2 else []
+    inner = rng.choice(n_blocks - 2, size=max(n - 2, 0), replace=False) + 1
     return np.unique(np.concatenate([[0, n_blocks - 1], inner]).astype(np.int64))
 
 
@@ -214,31 +212,33 @@ def _check_tensor(iso: Isolated, t: Any, kernel: str, n_blocks: int, all_blocks:
     out = iso.call(header, t.data)
     if out.status != "ok":
         return _fault_finding(finding, out)
-    got = torch.frombuffer(bytearray(out.payload), dtype=getattr(torch, out.header["dtype"]))
+    got = torch.frombuffer(out.payload, dtype=getattr(torch, out.header["dtype"]))
     got = got.reshape(len(idx), t.block_size)  # [k, block_size]
     tensor = layout_bugs.Tensor(q, tuple(t.shape), t.data)
-    want_np = layout_bugs.reference(q, tensor.blocks(idx))  # f32 [k, block_size]
-    want = torch.from_numpy(want_np)
-    m_np = layout_bugs.min_part(q, tensor.blocks(idx))
-    m = None if m_np is None else torch.from_numpy(m_np)
-    judge = Judge.for_output(got, bool(_exact_mismatch(got, want).any()))
-    bad = judge.bad(got, want, m).reshape(len(idx), t.block_size)  # [k, block_size]
-    mets = _metrics(got, want, m, bad, idx, t, out, judge)
-    budget = {"rule": "bit-exact" if judge.precision is None else "reduced-precision bound",
-              **({} if judge.precision is None else {
-                  "precision": str(judge.precision).removeprefix("torch."), "roundings": ROUNDINGS,
+    precision = got.dtype if got.dtype in (torch.float16, torch.bfloat16) else None
+    tally = _compare(got, tensor, idx, Judge(precision))
+    if precision is None and got.dtype == torch.float32 and tally.mismatches:
+        half = next((h for h in (torch.float16, torch.bfloat16) if _representable(got, h)), None)
+        if half is not None:  # float32 output computed in half precision: judge it as such
+            precision, tally = half, _compare(got, tensor, idx, Judge(half))
+    judge = Judge(precision)
+    mets = {**tally.metrics(idx, t), "output_dtype": out.header["dtype"], "output_device": out.header["device"],
+            "kernel_seconds": out.header.get("seconds"), "nonfinite_in_output": out.header.get("nonfinite", 0)}
+    budget = {"rule": "bit-exact" if precision is None else "reduced-precision bound",
+              **({} if precision is None else {
+                  "precision": str(precision).removeprefix("torch."), "roundings": ROUNDINGS,
                   "formula": "|err| <= gamma_c(u)*(|d*q|+|m|) + c*eta_min + gamma_3(2^-24)*(|d*q|+|m|)"})}
     stray = _nonfinite_elsewhere(out, tensor)
-    if not bad.any() and not stray:
-        how = "bit-exact" if judge.precision is None else "reduced-precision arithmetic"
-        expl = "" if judge.precision is None else (
+    if not tally.failing and not stray:
+        how = "bit-exact" if precision is None else "reduced-precision arithmetic"
+        expl = "" if precision is None else (
             f"reduced-precision arithmetic ({budget['precision']}): within the derived rounding bound, not a layout bug")
         return finding("pass", how, metrics=mets, budget=budget, explanation=expl)
-    if stray and not bad.any():
+    if not tally.failing:
         return finding("fail", f"non-finite output where the reference is finite ({len(stray)} shown)",
                        metrics=mets, budget=budget, evidence=stray,
                        explanation="the kernel writes NaN/inf outside the compared blocks")
-    reason, expl, evidence = _diagnose(got, want, m, bad, idx, tensor, judge)
+    reason, expl, evidence = _diagnose(got, tally, idx, tensor, judge)
     return finding("fail", reason, metrics=mets, budget=budget, explanation=expl, evidence=evidence + stray)
 
 
@@ -247,39 +247,101 @@ def _fault_finding(finding: Callable[..., Finding], out: Outcome) -> Finding:
         return finding("skip", f"kernel does not support this type: {out.message}")
     what = {"raised": "kernel raised", "crashed": "kernel crashed", "timeout": "kernel hung",
             "contract": "contract violation"}.get(out.status, out.status)
-    return finding("fail", f"{what}: {out.message}", explanation=f"{what} on this tensor; the check went on "
-                   "with a fresh child" if out.status in ("crashed", "timeout") else f"{what} on this tensor")
+    fresh = "; the rest of the tensors go to a fresh child" if out.status in ("crashed", "timeout") else ""
+    return finding("fail", f"{what}: {out.message}", explanation=f"{what} on this tensor{fresh}")
 
 
-def _metrics(got: torch.Tensor, want: torch.Tensor, mins: Optional[torch.Tensor], bad: torch.Tensor,
-             idx: np.ndarray, t: Any, out: Outcome, judge: Judge) -> dict[str, Any]:
-    n = want.numel()
-    diff = metrics.abs_diff(got, want)
-    mism = _exact_mismatch(got, want)
-    w = torch.where(torch.isnan(diff), torch.full_like(diff, float("inf")), diff)
-    worst = int(w.argmax()) if n else 0
-    wb = worst // t.block_size
-    m: dict[str, Any] = {
-        "compared_blocks": len(idx), "compared_elements": n,
-        "max_abs_diff": metrics.max_abs_diff(got, want), "rel_l2": metrics.rel_l2(got, want),
-        "mismatches": int(mism.sum()), "mismatch_fraction": float(mism.sum()) / max(n, 1),
-        "failing_elements": int(bad.sum()), "output_dtype": out.header["dtype"],
-        "output_device": out.header["device"], "kernel_seconds": out.header.get("seconds"),
-        "nonfinite_in_output": out.header.get("nonfinite", 0),
-        "sum_sq_err": float(((got.double() - want.double()) ** 2).nan_to_num(float("inf")).sum()),
-        "sum_sq_ref": float((want.double() ** 2).sum()),
-    }
-    if m["mismatches"]:
-        m["worst_block"] = {
-            "index": int(idx[wb]), "file_offset": t.offset + int(idx[wb]) * t.type_size,
-            "element": [int(v) for v in np.unravel_index(int(idx[wb]) * t.block_size + worst % t.block_size, t.shape)],
-            "got": float(got.reshape(-1)[worst]), "want": float(want.reshape(-1)[worst]),
+@dataclass
+class _Tally:
+    """Metrics of one tensor accumulated over chunks of compared blocks (rows of `got`)."""
+
+    judge: Judge
+    n: int = 0
+    mismatches: int = 0  # not bit-identical
+    failing: int = 0  # judged bad (= mismatches when bit-exact is the rule)
+    nonfinite: int = 0  # NaN/inf where the reference is finite
+    sum_sq_err: float = 0.0
+    sum_sq_ref: float = 0.0
+    worst: tuple[float, int, float, float] = (-1.0, 0, 0.0, 0.0)  # (|diff|, flat row-major index in got, got, want)
+    bound_used: float = 0.0
+    bits: Optional[dict[str, Any]] = None
+    bad_rows: list[int] = field(default_factory=list)  # rows with failing elements (first few)
+    evidence: list[tuple[int, float, float]] = field(default_factory=list)  # (flat index in got, got, want)
+
+    def add(self, start: int, got: torch.Tensor, want: torch.Tensor, m: Optional[torch.Tensor]) -> None:
+        """got, want, m: [r, block_size] for rows start..start+r of the compared blocks."""
+        bs = want.shape[1]
+        diff = metrics.abs_diff(got, want)  # f64 [r*bs]
+        mism = _exact_mismatch(got, want)
+        bad = self.judge.bad(got, want, m)
+        self.n += want.numel()
+        self.mismatches += int(mism.sum())
+        self.failing += int(bad.sum())
+        self.nonfinite += int(metrics.nonfinite_where_finite(got, want).sum())
+        err = diff.nan_to_num(math.inf)
+        self.sum_sq_err += float((err ** 2).sum())
+        self.sum_sq_ref += float((want.double() ** 2).sum())
+        if err.numel():
+            j = int(err.argmax())
+            if float(err[j]) > self.worst[0]:
+                self.worst = (float(err[j]), start * bs + j, float(got.reshape(-1)[j]), float(want.reshape(-1)[j]))
+        if self.judge.precision is not None:
+            bound = reduced_precision_bound(want, m, self.judge.precision)
+            self.bound_used = max(self.bound_used, float((err / bound).max()) if err.numel() else 0.0)
+        if got.dtype == torch.float32 and mism.any():
+            self._add_bits(metrics.differing_bits(got, want))
+        if bad.any() and len(self.bad_rows) < _DIAGNOSE_MAX_BLOCKS // 4:
+            rows = bad.reshape(-1, bs).any(dim=1).nonzero().flatten()
+            self.bad_rows += (rows[: _DIAGNOSE_MAX_BLOCKS // 4 - len(self.bad_rows)] + start).tolist()
+        if bad.any() and len(self.evidence) < _EVIDENCE:
+            for j in bad.nonzero().flatten()[: _EVIDENCE - len(self.evidence)].tolist():
+                self.evidence.append((start * bs + j, float(got.reshape(-1)[j]), float(want.reshape(-1)[j])))
+
+    def _add_bits(self, b: dict[str, Any]) -> None:
+        if self.bits is None:
+            self.bits = b
+            return
+        for k in ("elements", "sign", "exponent", "mantissa"):
+            self.bits[k] += b[k]
+        self.bits["per_bit"] = [x + y for x, y in zip(self.bits["per_bit"], b["per_bit"])]
+        self.bits["max_ulp"] = max(self.bits["max_ulp"], b["max_ulp"])
+
+    def metrics(self, idx: np.ndarray, t: Any) -> dict[str, Any]:
+        rel = math.sqrt(self.sum_sq_err / self.sum_sq_ref) if self.sum_sq_ref else (0.0 if self.sum_sq_err == 0 else math.inf)
+        m: dict[str, Any] = {
+            "compared_blocks": len(idx), "compared_elements": self.n,
+            "max_abs_diff": max(self.worst[0], 0.0), "rel_l2": rel,
+            "mismatches": self.mismatches, "mismatch_fraction": self.mismatches / max(self.n, 1),
+            "failing_elements": self.failing, "nonfinite_where_finite": self.nonfinite,
+            "sum_sq_err": self.sum_sq_err, "sum_sq_ref": self.sum_sq_ref,
         }
-    if judge.precision is not None:  # how much of the rounding bound the worst element uses
-        m["bound_used"] = float((diff / reduced_precision_bound(want, mins, judge.precision)).nan_to_num(math.inf).max())
-    if got.dtype == torch.float32 and m["mismatches"]:
-        m["differing_bits"] = metrics.differing_bits(got, want)
-    return m
+        if self.mismatches:
+            _, j, g, w = self.worst
+            blk = int(idx[j // t.block_size])
+            m["worst_block"] = {"index": blk, "file_offset": t.offset + blk * t.type_size,
+                                "element": _element(t.shape, blk * t.block_size + j % t.block_size),
+                                "got": g, "want": w}
+        if self.bits is not None:
+            m["differing_bits"] = self.bits
+        if self.judge.precision is not None:  # how much of the rounding bound the worst element uses
+            m["bound_used"] = self.bound_used
+        return m
+
+
+def _element(shape: tuple[int, ...], flat: int) -> list[int]:
+    return [int(v) for v in np.unravel_index(flat, shape)]
+
+
+def _compare(got: torch.Tensor, t: layout_bugs.Tensor, idx: np.ndarray, judge: Judge) -> _Tally:
+    """Reference (gguf-py) for the compared blocks, chunk by chunk, against got [k, block_size]."""
+    tally = _Tally(judge)
+    step = max(1, _CHUNK_ELEMENTS // t.block_size)
+    for start in range(0, len(idx), step):
+        blocks = t.blocks(idx[start:start + step])  # uint8 [r, type_size]
+        want = torch.from_numpy(layout_bugs.reference(t.qtype, blocks))  # f32 [r, block_size]
+        m = layout_bugs.min_part(t.qtype, blocks)
+        tally.add(start, got[start:start + step], want, None if m is None else torch.from_numpy(m))
+    return tally
 
 
 def _nonfinite_elsewhere(out: Outcome, t: layout_bugs.Tensor) -> list[dict[str, Any]]:
@@ -288,40 +350,37 @@ def _nonfinite_elsewhere(out: Outcome, t: layout_bugs.Tensor) -> list[dict[str, 
     if not at.size:
         return []
     ref = t.ref_elements(at)
-    return [{"element": [int(v) for v in np.unravel_index(int(i), t.shape)], "got": g, "want": float(r)}
+    return [{"element": _element(t.shape, int(i)), "got": g, "want": float(r)}
             for i, g, r in zip(at, out.header["nonfinite_values"], ref) if np.isfinite(r)]
 
 
-def _diagnose(got: torch.Tensor, want: torch.Tensor, m: Optional[torch.Tensor], bad: torch.Tensor,
-              idx: np.ndarray, t: layout_bugs.Tensor, judge: Judge) -> tuple[str, str, list[Any]]:
+def _diagnose(got: torch.Tensor, tally: _Tally, idx: np.ndarray, t: layout_bugs.Tensor,
+              judge: Judge) -> tuple[str, str, list[Any]]:
     """Name the layout bug (on at most _DIAGNOSE_MAX_BLOCKS of the compared blocks) or show evidence."""
-    rows = np.arange(len(idx))
-    if len(idx) > _DIAGNOSE_MAX_BLOCKS:
-        failing = rows[bad.any(dim=1).numpy()][: _DIAGNOSE_MAX_BLOCKS // 4]
-        others = np.random.default_rng(0).choice(rows, _DIAGNOSE_MAX_BLOCKS // 2, replace=False)
-        rows = np.unique(np.concatenate([[0, len(idx) - 1], failing, others]))
+    k = len(idx)
+    rows = np.arange(k)
+    if k > _DIAGNOSE_MAX_BLOCKS:
+        others = np.random.default_rng(0).choice(k, _DIAGNOSE_MAX_BLOCKS // 2, replace=False)
+        rows = np.unique(np.concatenate([[0, k - 1], tally.bad_rows, others]).astype(np.int64))
     sub_got = got[torch.from_numpy(rows)]
-    sub_m = None if m is None else m[torch.from_numpy(rows)]
+    m_np = layout_bugs.min_part(t.qtype, t.blocks(idx[rows]))
+    sub_m = None if m_np is None else torch.from_numpy(m_np)
 
     def matches(expected: np.ndarray, keep: np.ndarray) -> bool:
-        k = torch.from_numpy(keep)
+        kk = torch.from_numpy(keep)
         exp = torch.from_numpy(np.ascontiguousarray(expected, dtype=np.float32))
-        return not judge.bad(sub_got[k], exp[k], None if sub_m is None else sub_m[k]).any()
+        return not judge.bad(sub_got[kk], exp[kk], None if sub_m is None else sub_m[kk]).any()
 
-    n_bad = int(bad.sum())
-    reason = f"{n_bad} of {bad.numel()} compared elements differ" + (
+    reason = f"{tally.failing} of {tally.n} compared elements differ" + (
         "" if judge.precision is None else f" beyond the {str(judge.precision).removeprefix('torch.')} rounding bound")
-    if metrics.nonfinite_where_finite(got, want).any():
+    if tally.nonfinite:
         reason += " (NaN/inf where the reference is finite)"
     cand = layout_bugs.explain(t, idx[rows], matches)
     if cand is not None:
         return f"{reason}: layout bug: {cand.name}", f"layout bug: {cand.name} ({cand.detail})", []
-    flat_bad = bad.reshape(-1).nonzero().flatten()[:8]
-    evidence = []
-    for j in flat_bad.tolist():
-        e = int(idx[j // t.block_size]) * t.block_size + j % t.block_size
-        evidence.append({"element": [int(v) for v in np.unravel_index(e, t.shape)],
-                         "got": float(got.reshape(-1)[j]), "want": float(want.reshape(-1)[j])})
+    bs = t.block_size
+    evidence = [{"element": _element(t.shape, int(idx[j // bs]) * bs + j % bs), "got": g, "want": w}
+                for j, g, w in tally.evidence]
     return f"{reason}: unexplained", "unexplained: no candidate layout bug reproduces the output", evidence
 
 

@@ -38,7 +38,7 @@ class Outcome:
     status: str
     message: str = ""
     header: dict[str, Any] = field(default_factory=dict)
-    payload: bytes = b""
+    payload: bytearray = field(default_factory=bytearray)
     seconds: float = 0.0
 
 
@@ -89,6 +89,7 @@ def _child(fd: int) -> None:
             where = f" at {os.path.basename(tb[-1].filename)}:{tb[-1].lineno}" if tb else ""
             reply, data = {"status": "raised", "message": f"{type(e).__name__}: {e}{where}"}, b""
         reply.setdefault("seconds", time.perf_counter() - t0)
+        reply["nbytes"] = memoryview(data).nbytes
         del payload
         conn.send(reply)
         conn.send_bytes(data)
@@ -161,7 +162,8 @@ class Isolated:
                 return Outcome("timeout", f"no answer within {self.call_timeout:g} s (hang?)",
                                seconds=time.perf_counter() - t0)
             reply = conn.recv()
-            data = conn.recv_bytes()
+            data = bytearray(reply["nbytes"])  # writable: the caller may wrap it without a copy
+            conn.recv_bytes_into(data)
         except (EOFError, BrokenPipeError, ConnectionResetError):
             code = self._reap()
             return Outcome("crashed", _death(code), seconds=time.perf_counter() - t0)
