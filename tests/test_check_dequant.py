@@ -179,3 +179,22 @@ def test_cli_unavailable_kernel_is_skipped_with_reason_and_exit_2():
 def test_run_validates_before_starting(demo):
     with pytest.raises(InputError):
         dequant.run(demo, kernel="torch", dtype="float8")
+
+
+def test_kernel_from_a_py_file_and_an_unexplained_error(demo, tmp_path):
+    """A `path.py:function` kernel that is off by one ulp in one element: bit-exact fails, no layout
+    bug reproduces it, the evidence shows the element."""
+    k = tmp_path / "my_kernel.py"
+    k.write_text(
+        "import torch, gguf\n"
+        "def dequant(raw, qtype, shape, dtype=None):\n"
+        "    out = torch.from_numpy(gguf.quants.dequantize(raw.numpy(), qtype)).reshape(shape).clone()\n"
+        "    out[0, 5] = torch.nextafter(out[0, 5], torch.tensor(9.0))\n"
+        "    return out\n")
+    res = dequant.run(demo, kernel=f"{k}:dequant", only="blk.0.attn_v.weight")
+    (f,) = res.findings
+    assert f.status == "fail" and f.reason.endswith("unexplained") and "1 of" in f.reason
+    assert f.evidence[0]["element"] == [0, 5]
+    assert f.metrics["differing_bits"]["elements"] == 1 and f.metrics["differing_bits"]["max_ulp"] == 1
+    assert f.metrics["worst_block"]["index"] == 0
+    assert res.by_type["Q8_0"]["worst_block"]["tensor"] == "blk.0.attn_v.weight"

@@ -391,13 +391,21 @@ def _add_to_summary(by_type: dict[str, dict[str, Any]], tname: str, f: Finding) 
     s["tensors"] += 1
     s[{"pass": "passed", "fail": "failed", "skip": "skipped"}[f.status]] += 1
     mt = f.metrics
-    if "compared_elements" in mt:
-        s["compared_elements"] += mt["compared_elements"]
-        s["mismatches"] += mt["mismatches"]
-        s["max_abs_diff"] = max(s["max_abs_diff"], mt["max_abs_diff"], key=lambda x: math.inf if math.isnan(x) else x)
-        s["_err"] += mt["sum_sq_err"]
-        s["_ref"] += mt["sum_sq_ref"]
-        s["rel_l2"] = (s["_err"] / s["_ref"]) ** 0.5 if s["_ref"] else (0.0 if s["_err"] == 0 else float("inf"))
+    if "compared_elements" not in mt:
+        return
+    s["compared_elements"] += mt["compared_elements"]
+    s["mismatches"] += mt["mismatches"]
+    if "worst_block" in mt and mt["max_abs_diff"] >= s["max_abs_diff"]:
+        s["worst_block"] = {"tensor": f.target, **mt["worst_block"]}
+    s["max_abs_diff"] = max(s["max_abs_diff"], mt["max_abs_diff"])
+    s["_err"] += mt["sum_sq_err"]
+    s["_ref"] += mt["sum_sq_ref"]
+    s["rel_l2"] = math.sqrt(s["_err"] / s["_ref"]) if s["_ref"] else (0.0 if s["_err"] == 0 else math.inf)
+    if "differing_bits" in mt:
+        bits = s.setdefault("differing_bits", {"elements": 0, "sign": 0, "exponent": 0, "mantissa": 0, "max_ulp": 0})
+        for k in ("elements", "sign", "exponent", "mantissa"):
+            bits[k] += mt["differing_bits"][k]
+        bits["max_ulp"] = max(bits["max_ulp"], mt["differing_bits"]["max_ulp"])
 
 
 def summary(res: Result) -> dict[str, dict[str, Any]]:
