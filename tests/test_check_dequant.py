@@ -198,3 +198,53 @@ def test_kernel_from_a_py_file_and_an_unexplained_error(demo, tmp_path):
     assert f.metrics["differing_bits"]["elements"] == 1 and f.metrics["differing_bits"]["max_ulp"] == 1
     assert f.metrics["worst_block"]["index"] == 0
     assert res.by_type["Q8_0"]["worst_block"]["tensor"] == "blk.0.attn_v.weight"
+
+
+BYTE_CANDIDATES_BY_TYPE = {
+    "Q4_0": {"nibble order swapped", "sign of d", "signed/unsigned quants"},
+    "Q4_1": {"nibble order swapped", "sign of d", "d/dmin from the wrong half"},
+    "Q5_0": {"nibble order swapped", "high bits (qh) misplaced", "sign of d", "signed/unsigned quants"},
+    "Q5_1": {"nibble order swapped", "high bits (qh) misplaced", "sign of d", "d/dmin from the wrong half"},
+    "Q8_0": {"sign of d", "signed/unsigned quants"},
+    "Q2_K": {"scale and min swapped", "sub-block scale order", "sign of d", "d/dmin from the wrong half"},
+    "Q4_K": {"nibble order swapped", "scale and min swapped", "sub-block scale order", "sign of d",
+             "d/dmin from the wrong half"},
+    "Q5_K": {"nibble order swapped", "high bits (qh) misplaced", "scale and min swapped", "sub-block scale order",
+             "sign of d", "d/dmin from the wrong half"},
+    "Q6_K": {"nibble order swapped", "high bits (qh) misplaced", "sub-block scale order", "sign of d"},
+    "IQ4_NL": {"nibble order swapped", "sign of d"},
+}
+
+
+@pytest.mark.parametrize("tname", sorted(BYTE_CANDIDATES_BY_TYPE))
+def test_block_candidates_change_the_output_and_are_told_apart(tname):
+    """On random blocks (finite scales) each block-level candidate of a type changes the values, and
+    the search names it and not an earlier candidate."""
+    from gguf import GGML_QUANT_SIZES
+
+    q = layout_bugs.T[tname]
+    bs, ts = GGML_QUANT_SIZES[q]
+    rng = np.random.default_rng(1)
+    b = rng.integers(0, 256, (64, ts), dtype=np.uint8)
+    for name in ("d", "dmin", "m"):
+        if name in layout_bugs.FIELDS[q]:
+            a, _ = layout_bugs.FIELDS[q][name]
+            b[:, a:a + 2] = np.frombuffer(rng.uniform(0.01, 1, 64).astype(np.float16).tobytes(), np.uint8).reshape(64, 2)
+    t = layout_bugs.Tensor(q, (8, 8 * bs), b.reshape(-1))
+    idx = np.arange(64)
+    ref = layout_bugs.reference(q, b)
+    named = set()
+    for c in layout_bugs.CANDIDATES[:7]:  # the block-level ones
+        got = c.expected(t, idx)
+        if got is None:
+            continue
+        assert not np.array_equal(got.view(np.uint32), ref.view(np.uint32)), c.name
+        found = layout_bugs.explain(t, idx, lambda e, keep: np.array_equal(e[keep].view(np.uint32), got[keep].view(np.uint32)))
+        assert found is c, (c.name, found and found.name)
+        named.add(c.name)
+    assert named == BYTE_CANDIDATES_BY_TYPE[tname]
+
+
+def test_k4_scale_packing_round_trips():
+    s = np.random.default_rng(0).integers(0, 256, (100, 12), dtype=np.uint8)
+    assert np.array_equal(layout_bugs._pack_k4_scales(*layout_bugs._unpack_k4_scales(s)), s)
