@@ -294,6 +294,95 @@ def logits(
         print(render_text(result))
 
 
+@check_app.command("attention")
+@guarded("check.attention")
+def check_attention(
+    preset: Optional[str] = typer.Option(None, "--preset", help="glm-5 | deepseek-v3 | gemma3-270m | llama-3-8b "
+                                         "(default glm-5)."),
+    config: Optional[Path] = typer.Option(None, "--config", help="HF config.json giving the attention shape."),
+    gguf_file: Optional[Path] = typer.Option(None, "--gguf", help="GGUF file giving the attention shape."),
+    impl: Optional[str] = typer.Option(None, "--impl", help="module:function (or file.py:function) kernel to test."),
+    contract: Optional[str] = typer.Option(None, "--contract", help="--impl's contract: prefill | mla-decode | "
+                                           "mla-sparse-decode | mla-sparse-prefill."),
+    subjects: Optional[str] = typer.Option(None, "--subjects", help="all | comma list of built-ins (default: all, "
+                                           "or none with --impl)."),
+    device: str = typer.Option("cpu", "--device", help="cpu or cuda."),
+    dtype: Optional[str] = typer.Option(None, "--dtype", help="Comma list of float32, bfloat16, float16 (default all)."),
+    only_cases: Optional[str] = typer.Option(None, "--cases", help="Comma list of case names (default all)."),
+    seed: int = typer.Option(0, "--seed", help="Seed of the case inputs."),
+    timeout: float = typer.Option(300.0, "--timeout", help="Seconds one kernel call may take."),
+    json_out: bool = typer.Option(False, "--json", help="Print one JSON object on stdout."),
+) -> None:
+    """Attention kernels (prefill, MLA decode, sparse MLA) against the float64 reference, case by case."""
+    from rich.table import Table
+
+    from .checks import attention as ca
+    from .checks.base import exit_code
+    from .errors import InputError
+
+    shape = ca.load_shape(preset, config, gguf_file)
+    if impl is not None and contract not in ca.subj.CONTRACTS:
+        raise InputError(f"--impl needs --contract, one of {', '.join(ca.subj.CONTRACTS)}")
+    if impl is None and contract is not None:
+        raise InputError("--contract applies to --impl only")
+    picked = [(impl, contract)] if impl else []
+    if subjects is not None or impl is None:
+        picked += ca.builtin_subjects(subjects or "all", device)
+    explicit = {f"{impl} ({contract})"} if impl else set()
+    if subjects not in (None, "all"):
+        explicit |= {s for s, _ in picked if s != impl}
+    dtypes = tuple(d.strip() for d in dtype.split(",")) if dtype else ca.DTYPES
+    only = {c.strip() for c in only_cases.split(",")} if only_cases else None
+    if only is not None:
+        unknown = only - {c.name for c in ca.cases(shape)}
+        if unknown:
+            raise InputError(f"--cases: unknown {sorted(unknown)}; known: {', '.join(c.name for c in ca.cases(shape))}")
+    res = ca.run(shape, picked, device=device, dtypes=dtypes, timeout=timeout, seed=seed, only=only,
+                 on_step=lambda s: terminal.stderr.print(s, style="dim"))
+    loaded = all(res.subjects.get(s, {}).get("loaded", False) for s in explicit)
+    code = exit_code(res.findings, required_ran=loaded)
+    verdict = {0: "passed", 1: "failed", 2: "skipped"}[code]
+    engine = ca.engine_explainer(shape, dtypes[0] if dtypes[0] != "float32" else "bfloat16")
+    if json_out:
+        print(dumps(envelope("check.attention", argv=sys.argv[1:], verdict=verdict, exit_code=code,
+                             findings=res.findings, seed=seed, shape=_shape_dict(shape), device=device,
+                             subjects=res.subjects, patterns=res.patterns, engine=engine, seconds=res.seconds)))
+        raise typer.Exit(code)
+    import torch
+
+    cc = ".".join(map(str, torch.cuda.get_device_capability())) if torch.cuda.is_available() else "none"
+    try:
+        import triton
+        tv = triton.__version__
+    except ImportError:
+        tv = "not installed"
+    terminal.stdout.print(f"shape {shape.name}: H={shape.n_head} Hk={shape.n_head_kv} Dqk={shape.head_dim} "
+                          f"Dv={shape.head_dim_v} scale={shape.scale:.6g}; torch {torch.__version__}, triton {tv}, "
+                          f"compute capability {cc}")
+    table = Table("subject", "case", "status", "max|err|", "budget", "why")
+    for f in res.findings:
+        if f.status == "pass":
+            continue
+        fl = f.budget.get("floor_max_abs", f.budget.get("floor"))
+        err = f.metrics.get("max_abs_diff")
+        table.add_row(f.subject, f.target, f.status, "" if err is None else f"{err:.3g}",
+                      "" if fl is None else f"{ca.K_FLOOR * fl:.3g}", f.explanation or f.reason)
+    terminal.stdout.print(table)
+    for s, pats in res.patterns.items():
+        terminal.stdout.print(f"{s}: {'; '.join(pats)}")
+    terminal.stdout.print(f"engine explainer: {engine.get('skipped') or engine}")
+    c = ca.count_line(res.findings)
+    terminal.stdout.print(f"{verdict}: {c} in {res.seconds:.1f} s")
+    raise typer.Exit(code)
+
+
+def _shape_dict(shape: Any) -> dict[str, Any]:
+    import dataclasses
+
+    return {k: (dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v)
+            for k, v in ((f.name, getattr(shape, f.name)) for f in dataclasses.fields(shape))}
+
+
 def main() -> None:
     app()
 

@@ -725,3 +725,10 @@ def engine_explainer(shape: Shape, dtype: str) -> dict[str, Any]:
     m = shape.mla
     head = (m.kv_lora_rank + m.qk_rope) if m else shape.head_dim
     return subj.vllm_backends(head, dtype, use_mla=m is not None, use_sparse=bool(shape.top_k))
+
+
+def count_line(findings: list[Finding]) -> str:
+    from .base import count
+
+    c = count(findings)
+    return f"{c['passed']} passed, {c['failed']} failed, {c['skipped']} skipped"

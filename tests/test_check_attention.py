@@ -1,0 +1,170 @@
+"""check attention: reference wrappers, planted faulty kernels caught and named, correct subjects pass,
+unavailable adapters skipped, CLI conventions. CPU only, tiny head counts (the cases' structure is what
+is tested, not the width)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from llmdoctor import faults
+from llmdoctor.checks import attention as ca
+from llmdoctor.reference import attention as attn
+from llmdoctor.reference import attention_cases as ref
+from llmdoctor.reference import mla as mla_ref
+
+GLM = dataclasses.replace(ca.PRESETS["glm-5"], n_head=2, n_head_kv=2)
+
+
+def _by(findings, subject):
+    return [f for f in findings if f.subject.startswith(subject)]
+
+
+# ----------------------------------------------------------------------------- reference wrappers
+
+def test_varlen_matches_per_sequence_attention_and_empty_rows_are_zero():
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(n, 4, 8, generator=g, dtype=torch.float64) for n in (6, 14, 14))
+    cu_q, cu_k = torch.tensor([0, 2, 3, 6]), torch.tensor([0, 9, 9, 14])  # the middle sequence has kv_len 0
+    out, lse = ref.varlen(q, k, v, cu_q, cu_k, scale=0.3, causal=True)
+    torch.testing.assert_close(out[0:2], attn.attention(q[0:2], k[0:9], v[0:9], scale=0.3))
+    torch.testing.assert_close(out[3:6], attn.attention(q[3:6], k[9:14], v[9:14], scale=0.3))
+    assert (out[2] == 0).all() and torch.isinf(lse[:, 2]).all() and (lse[:, 2] < 0).all()
+
+
+def test_chunks_merged_by_lse_equal_the_unchunked_reference():
+    case = ca.Case("c", "prefill", ((4, 20), (3, 3), (6, 45)), chunk=16)
+    x = ca.make_inputs(GLM, case, 0)
+    whole, whole_lse = ref.varlen(x["q"], x["k"], x["v"], x["cu_q"], x["cu_k"], scale=GLM.scale, causal=True)
+    calls = ca.chunk_calls(case, x)
+    assert any(int(cu[b + 1] - cu[b]) == 0 for _, _, cu, _ in calls for b in range(3))  # a kv_len-0 chunk
+    out, lse = ca.reference(GLM, case, x)
+    torch.testing.assert_close(out, whole)
+    torch.testing.assert_close(lse, whole_lse)
+
+
+def test_paged_latent_attention_equals_naive_mla_and_ignores_nan_pages():
+    m = GLM.mla
+    case = ca.Case("d", "mla-decode", ((1, 21), (1, 40)))
+    x = ca.make_inputs(GLM, case, 1)
+    assert torch.isnan(x["kv_cache"]).any()  # unused pages and page tails are NaN
+    g = torch.Generator().manual_seed(2)
+    k_b = torch.randn(2, m.kv_lora_rank, m.qk_nope, generator=g, dtype=torch.float64) / 20
+    v_b = torch.randn(2, m.v_dim, m.kv_lora_rank, generator=g, dtype=torch.float64) / 20
+    q_nope = torch.randn(2, 2, m.qk_nope, generator=g, dtype=torch.float64)
+    q_pe = torch.randn(2, 2, m.qk_rope, generator=g, dtype=torch.float64)
+    x["q"] = mla_ref.absorb_q(q_nope, q_pe, k_b)
+    out, _ = ref.mla_paged(x["q"], x["kv_cache"], x["block_table"], x["cu_q"], x["seq_lens"], scale=GLM.scale,
+                           kv_lora_rank=m.kv_lora_rank)
+    for b, n in enumerate((21, 40)):
+        rows = ref.gather_pages(x["kv_cache"], x["block_table"][b], n)
+        assert not torch.isnan(rows).any()
+        allowed = torch.ones(1, n, dtype=torch.bool)
+        naive = mla_ref.mla_naive(q_nope[b:b + 1], q_pe[b:b + 1], rows[:, :m.kv_lora_rank], rows[:, m.kv_lora_rank:],
+                                  k_b, v_b, allowed, scale=GLM.scale)
+        torch.testing.assert_close(torch.einsum("hr,hvr->hv", out[b], v_b), naive[0])
+
+
+def test_selection_ignores_minus_one_counts_duplicates_once_and_stays_causal():
+    topk = torch.tensor([[3, 3, -1, 0, 5], [1, -1, -1, -1, 4]])
+    sel = ref.selection(topk, 2, 5)  # the 2 queries sit at positions 3 and 4
+    assert sel.tolist() == [[True, False, False, True, False], [False, True, False, False, True]]
+
+
+def test_noise_floor_grows_as_precision_shrinks():
+    case = ca.cases(GLM)[0]
+    f32, bf16 = ca.noise_floor(GLM, case, torch.float32), ca.noise_floor(GLM, case, torch.bfloat16)
+    assert 0 < f32.out_max < 1e-5 < bf16.out_max < 0.1
+
+
+# ----------------------------------------------------------------------------- planted faults
+
+FAULT_CASES = {"ragged", "context-chunk-kv0", "chunked", "mla-decode-ragged", "mla-decode-b1"}
+
+
+@pytest.fixture(scope="module")
+def fault_run():
+    planted = [f for f in faults.all_faults("kernel") if f.name.startswith("attn-")]
+    subjects = [(b["impl"], b["contract"]) for b in (f.build() for f in planted)]
+    subjects += [("llmdoctor.faults.attention:prefill", "prefill"), ("llmdoctor.faults.attention:mla_decode", "mla-decode")]
+    return planted, ca.run(GLM, subjects, dtypes=("bfloat16",), only=FAULT_CASES)
+
+
+def test_every_planted_attention_fault_is_caught_and_named(fault_run):
+    planted, res = fault_run
+    assert len(planted) == 7
+    for f in planted:
+        mine = _by(res.findings, f.build()["impl"])
+        failed = [x for x in mine if x.status == "fail"]
+        assert failed, f"{f.name} not caught"
+        said = " | ".join(x.explanation + " " + x.reason for x in failed)
+        assert f.expect in said, f"{f.name}: {said}"
+
+
+def test_correct_kernels_pass_every_case(fault_run):
+    _, res = fault_run
+    for spec in ("llmdoctor.faults.attention:prefill ", "llmdoctor.faults.attention:mla_decode "):
+        mine = _by(res.findings, spec)
+        assert mine and all(f.status == "pass" for f in mine), [(f.target, f.reason) for f in mine]
+
+
+def test_scale_signature_names_the_dims(fault_run):
+    _, res = fault_run
+    f = next(x for x in _by(res.findings, "llmdoctor.faults.attention:mla_decode_scale_576") if x.status == "fail")
+    assert "1/sqrt(576)" in f.explanation and f"{1 / math.sqrt(256):.6g}" in f.explanation
+
+
+# ----------------------------------------------------------------------------- built-in subjects
+
+def test_builtin_subjects_pass_and_consistency_holds_on_cpu():
+    res = ca.run(GLM, [("sdpa-math", None), ("flex", None)], dtypes=("bfloat16",))
+    for s in ("sdpa-math", "flex"):
+        mine = _by(res.findings, s)
+        assert not [f for f in mine if f.status == "fail"], [(f.target, f.reason) for f in mine if f.status == "fail"]
+        names = {f.target.split("/")[0] for f in mine if f.status == "pass"}
+        assert {"prefill-row-vs-decode", "absorbed-vs-naive", "sparse-prefill", "mla-decode-long"} <= names
+    chunked = {f.subject: f for f in res.findings if f.target == "chunked/bfloat16"}
+    assert chunked["sdpa-math"].status == "skip" and "lse" in chunked["sdpa-math"].reason
+    assert chunked["flex"].status == "pass"
+
+
+def test_unavailable_adapters_are_skipped_with_the_reason():
+    res = ca.run(GLM, [(n, None) for n in ("flash-attn", "flashinfer", "vllm", "sdpa-efficient", "sdpa-cudnn")],
+                 dtypes=("bfloat16",), only={"batch1"})
+    assert len(res.findings) == 5 and all(f.status == "skip" for f in res.findings)
+    why = {f.subject: f.reason for f in res.findings}
+    assert "not installed" in why["flash-attn"] and "not installed" in why["vllm"]
+    assert "CUDA only" in why["sdpa-cudnn"]
+    assert "untested" in ca.engine_explainer(GLM, "bfloat16")["skipped"]
+
+
+# ----------------------------------------------------------------------------- CLI
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "llmdoctor.cli", "check", "attention", *args],
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_cli_json_names_the_planted_bug_and_exits_1():
+    p = _cli("--preset", "llama-3-8b", "--impl", "llmdoctor.faults.attention:prefill_top_left", "--contract", "prefill",
+             "--dtype", "float16", "--cases", "ragged", "--json")
+    assert p.returncode == 1, p.stderr[-2000:]
+    out = json.loads(p.stdout)
+    assert out["schema"] == "llmdoctor.check.attention/1" and out["verdict"] == "failed"
+    assert out["counts"] == {"passed": 0, "failed": 1, "skipped": 0}
+    assert "top-left" in out["findings"][0]["explanation"]
+    assert out["env"]["torch"] and "compute_capability" in out["env"]
+
+
+def test_cli_bad_input_is_one_line_and_exit_2():
+    p = _cli("--impl", "llmdoctor.faults.attention:prefill", "--json")
+    assert p.returncode == 2 and "--contract" in p.stderr
+    assert json.loads(p.stdout)["verdict"] == "error"
+    p = _cli("--preset", "nope")
+    assert p.returncode == 2 and "--preset" in p.stderr and "Traceback" not in p.stderr
