@@ -200,10 +200,13 @@ def _check_tensor(iso: Isolated, t: Any, kernel: str, n_blocks: int, all_blocks:
 
     def finding(status: str, reason: str = "", **kw: Any) -> Finding:
         kw["metrics"] = {**base, **kw.get("metrics", {})}
-        return Finding(CHECK, kernel, name, status, reason=reason, **kw)
+        return Finding(CHECK, kernel, name, status, reason=reason,
+                       hypothesis=f"kernel {kernel!r} dequantizes {name} ({q.name}) to the reference's values", **kw)
 
     if not t.supported:
         return finding("skip", f"{q.name} in a big-endian file has no defined block layout")
+    if t.n_blocks == 0:
+        return finding("skip", "empty tensor: nothing to compare")
     if q not in layout_bugs.reference_types():
         return finding("skip", f"no reference: gguf-py cannot dequantize {q.name}")
     idx = np.arange(t.n_blocks, dtype=np.int64) if all_blocks else choose_blocks(t.n_blocks, n_blocks, seed, name)
