@@ -55,11 +55,10 @@ def _np_signed_grid_iq2_xs() -> np.ndarray:
     return (_np_ksigns()[:, None, :] * _np_grid(T.IQ2_XS)[None, :, :]).reshape(-1, 8)
 
 
-def _np_grid_iq3_xxs_pairs() -> np.ndarray:
-    """float32 [65536, 8]: row v = grid[v & 255] ++ grid[v >> 8], v two consecutive grid-index bytes read as
-    one little-endian uint16 (the 8 values one 7-bit sign index covers)."""
-    grid = _np_grid(T.IQ3_XXS)  # [256, 4]
-    return np.concatenate(np.broadcast_arrays(grid[None, :, :], grid[:, None, :]), axis=-1).reshape(-1, 8)
+def _np_signed_grid_iq3_xxs() -> np.ndarray:
+    """float32 [256 * 128 * 2, 4]: row g << 8 | s << 1 | h = grid[g] * ksigns[s][4h : 4h + 4]
+    (a 7-bit sign index covers two grid rows of 4: h picks the half)."""
+    return (_np_grid(T.IQ3_XXS)[:, None, None, :] * _np_ksigns().reshape(1, 128, 2, 4)).reshape(-1, 4)
 
 
 def _np_signed_grid_iq3_s() -> np.ndarray:
@@ -73,24 +72,28 @@ def _np_iq1_grid() -> np.ndarray:
     return np.concatenate([grid + delta, grid + -delta])
 
 
-def _np_iq4_pairs() -> np.ndarray:
-    """int64 [256]: key k -> the float32 pair (kvalues[k & 15], kvalues[k >> 4]) packed little-endian in one
-    int64 (`IQ4_NL.kvalues`, int8), so that one 8-byte gather writes two adjacent outputs."""
+def _np_iq4_quads() -> np.ndarray:
+    """float32 [65536, 4]: key k -> the codebook values of k's four nibbles, lowest first (`IQ4_NL.kvalues`, int8)."""
     kvalues = np.array(gq.IQ4_NL.kvalues, dtype=np.int8).astype(np.float32)
-    k = np.arange(256)
-    return np.stack([kvalues[k & 15], kvalues[k >> 4]], axis=-1).view(np.int64).reshape(256)
+    k = np.arange(1 << 16)
+    return np.stack([kvalues[(k >> shift) & 15] for shift in (0, 4, 8, 12)], axis=-1)
+
+
+def _packed4(rows: np.ndarray) -> np.ndarray:
+    """float32 [R, 4] -> complex128 [R], each row one 16-byte unit: a 1-D index_select copies units
+    (about 3x faster on CPU than gathering rows of 4). The bits are only copied, never computed with."""
+    return np.ascontiguousarray(rows, dtype=np.float32).view(np.complex128).reshape(-1)
 
 
 _TABLES = {
     "bit_signs": _np_bit_signs,
-    "ksigns": _np_ksigns,
     "iq2_xxs": _np_signed_grid_iq2_xxs,
     "iq2_xs": _np_signed_grid_iq2_xs,
     "iq2_s": lambda: _np_grid(T.IQ2_S),
-    "iq3_xxs": _np_grid_iq3_xxs_pairs,
-    "iq3_s": _np_signed_grid_iq3_s,
+    "iq3_xxs": lambda: _packed4(_np_signed_grid_iq3_xxs()),
+    "iq3_s": lambda: _packed4(_np_signed_grid_iq3_s()),
     "iq1": _np_iq1_grid,
-    "iq4": _np_iq4_pairs,
+    "iq4": lambda: _packed4(_np_iq4_quads()),
 }
 
 
@@ -203,9 +206,10 @@ def iq3_xxs(blocks: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tens
     aux = _u32(blocks, 66, 98)  # [n, 8]
     db = d * (0.5 + ((aux >> 28) & 15).float()) * 0.5  # [n, 8]
     sign_idx = (aux[..., None] >> _shifts(dev, 0, 7, 14, 21)) & 127  # [n, 8, 4]
-    v = _rows(_table("iq3_xxs", dev), _u16(blocks, 2, 66), "iq_rows")  # [n, 32, 8]: grid rows in pairs
-    v.mul_(_rows(_table("ksigns", dev), sign_idx, "iq_signs").view(n, 32, 8))
-    return _scaled(v.view(n, 8, 32), db, out)
+    grid_idx = blocks[:, 2:66].view(n, 8, 4, 2).int()  # [n, 8, 4, 2]: each sign index covers 2 grid rows
+    idx = (grid_idx << 8) | ((sign_idx << 1)[..., None] | _shifts(dev, 0, 1))
+    units = _rows(_table("iq3_xxs", dev), idx, "iq_rows")  # complex128 [n, 8, 4, 2]: 4 values each
+    return _scaled(units.view(torch.float32).view(n, 8, 32), db, out)
 
 
 @register(T.IQ3_S)
@@ -216,8 +220,8 @@ def iq3_s(blocks: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor
     db = d * (1 + 2 * _nibbles(blocks[:, 106:110])).float()  # [n, 8]
     high = (blocks[:, 66:74, None].int() >> _shifts(dev, *range(8))) & 1  # [n, 8, 8]
     grid_idx = blocks[:, 2:66].int() | (high.view(n, 64) << 8)  # [n, 64]
-    v = _rows(_table("iq3_s", dev), grid_idx * 16 + _nibbles(blocks[:, 74:106]), "iq_rows")  # [n, 64, 4]
-    return _scaled(v.view(n, 8, 32), db, out)
+    units = _rows(_table("iq3_s", dev), grid_idx * 16 + _nibbles(blocks[:, 74:106]), "iq_rows")  # [n, 64]
+    return _scaled(units.view(torch.float32).view(n, 8, 32), db, out)
 
 
 def _iq1_values(dl: torch.Tensor, grid_idx: torch.Tensor, negative_delta: torch.Tensor, out) -> torch.Tensor:
@@ -256,14 +260,15 @@ def iq1_m(blocks: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor
 
 def _iq4_values(dl: torch.Tensor, qs: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
     """dl float32 [n, S], qs uint8 [n, S, 16] -> dl * kvalues: [n, S * 32], per S: 16 low nibbles, 16 high.
-    Outputs 2j, 2j + 1 of each half come from bytes 2j, 2j + 1: the key is their two low (or two high)
-    nibbles, taken from the byte pair as one little-endian 16-bit word (whole-word ops, no strided ones)."""
+    Outputs 4j..4j+3 of each half come from bytes 4j..4j+3: the key is their four low (or high) nibbles,
+    packed from the bytes read as one little-endian uint32 (whole-word ops, no strided ones)."""
     n, s = dl.shape
-    pair = _field(qs.reshape(n, s * 16), 0, s * 16, torch.int16).int().view(n, s, 1, 8)
-    x = torch.cat((pair, pair >> 4), dim=2) & 0x0F0F  # [n, S, 2, 8]: the pair's two low / two high nibbles
-    keys = (x | (x >> 4)) & 0xFF
-    v = _rows(_table("iq4", dl.device), keys, "iq_rows")  # int64 [n, S, 2, 8]: float32 pairs
-    return _scaled(v.view(torch.float32).view(n, s, 32), dl, out)
+    word = _field(qs.reshape(n, s * 16), 0, s * 16, torch.int32).view(n, s, 1, 4)
+    x = torch.cat((word, word >> 4), dim=2) & 0x0F0F0F0F  # [n, S, 2, 4]: nibbles at bits 0, 8, 16, 24
+    x = (x | (x >> 4)) & 0x00FF00FF
+    keys = (x | (x >> 8)) & 0xFFFF  # the four nibbles at bits 0, 4, 8, 12
+    units = _rows(_table("iq4", dl.device), keys, "iq_rows")  # complex128 [n, S, 2, 4]: 4 values each
+    return _scaled(units.view(torch.float32).view(n, s, 32), dl, out)
 
 
 @register(T.IQ4_NL)
