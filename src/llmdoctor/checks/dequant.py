@@ -413,4 +413,6 @@ def _add_to_summary(by_type: dict[str, dict[str, Any]], tname: str, f: Finding) 
 
 def summary(res: Result) -> dict[str, dict[str, Any]]:
     """Per-type totals without the internal accumulators."""
-    return {k: {kk: vv for kk, vv in v.items() if not kk.startswith("_")} for k, v in res.by_type.items()}
+    return {k: {**{kk: vv for kk, vv in v.items() if not kk.startswith("_")},
+                "mismatch_fraction": v["mismatches"] / max(v["compared_elements"], 1)}
+            for k, v in res.by_type.items()}
