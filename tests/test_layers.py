@@ -55,3 +55,16 @@ def test_nan_is_divergent_and_bit_exact_budget_has_a_floor():
 def test_llama_cpp_names_are_aliased():
     out = engine_names_to_reference({"sa_out-3": 1, "l_out-3": 2, "result_norm": 3}, LLAMA_CPP_ALIASES)
     assert out == {"ffn_inp-3": 1, "l_out-3": 2, "result_norm": 3}
+
+
+def test_blow_up_diverges_even_when_the_budget_blows_up_too():
+    ref = _acts(0, 0)
+    budget, engine = _acts(1, 1e-3), _acts(2, 1e-3)
+    for d in (budget, engine):
+        d["attn_norm-2"] = d["attn_norm-2"] * float("inf")
+        d["l_out-2"] = d["l_out-2"] * float("inf")
+    curve = error_curve(ref, budget, engine, N_LAYER)
+    assert [p.layer for p in curve if p.divergent] == [2, 2]
+    assert first_divergent_layer(curve) == (None, None)  # layer 2 alone heals in this synthetic case
+    engine["attn_norm-3"] = engine["attn_norm-3"] * float("nan")
+    assert first_divergent_layer(error_curve(ref, budget, engine, N_LAYER))[0] == 2

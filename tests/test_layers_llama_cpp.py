@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from llmdoctor import faults
 from llmdoctor.checks.layers import (LLAMA_CPP_ALIASES, engine_names_to_reference, error_curve,
                                      first_divergent_layer)
 from llmdoctor.reference import load
@@ -41,3 +42,10 @@ def test_healthy_llama_cpp_stays_within_its_noise(demo_path, reference):
     # measured 2026-12-01: l_out ratios 0.85..1.3; every point within 0.5..2
     assert 0.5 < float(ratios.min()) and float(ratios.max()) < 2.0, ratios
 
+
+
+def test_planted_layer_corruption_is_localized(demo_path, reference, tmp_path):
+    ref, emu = reference
+    bad = faults.get("attn-block-scales").build(demo_path, tmp_path, layers="blk.5.attn_output")
+    layer, point = first_divergent_layer(error_curve(ref, emu, _engine(bad), 18))
+    assert layer == 5 and point.point == "ffn_inp"

@@ -260,7 +260,8 @@ def h_engine_file(s: Session) -> list[Finding]:
                      hypothesis="the engine's model file is the reference file",
                      metrics={"metadata_diffs": len(diffs), "tensors_changed": len(changed)},
                      evidence=diffs[:5] + [{"tensor": n} for n in changed[:5]],
-                     explanation="; ".join(what) if what else "same metadata and tensor bytes")]
+                     explanation=("the engine's model file differs from the reference: " + "; ".join(what))
+                     if what else "same metadata and tensor bytes")]
 
 
 def _meta_value(v: Any) -> Any:
@@ -492,6 +493,9 @@ def _run(s: Session, inputs: Inputs, progress: Callable[[str], None]) -> Diagnos
     c = count(findings)
     if suspects:
         verdict, code = f"fault found: {suspects[0].explanation}", 1
+        layer = next((f for f in suspects if f.check == "layer-localization"), None)
+        if layer is not None and suspects[0] is not layer:
+            verdict += f" (first divergent layer: {layer.metrics['first_divergent_layer']})"
     elif c["passed"] == 0 or not any(f.check in ("engine-vs-reference", "layer-localization")
                                      and f.status == "pass" for f in findings) and inputs.engine:
         verdict, code = "could not diagnose: nothing was compared", 2

@@ -21,6 +21,7 @@ stream, a one-off excursion that heals is reported but not named as the cause.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -56,7 +57,9 @@ class PointError:
 
     @property
     def divergent(self) -> bool:
-        return not self.error <= self.limit  # NaN counts as divergent
+        # a non-finite error (inf/NaN in the engine where the reference is finite) always diverges,
+        # even when the emulated run overflows too: the budget explains noise, not a blow-up
+        return not (math.isfinite(self.error) and self.error <= self.limit)
 
     def as_dict(self) -> dict:
         return {"layer": self.layer, "point": self.point, "error": self.error, "noise": self.noise,
