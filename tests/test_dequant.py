@@ -43,7 +43,7 @@ TYPES = list(F16_FIELDS) + list(NO_F16_FIELDS)
 
 def reference(blocks: np.ndarray, qtype: T) -> np.ndarray:
     """gguf-py's float32 [n_blocks, block_size] for uint8 blocks [n_blocks, type_size]."""
-    with np.errstate(over="ignore"):  # huge MXFP4 scales overflow to inf, in gguf-py as in ours
+    with np.errstate(over="ignore", invalid="ignore"):  # inf/NaN scales: in gguf-py as in ours
         if qtype in (T.F32, T.F16):  # gguf-py's dequantize views these; give it one row of bytes
             return gq.dequantize(blocks.reshape(-1), qtype).reshape(blocks.shape[0], -1)
         return gq.dequantize(blocks, qtype)
@@ -90,6 +90,14 @@ def test_random_blocks_bit_exact(qtype):
     got = dequantize(blocks.reshape(-1), qtype, (blocks.shape[0] * block_size,))
     assert_bits_equal(got.view(blocks.shape[0], block_size), want, qtype.name)
     assert_bits_equal(dequantize_blocks(blocks, qtype), want, qtype.name + " (dequantize_blocks)")
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda q: q.name)
+def test_non_finite_scales_match_up_to_nan_payloads(qtype):
+    """Unforced random bytes (inf/NaN/subnormal float16 scales included): same bits, NaN for NaN."""
+    _, type_size = GGML_QUANT_SIZES[qtype]
+    blocks = np.random.default_rng(100 + int(qtype)).integers(0, 256, size=(2000, type_size), dtype=np.uint8)
+    assert_bits_equal(dequantize_blocks(blocks, qtype), reference(blocks, qtype), qtype.name)
 
 
 @pytest.mark.parametrize("qtype", [T.F16, T.BF16, T.F32], ids=lambda q: q.name)
