@@ -137,6 +137,8 @@ def _cpu_pool(workers: int) -> ThreadPoolExecutor:
     """
     global _POOL
     if _POOL is None or _POOL[:2] != (os.getpid(), workers):
+        if _POOL is not None and _POOL[0] == os.getpid():
+            _POOL[2].shutdown(wait=False)  # the thread count changed: retire the old workers
         _POOL = (os.getpid(), workers, ThreadPoolExecutor(workers, "dequant", torch.set_num_threads, (1,)))
     return _POOL[2]
 
