@@ -35,8 +35,8 @@ F16_FIELDS = {
     T.TQ1_0: (52,),
     T.TQ2_0: (64,),
 }
-# Types whose every byte pattern is a valid, finite scale: F32/BF16 (any bits), MXFP4 (E8M0 exponent),
-# NVFP4 (UE4M3 scales, no inf/NaN encodings).
+# Types with no float16 field: F32/BF16 have no scale (random bits, NaNs included, are the values);
+# MXFP4 (E8M0 exponent) and NVFP4 (UE4M3) scales are finite for every byte.
 NO_F16_FIELDS = (T.F32, T.BF16, T.MXFP4, T.NVFP4)
 TYPES = list(F16_FIELDS) + list(NO_F16_FIELDS)
 
