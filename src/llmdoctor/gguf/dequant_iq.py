@@ -9,8 +9,9 @@ The grids, sign table, IQ4 codebook and IQ1 delta are gguf-py's own (`gguf.quant
 `<TYPE>.init_grid()`/`.grid`, `IQ4_NL.kvalues`, `IQ1_S.delta`), converted once per device. Signs are
 applied to the grid rows before the scale (in product tables, or by multiplying gathered rows): that is
 exact, because a sign is +-1 and round-to-nearest is symmetric, so db * (g * s) == (db * g) * s bit for
-bit, the order gguf-py uses (for every input; only the sign bit of a NaN could differ, and the tests
-compare NaN as equal to NaN).
+bit, the order gguf-py uses. This holds for every input, non-finite scales included; on x86 CPUs even
+the NaN bit patterns match, but GPU arithmetic need not keep NaN payloads, so tests compare any NaN
+as equal to any NaN.
 
 Speed (CPU, measured in bench/bench_dequant_iq.py): a kernel is a few small integer ops on the index
 fields, one table gather into a reused scratch buffer and one multiply into `out`. index_select costs
