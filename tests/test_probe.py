@@ -122,7 +122,7 @@ def test_api_key_comes_from_the_environment_and_is_never_shown(monkeypatch: pyte
 
 def test_faults_are_registered() -> None:
     names = {f.name: f.kind for f in all_faults()}
-    for n in ("crosstalk", "decode-perturb", "nondeterministic", "http-500", "malformed-json", "slow"):
+    for n in _PROXY:
         assert names[n] == "endpoint"
     assert names["attn-block-scales"] == names["rope-base"] == "file"
 
@@ -165,6 +165,7 @@ _PROXY = {
     "nondeterministic": (["repeat"], {}, {}),
     "http-500": ([], {}, {}),
     "malformed-json": (None, {"retries": 1}, {}),
+    "no-logprobs": ([], {}, {}),
     "slow": (None, {"timeout": 2.0, "retries": 1}, {"delay": 3.0}),
 }
 
@@ -179,6 +180,16 @@ def test_proxy_fault_is_classified(name: str, server: str) -> None:
     assert rep.verdict != "healthy"
     assert fault.expect in rep.symptoms, _symptoms(rep)
     assert rep.exit_code in (1, 2)
+
+
+@pytest.mark.slow
+def test_logprob_limit_is_detected_not_blamed(server: str) -> None:
+    from llmdoctor.faults.endpoint import FaultProxy, LogprobCap
+
+    with FaultProxy(server, LogprobCap(5)) as proxy:
+        rep = probe(proxy.url, steps=[])
+    assert rep.verdict == "healthy", _symptoms(rep)
+    assert rep.features["top_logprobs"] == 5 and not rep.transport_events
 
 
 @pytest.mark.slow

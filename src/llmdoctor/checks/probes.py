@@ -211,16 +211,32 @@ class Prober:
         try:
             out = fn(*a, **kw)
         except EndpointError as e:
-            self._fails_in_row += 1
-            self._find(what, "skip", reason=f"request failed: {e.kind}: {e.detail}")
-            if self._fails_in_row >= _t("max_consecutive_failures"):
-                raise _Abort(str(e)) from None
-            return None
+            return self._failed(what, e)
         self._fails_in_row = 0
         return out
 
+    def _failed(self, what: str, e: EndpointError) -> None:
+        self._fails_in_row += 1
+        self._find(what, "skip", reason=f"request failed: {e.kind}: {e.detail}")
+        if self._fails_in_row >= _t("max_consecutive_failures"):
+            raise _Abort(str(e)) from None
+
     def _complete(self, what: str, prompt: str, **kw: Any) -> Completion | None:
-        return self._req(what, self.ep.complete, prompt, **kw)
+        """A completion; with `logprobs`, a server that rejects k (HTTP 400/422: OpenAI allows 5)
+        is asked again with 5, then 1 (feature detection, not a server error)."""
+        while True:
+            try:
+                out = self.ep.complete(prompt, **kw)
+            except EndpointError as e:
+                smaller = [k for k in (5, 1) if k < (kw.get("logprobs") or 0)]
+                if not (e.kind == "http" and e.status in (400, 422) and smaller):
+                    return self._failed(what, e)
+                self.ep.events.pop()
+                self.k = kw["logprobs"] = smaller[0]
+                self.features["top_logprobs"] = self.k
+                continue
+            self._fails_in_row = 0
+            return out
 
     def _with_logprobs(self, what: str, c: Completion | None) -> bool:
         if c is None:
@@ -287,6 +303,7 @@ class Prober:
                        evidence=[{"prompt": probe.prompt, "expect": probe.expect, "text": c.text,
                                   "top": _top(top, 5)}])
         self.features["logprobs"] = bool(self.knowledge_steps)
+        self.features.setdefault("top_logprobs", self.k)
         if len(self.knowledge_steps) < 3:
             raise _Abort("fewer than 3 knowledge probes returned log-probs")
 

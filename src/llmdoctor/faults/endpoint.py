@@ -190,18 +190,28 @@ def _map_logprobs(path: str, data: bytes, fn: Callable[[int, float], float]) -> 
         return step
 
     if data.lstrip().startswith(b"data:"):
-        out, step = [], 0
-        for line in data.split(b"\n"):
-            payload = line[5:].strip() if line.startswith(b"data:") else b""
-            if payload and payload != b"[DONE]":
-                obj = json.loads(payload)
-                step = one(obj, step)
-                line = b"data: " + json.dumps(obj).encode()
-            out.append(line)
-        return b"\n".join(out)
+        steps = [0]
+
+        def chunk(obj: dict) -> None:
+            steps[0] = one(obj, steps[0])
+
+        return _map_chunks(data, chunk)
     obj = json.loads(data)
     one(obj, 0)
     return json.dumps(obj).encode()
+
+
+def _map_chunks(data: bytes, fn: Callable[[dict], None]) -> bytes:
+    """Apply fn (in place) to every JSON chunk of a buffered server-sent event stream."""
+    out = []
+    for line in data.split(b"\n"):
+        payload = line[5:].strip() if line.startswith(b"data:") else b""
+        if payload and payload != b"[DONE]":
+            obj = json.loads(payload)
+            fn(obj)
+            line = b"data: " + json.dumps(obj).encode()
+        out.append(line)
+    return b"\n".join(out)
 
 
 class _CrossTalk(_Fault):
@@ -275,6 +285,37 @@ class _Malformed(_Fault):
         return (status, data[: len(data) // 2]) if _is_completion(path) else (status, data)
 
 
+class _NoLogprobs(_Fault):
+    """Completion responses without log-probs (a server that ignores the parameter)."""
+
+    def response(self, path: str, body: Any, status: int, data: bytes) -> tuple[int, bytes]:
+        if status != 200 or not _is_completion(path):
+            return status, data
+        if data.lstrip().startswith(b"data:"):
+            return status, _map_chunks(data, _drop_logprobs)
+        obj = json.loads(data)
+        _drop_logprobs(obj)
+        return status, json.dumps(obj).encode()
+
+
+def _drop_logprobs(obj: dict) -> None:
+    for ch in obj.get("choices") or []:
+        ch["logprobs"] = None
+
+
+class LogprobCap(_Fault):
+    """Not a fault: requests asking for more than `cap` top log-probs rejected with HTTP 400, as
+    OpenAI's API does (its limit is 5). The probe must detect the limit, not blame the server."""
+
+    def __init__(self, cap: int = 5) -> None:
+        self.cap = cap
+
+    def request(self, path: str, body: Any) -> tuple[int, bytes, str] | None:
+        if isinstance(body, dict) and (body.get("logprobs") or 0) > self.cap:
+            return 400, json.dumps({"error": f"logprobs must be <= {self.cap}"}).encode(), "application/json"
+        return None
+
+
 class _Slow(_Fault):
     """Every request held for `delay` seconds before it is forwarded (past the client's timeout)."""
 
@@ -302,4 +343,5 @@ _endpoint_fault("nondeterministic", "log-probs of temperature-0 requests jittere
                 "nondeterministic", _Nondeterministic)
 _endpoint_fault("http-500", "every 2nd POST answered with HTTP 500", "server-errors", _Http500)
 _endpoint_fault("malformed-json", "completion responses truncated to half: invalid JSON", "malformed-json", _Malformed)
+_endpoint_fault("no-logprobs", "completion responses stripped of their log-probs", "missing-logprobs", _NoLogprobs)
 _endpoint_fault("slow", "every request held past the client's timeout", "timeout", _Slow)
