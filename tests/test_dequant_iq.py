@@ -74,6 +74,13 @@ def test_bit_exact_random_blocks(qtype: T, n_blocks: int) -> None:
 
 
 @pytest.mark.parametrize("qtype", IQ_TYPES, ids=lambda q: q.name)
+def test_bit_exact_across_chunks(qtype: T) -> None:
+    """2^18 values and one block more: the entry point splits this into several chunks (per worker)."""
+    n_blocks = (1 << 18) // GGML_QUANT_SIZES[qtype][0] + 1
+    assert_bit_exact(*_ours_and_ref(qtype, _random_blocks(qtype, n_blocks, seed=5)))
+
+
+@pytest.mark.parametrize("qtype", IQ_TYPES, ids=lambda q: q.name)
 def test_bit_exact_edge_scales_and_rows(qtype: T) -> None:
     """Signed zeros, subnormal and extreme scales, a 2-D shape with several blocks per row."""
     blocks = _random_blocks(qtype, 2 * len(EDGE_F16), seed=int(qtype))
