@@ -79,6 +79,12 @@ def _np_iq1_grid() -> np.ndarray:
     return np.concatenate([grid + delta, grid + -delta])
 
 
+def _np_byte_fields(width: int, shift: int = 0) -> np.ndarray:
+    """int32 [256, 8 // width]: the `width`-bit fields of byte b, lowest first, each shifted left by `shift`."""
+    b = np.arange(256, dtype=np.int32)[:, None]
+    return ((b >> (width * np.arange(8 // width, dtype=np.int32))) & ((1 << width) - 1)) << shift
+
+
 def _np_iq4_quads() -> np.ndarray:
     """float32 [65536, 4]: key k -> the codebook values of k's four nibbles, lowest first (`IQ4_NL.kvalues`, int8)."""
     kvalues = np.array(gq.IQ4_NL.kvalues, dtype=np.int8).astype(np.float32)
@@ -101,6 +107,10 @@ _TABLES = {
     "iq3_s": lambda: _packed4(_np_signed_grid_iq3_s()),
     "iq1": _np_iq1_grid,
     "iq4": lambda: _packed4(_np_iq4_quads()),
+    # int32 pairs (low, high nibble) packed in one int64, so that a 1-D gather yields them interleaved
+    "nibbles": lambda: _np_byte_fields(4).view(np.int64).reshape(256),
+    "bits_12": lambda: _np_byte_fields(1, 12),  # IQ3_S: the 8 high index bits of a byte, at bit 12
+    "crumbs_8": lambda: _np_byte_fields(2, 8),  # IQ2_S: the 4 two-bit high index parts of a byte, at bit 8
 }
 
 
@@ -153,9 +163,16 @@ def _u32(blocks: torch.Tensor, start: int, stop: int) -> torch.Tensor:
 
 
 def _nibbles(b: torch.Tensor) -> torch.Tensor:
-    """uint8 [..., k] -> int32 [..., 2k]: low then high nibble of each byte, interleaved per byte."""
-    b = b.int()
-    return torch.stack((b & 15, b >> 4), dim=-1).flatten(-2)
+    """uint8 [..., k] -> int32 [..., 2k]: low then high nibble of each byte, interleaved per byte (one
+    element-wise gather: torch's broadcast shifts over a short inner dimension are several times slower)."""
+    pairs = _table("nibbles", b.device).index_select(0, b.int().reshape(-1))  # int64 [numel]
+    return pairs.view(torch.int32).view(*b.shape[:-1], 2 * b.shape[-1])
+
+
+def _byte_fields(b: torch.Tensor, name: str) -> torch.Tensor:
+    """uint8 [..., k] -> int32 [..., k, F]: row b of the byte-field table `name` for each byte."""
+    table = _table(name, b.device)
+    return table.index_select(0, b.int().reshape(-1)).view(*b.shape, table.shape[1])
 
 
 @functools.lru_cache(maxsize=None)
@@ -198,8 +215,8 @@ def iq2_s(blocks: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor
     n, dev = blocks.shape[0], blocks.device
     d = _f16(blocks, 0)  # [n, 1]
     db = d * (0.5 + _nibbles(blocks[:, 74:82]).float()) * 0.25  # [n, 16]
-    high = (blocks[:, 66:74, None].int() >> _shifts(dev, 0, 2, 4, 6)) & 3  # [n, 8, 4]
-    grid_idx = blocks[:, 2:34].int() | (high.view(n, 32) << 8)  # [n, 32]
+    high = _byte_fields(blocks[:, 66:74], "crumbs_8")  # [n, 8, 4]: index bits 8-9, in place
+    grid_idx = blocks[:, 2:34].int() | high.view(n, 32)  # [n, 32]
     v = _rows(_table("iq2_s", dev), grid_idx, "iq_rows")  # [n, 32, 8]
     v.mul_(_rows(_table("bit_signs", dev), blocks[:, 34:66].int(), "iq_signs"))
     return _scaled(v.view(n, 16, 16), db, out)
@@ -225,9 +242,9 @@ def iq3_s(blocks: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor
     n, dev = blocks.shape[0], blocks.device
     d = _f16(blocks, 0)  # [n, 1]
     db = d * (1 + 2 * _nibbles(blocks[:, 106:110])).float()  # [n, 8]
-    high = (blocks[:, 66:74, None].int() >> _shifts(dev, *range(8))) & 1  # [n, 8, 8]
-    grid_idx = blocks[:, 2:66].int() | (high.view(n, 64) << 8)  # [n, 64]
-    units = _rows(_table("iq3_s", dev), grid_idx * 16 + _nibbles(blocks[:, 74:106]), "iq_rows")  # [n, 64]
+    high = _byte_fields(blocks[:, 66:74], "bits_12").view(n, 64)  # [n, 64]: index bit 8, at bit 12
+    idx = (blocks[:, 2:66].int() << 4) | high | _nibbles(blocks[:, 74:106])  # grid index * 16 + sign nibble
+    units = _rows(_table("iq3_s", dev), idx, "iq_rows")  # complex128 [n, 64]: 4 values each
     return _scaled(units.view(torch.float32).view(n, 8, 32), db, out)
 
 
