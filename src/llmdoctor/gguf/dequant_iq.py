@@ -248,7 +248,9 @@ def iq3_s(blocks: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor
     return _scaled(units.view(torch.float32).view(n, 8, 32), db, out)
 
 
-def _iq1_values(dl: torch.Tensor, grid_idx: torch.Tensor, negative_delta: torch.Tensor, out) -> torch.Tensor:
+def _iq1_values(
+    dl: torch.Tensor, grid_idx: torch.Tensor, negative_delta: torch.Tensor, out: torch.Tensor | None
+) -> torch.Tensor:
     """dl [n, S] float32, grid_idx / negative_delta int [n, S, k] -> dl * (grid + -+delta): [n, S * k * 8]."""
     v = _rows(_table("iq1", dl.device), grid_idx | (negative_delta << 11), "iq_rows")  # [n, S, k, 8]
     n, s = dl.shape
