@@ -18,6 +18,8 @@ cache and its result is written once, straight into the output buffer; chunks ru
 
 from __future__ import annotations
 
+import importlib.util
+
 import inspect
 import os
 import threading
@@ -92,8 +94,8 @@ def _load_kernels() -> None:
     """Import the modules that register block kernels (once; imports are cached)."""
     from . import dequant_iq, dequant_types  # noqa: F401
 
-    if torch.cuda.is_available():
-        from . import dequant_cuda  # noqa: F401
+    if torch.cuda.is_available() and importlib.util.find_spec("triton") is not None:
+        from . import dequant_cuda  # noqa: F401  (without Triton the torch kernels run on CUDA)
 
 
 def _kernel(qtype: int, device: torch.device) -> tuple[GGMLQuantizationType, BlockKernel]:
