@@ -212,7 +212,7 @@ def _check_tensor(iso: Isolated, t: Any, kernel: str, n_blocks: int, all_blocks:
     idx = np.arange(t.n_blocks, dtype=np.int64) if all_blocks else choose_blocks(t.n_blocks, n_blocks, seed, name)
     header = {"qtype": int(q), "shape": list(t.shape), "block_size": t.block_size,
               "blocks": None if all_blocks else idx}
-    out = iso.call(header, t.data)
+    out = iso.call(header, t.data, reply_hint=len(idx) * t.block_size * 4)  # float32-sized reply
     if out.status != "ok":
         return _fault_finding(finding, out)
     got = torch.frombuffer(out.payload, dtype=getattr(torch, out.header["dtype"]))

@@ -226,9 +226,14 @@ def serve(spec: str, device: str, dtype: Optional[str]) -> Callable:
 def _reply(out: torch.Tensor, blocks: Any, bs: int, seconds: float) -> tuple[dict, Any]:
     """Reply header and payload: the compared blocks' raw bytes and the non-finite census."""
     flat = out.detach().reshape(-1)  # [n]
-    bad = ~torch.isfinite(flat)
-    n_bad = int(bad.sum())
-    first_bad = bad.nonzero().flatten()[:16] if n_bad else torch.zeros(0, dtype=torch.int64, device=flat.device)
+    n_bad, first_bad = 0, torch.zeros(0, dtype=torch.int64, device=flat.device)
+    # A finite sum proves every element finite (NaN and inf propagate through a sum) in one cheap pass;
+    # only a non-finite sum (or an overflowing one) pays for the element-wise census.
+    acc = torch.float64 if flat.dtype == torch.float64 else torch.float32
+    if not bool(torch.isfinite(torch.sum(flat, dtype=acc))):
+        bad = ~torch.isfinite(flat)
+        n_bad = int(bad.sum())
+        first_bad = bad.nonzero().flatten()[:16]
     picked = flat.view(-1, bs)  # [n_blocks, block_size]; blocks None = all of them
     if blocks is not None:
         picked = picked.index_select(0, torch.as_tensor(blocks, dtype=torch.int64, device=flat.device))
