@@ -248,3 +248,34 @@ def test_block_candidates_change_the_output_and_are_told_apart(tname):
 def test_k4_scale_packing_round_trips():
     s = np.random.default_rng(0).integers(0, 256, (100, 12), dtype=np.uint8)
     assert np.array_equal(layout_bugs._pack_k4_scales(*layout_bugs._unpack_k4_scales(s)), s)
+
+
+# ----------------------------------------------------------------------------- isolation
+
+
+def echo_factory(tag):
+    """A handler for Isolated (imported by the child from this module): reverses the payload."""
+
+    def handle(header, payload):
+        payload[0] ^= 0xFF  # the child's copy is private and writable
+        return {"tag": tag, "n": len(payload)}, bytes(payload[::-1])
+
+    return handle
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_isolated_round_trips_payloads_through_shared_file_or_socket(shared, monkeypatch):
+    from llmdoctor.subjects import isolation
+
+    if not shared:
+        monkeypatch.setattr(isolation, "_Bulk", lambda: (_ for _ in ()).throw(OSError("no shm")))
+    data = (np.arange(3 << 20) % 251).astype(np.uint8)
+    with isolation.Isolated("test_check_dequant:echo_factory", ("x",)) as iso:
+        for n in (10, 3 << 20):  # the second grows the shared file past its first MiB
+            o = iso.call({}, data[:n], reply_hint=n)
+            want = bytearray(data[:n])
+            want[0] ^= 0xFF
+            assert o.status == "ok" and o.header["tag"] == "x" and o.header["n"] == n
+            assert o.payload == want[::-1]
+            assert bool(o.header.get("in_bulk")) == shared
+    assert data[0] == 0  # the parent's bytes were never touched
