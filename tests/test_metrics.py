@@ -35,6 +35,8 @@ def test_nonfinite_is_seen():
     assert M.nonfinite_where_finite(got, want).tolist() == [False, True, False]
     assert M.abs_diff(got, want)[2] == 0  # equal infinities do not differ
     assert M.over_budget(got, want, torch.full((3,), 1e9)).tolist() == [False, True, False]
+    both_nan = torch.tensor([math.nan, 1.0])
+    assert M.over_budget(both_nan, torch.tensor([math.nan, math.nan]), torch.ones(2)).tolist() == [False, True]
 
 
 def test_kl_and_top1():

@@ -184,9 +184,11 @@ def rounding_bound(magnitude: Any, dtype: torch.dtype, roundings: int) -> torch.
 
 
 def over_budget(got: Any, want: Any, bound: torch.Tensor) -> torch.Tensor:
-    """bool [n]: |got - want| > bound, or not comparable (NaN/inf where want is finite)."""
-    d = abs_diff(got, want)
-    return ~(d <= bound)  # NaN differences count as over budget
+    """bool [n]: |got - want| > bound, or not comparable (NaN/inf where want is finite, or a NaN on
+    one side only). NaN on both sides and equal infinities are within any budget."""
+    g, w = _pair(got, want)
+    d = abs_diff(g, w)
+    return ~(d <= bound) & ~(torch.isnan(g) & torch.isnan(w))
 
 
 # ----------------------------------------------------------------------------- top-k + tail (endpoints)
