@@ -279,3 +279,47 @@ def test_isolated_round_trips_payloads_through_shared_file_or_socket(shared, mon
             assert o.payload == want[::-1]
             assert bool(o.header.get("in_bulk")) == shared
     assert data[0] == 0  # the parent's bytes were never touched
+
+
+@pytest.fixture(scope="module")
+def every_type_gguf(tmp_path_factory):
+    """A GGUF with one [4, 16 blocks] tensor of every type gguf-py decodes: random blocks, with the
+    float16 scale fields (d, dmin, m) forced to finite values."""
+    import gguf
+    from gguf import GGML_QUANT_SIZES
+
+    T = layout_bugs.T
+    rng = np.random.default_rng(0)
+    path = tmp_path_factory.mktemp("types") / "every_type.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    for q in layout_bugs.reference_types():
+        bs, ts = GGML_QUANT_SIZES[q]
+        if q in (T.F32, T.F16, T.BF16):
+            values = rng.uniform(-4, 4, (4, 16 * bs)).astype(np.float32)
+            if q == T.BF16:  # raw bfloat16 bytes: the top halves of float32
+                w.add_tensor(f"t.{q.name}", (values.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8), raw_dtype=q)
+            else:
+                w.add_tensor(f"t.{q.name}", values if q == T.F32 else values.astype(np.float16))
+            continue
+        b = rng.integers(0, 256, (64, ts), dtype=np.uint8)
+        scales = {**layout_bugs.FIELDS.get(q, {}), **({"d": (ts - 2, ts)} if q in (T.TQ1_0, T.TQ2_0) else {})}
+        for name in ("d", "dmin", "m"):
+            if name in scales:
+                a = scales[name][0]
+                b[:, a:a + 2] = np.frombuffer(rng.uniform(-1, 1, 64).astype(np.float16).tobytes(), np.uint8).reshape(64, 2)
+        w.add_tensor(f"t.{q.name}", b.reshape(4, -1), raw_dtype=q)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def test_ggml_agrees_with_gguf_py_on_every_type(every_type_gguf):
+    """The oracle against llama.cpp's C code on random blocks of every type, every block compared."""
+    res = dequant.run(every_type_gguf, kernel="ggml", all_blocks=True)
+    fails = [(f.target, f.reason) for f in res.findings if f.status == "fail"]
+    assert not fails
+    passed = {f.metrics["type"] for f in res.findings if f.status == "pass"}
+    assert len(passed) >= 20 and {"IQ1_M", "IQ4_XS", "Q2_K", "TQ1_0", "MXFP4", "BF16", "F16"} <= passed
+    assert all(f.metrics["compared_blocks"] == f.metrics["n_blocks"] for f in res.findings if f.status == "pass")
