@@ -157,6 +157,7 @@ def test_cli_fail_names_the_bug_and_exits_1():
     (["--kernel", "llmdoctor.faults.kernels:nosuchfn"], "has no function"),
     (["--device", "cuda"], "CUDA is not available"),
     (["--blocks", "4", "--all"], "exclude each other"),
+    (["--blocks", "0"], "at least 1"),
     (["--only", "no.such.tensor"], "matches no tensor"),
 ])
 def test_cli_bad_input_is_one_line_and_exit_2(args, message):

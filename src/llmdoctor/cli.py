@@ -120,7 +120,7 @@ def check_dequant(
             bar.update(task, completed=i, total=n, description=f"dequant {kernel}: {name}")
 
         res = dequant.run(path, kernel=kernel, device=device, dtype=dtype, only=only,
-                          blocks=blocks or dequant.DEFAULT_BLOCKS, all_blocks=all_blocks, seed=seed,
+                          blocks=dequant.DEFAULT_BLOCKS if blocks is None else blocks, all_blocks=all_blocks, seed=seed,
                           timeout=timeout, on_tensor=on_tensor)
     code = exit_code(res.findings, required_ran=res.loaded)
     verdict = {0: "passed", 1: "failed", 2: "skipped"}[code]
