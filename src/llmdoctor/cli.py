@@ -135,6 +135,43 @@ def check_dequant(
         terminal.render_dequant(kernel, by_type, res.findings, verdict)
     raise typer.Exit(code)
 
+
+@check_app.command("mapping")
+@guarded("check.mapping")
+def check_mapping(
+    file: Optional[Path] = typer.Argument(None, help="GGUF file (default: the demo model)."),
+    hf: Optional[Path] = typer.Option(None, "--hf", help="HF checkpoint directory (config.json + safetensors: "
+                                      "adds the numeric check) or a config.json alone."),
+    arch: Optional[str] = typer.Option(None, "--arch", help="GGUF architecture of the name map (default: the file's)."),
+    engine: Optional[str] = typer.Option(None, "--engine", help="vllm: also diff vLLM's own GGUF name map."),
+    json_out: bool = typer.Option(False, "--json", help="Print one JSON object on stdout."),
+) -> None:
+    """Do the GGUF and the HF model describe the same network? Names, shapes, types, metadata, numbers."""
+    from rich.table import Table
+
+    from .checks import mapping
+    from .checks.base import count, exit_code
+
+    path = model_file(file)
+    res = mapping.run(path, hf, arch=arch, engine=engine)
+    code = exit_code(res.findings)
+    verdict = {0: "consistent", 1: "inconsistent", 2: "skipped"}[code]
+    if json_out:
+        print(dumps(envelope("check.mapping", argv=sys.argv[1:], verdict=verdict, exit_code=code,
+                             findings=res.findings, file=path, arch=res.arch, hf_source=res.hf_source,
+                             seconds=res.seconds)))
+        raise typer.Exit(code)
+    terminal.stdout.print(f"{path.name} ({res.arch}) vs {res.hf_source}")
+    table = Table("status", "target", "what")
+    for f in res.findings:
+        if f.status != "pass" or not f.target.startswith("numeric/"):
+            table.add_row(f.status, f.target, f.explanation or f.reason)
+    terminal.stdout.print(table)
+    c = count(res.findings)
+    terminal.stdout.print(f"{verdict}: {c['passed']} passed, {c['failed']} failed, {c['skipped']} skipped "
+                          f"in {res.seconds:.1f} s")
+    raise typer.Exit(code)
+
 @app.command()
 @guarded("probe")
 def probe(

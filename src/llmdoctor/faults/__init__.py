@@ -13,7 +13,7 @@ from typing import Any, Callable
 
 _MODULES = ("llmdoctor.faults.hostile_files", "llmdoctor.faults.reference", "llmdoctor.faults.reference_mla",
             "llmdoctor.faults.endpoint", "llmdoctor.faults.kernels", "llmdoctor.faults.demo",
-            "llmdoctor.faults.attention")
+            "llmdoctor.faults.attention", "llmdoctor.faults.mapping")
 
 
 @dataclass(frozen=True)

@@ -136,6 +136,20 @@ def checkpoint_names(runtime_names: Sequence[str], n_experts: int) -> list[str]:
     return out
 
 
+def checkpoint_shapes(runtime: dict[str, tuple[int, ...]], n_experts: int) -> dict[str, tuple[int, ...]]:
+    """`checkpoint_names` with shapes: the fused gate_up_proj [E, 2F, H] gives per-expert gate/up [F, H],
+    down_proj [E, H, F] per-expert down [H, F]; every other parameter keeps its shape."""
+    out: dict[str, tuple[int, ...]] = {}
+    for name, shape in runtime.items():
+        names = checkpoint_names([name], n_experts)
+        if names == [name]:
+            out[name] = tuple(shape)
+            continue
+        per = (shape[1] // 2, shape[2]) if name.endswith("gate_up_proj") else tuple(shape[1:])
+        out.update((n, per) for n in names)
+    return out
+
+
 # ---- plans -------------------------------------------------------------------------------------------
 
 @dataclass(frozen=True)

@@ -1,0 +1,653 @@
+"""`check mapping`: do a GGUF file and an HF model describe the same network?
+
+The two sides:
+- GGUF: tensor names, shapes, quant types, metadata (`ModelConfig` via reference/config.py).
+- HF: the parameter list and shapes of transformers' model built from config.json on the meta device
+  (per-expert checkpoint names through `layout.checkpoint_names/_shapes`); when transformers does not
+  know the model type, the checkpoint's own tensor list (safetensors headers). With `--hf DIR` the
+  checkpoint tensors themselves (safetensors library) for the numeric check. Without any HF config the
+  HF side is the GGUF's own metadata written as a config.json (`hf_config`): names and shapes are then
+  checked against what the metadata implies, and metadata semantics are skipped (nothing to compare).
+
+Every transform is `gguf/layout.py`'s `plan` (forward: what convert_hf_to_gguf.py does; inverse: back).
+
+Findings (check="mapping"), by `target` prefix:
+  names/...     both directions: HF parameters with no GGUF source (legitimately derived ones listed
+                with the reason, e.g. a tied lm_head), GGUF tensors with no HF parameter
+  collision/... two HF tensors mapped onto one GGUF name
+  shape/...     the GGUF tensor vs the HF shape taken through the forward transform (on meta tensors)
+  type/...      quant types an engine cannot consume (quantized DSA indexer or 1-D tensors)
+  metadata/...  `ModelConfig.diff` of the two sides plus BOS/EOS ids, each with both values
+  numeric/...   with --hf DIR: dequantized GGUF tensor, inverse transform, vs the safetensors tensor
+  engine/vllm   vLLM's own name map (skipped when vLLM is not importable: untested here)
+
+Numeric band (derivation). The GGUF tensor carries the error of its quantization and nothing else: the
+transforms are permutations, reshapes, stacking (exact) and gemma's +1 (one float32 rounding). So the
+expected relative L2 error is that of quantizing the HF tensor itself: e_q = rel_l2 of gguf-py's
+quantize -> dequantize round trip of the forward-transformed HF tensor (llama.cpp's reference
+quantizers, ported bit-exact), for the types gguf-py can quantize (F16, BF16, Q4_0 .. Q8_0, MXFP4).
+For the K- and IQ-quants gguf-py cannot quantize, e_q = e_q(Q4_0) * 2**(bpw(Q4_0) - bpw(T)) with bpw
+the type's bits per weight from GGML_QUANT_SIZES: one bit fewer doubles a uniform quantizer's step
+(and K/IQ quants, with their scale search and finer scales, do at least as well as Q4_0 at equal bpw,
+so this is an upper estimate). The band is BAND_K * e_q + the transform's own rounding (gemma's
+stored w + 1 in float32 undone: 2**-24 * ||1 + w|| / ||w||) + FLOAT32_FLOOR; BAND_K = 2 leaves room
+for importance-matrix weighting, which trades unweighted error for weighted error. Cosine must be at
+least sqrt(1 - band**2) (the smallest cosine of want + e with ||e|| = band * ||want||) less gamma_n(2^-53),
+the float64 evaluation error of an n-element cosine (Higham Lemma 3.1). A tensor holding
+another tensor's values (swap, wrong permutation) has rel_l2 near sqrt(2) and cosine near 0, outside
+the band of every type of at least 2.5 bits per weight (band <= 0.75).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import numpy as np
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as QT
+from gguf import quants
+
+from ..errors import InputError
+from ..gguf import layout, open_gguf
+from ..reference.config import ModelConfig, from_gguf, from_hf
+from . import metrics as M
+from .base import Finding
+
+CHECK = "mapping"
+BAND_K = 2.0
+FLOAT32_FLOOR = 2.0**-24
+SAMPLE_ELEMENTS = 1 << 24  # a "copy" tensor larger than this is compared on SAMPLE_ROWS evenly spaced rows
+SAMPLE_ROWS = 4096
+BAND_ELEMENTS = 1 << 16  # elements of the HF tensor quantized to estimate its round-trip error
+UNQUANTIZED = (QT.F32, QT.F16, QT.BF16, QT.F64)
+# GGUF tensors the converter derives from config.json rather than from an HF parameter
+# (LlamaModel.generate_extra_tensors: llama3 rope factors; Phi3: long/short factors).
+DERIVED_GGUF = re.compile(r"^(rope_freqs|rope_factors_long|rope_factors_short)\.weight$")
+
+
+def _finding(target: str, status: str, explanation: str = "", **kw: Any) -> Finding:
+    subject = kw.pop("subject", "gguf<->hf")
+    return Finding(CHECK, subject, target, status, explanation=explanation, **kw)
+
+
+# ---- the HF side -----------------------------------------------------------------------------------
+
+@dataclass
+class HFSide:
+    config: dict  # config.json (the text config of a multimodal wrapper)
+    shapes: dict[str, tuple[int, ...]]  # checkpoint name -> torch shape
+    source: str  # where names and shapes came from
+    from_gguf: bool = False  # the config was written from the GGUF's own metadata
+    files: dict[str, Path] = field(default_factory=dict)  # checkpoint name -> safetensors file
+
+    def tensor(self, name: str, rows: torch.Tensor | None = None) -> torch.Tensor | None:
+        """The checkpoint tensor (only `rows` of it when given), or None when absent."""
+        from safetensors import safe_open
+
+        path = self.files.get(name)
+        if path is None:
+            return None
+        with safe_open(str(path), framework="pt") as f:
+            if rows is None:
+                return f.get_tensor(name)
+            sl = f.get_slice(name)
+            return torch.stack([sl[int(i):int(i) + 1][0] for i in rows])
+
+
+def _text_config(d: dict) -> dict:
+    return d["text_config"] if "text_config" in d and "num_hidden_layers" not in d else d
+
+
+def _safetensors_files(d: Path) -> dict[str, Path]:
+    from safetensors import safe_open
+
+    out: dict[str, Path] = {}
+    for p in sorted(d.glob("*.safetensors")):
+        with safe_open(str(p), framework="pt") as f:
+            out.update((k, p) for k in f.keys())
+    return out
+
+
+def meta_shapes(config: dict) -> dict[str, tuple[int, ...]] | None:
+    """Checkpoint names and shapes of transformers' model for `config` on the meta device, or None
+    when transformers does not know the model type."""
+    import transformers
+    from transformers import CONFIG_MAPPING
+
+    if config.get("model_type") not in CONFIG_MAPPING:  # a lazy mapping: `in`, not `.get`
+        return None
+    cls = CONFIG_MAPPING[config["model_type"]]
+    try:
+        cfg = cls.from_dict({k: v for k, v in config.items() if k != "transformers_version"})
+        with torch.device("meta"):
+            model = transformers.AutoModelForCausalLM.from_config(cfg)
+    except (TypeError, ValueError, KeyError) as e:  # includes huggingface_hub's validation errors
+        raise InputError(f"transformers cannot build a {config['model_type']} model from this config: {e}") from None
+    runtime = {n: tuple(t.shape) for n, t in model.state_dict().items() if not n.endswith("inv_freq")}
+    return layout.checkpoint_shapes(runtime, int(config.get("n_routed_experts") or config.get("num_experts") or 0))
+
+
+def load_hf(hf: Path | None, g: Any, cfg: ModelConfig) -> HFSide:
+    """The HF side from a checkpoint directory, a config.json, or (None) the GGUF's own metadata."""
+    files: dict[str, Path] = {}
+    if hf is None:
+        config, origin = hf_config(cfg, g), "the GGUF's own metadata written as a config.json"
+    else:
+        path = Path(hf)
+        cj = path / "config.json" if path.is_dir() else path
+        if not cj.is_file():
+            raise InputError(f"{hf}: no config.json")
+        try:
+            config = json.loads(cj.read_text())
+        except (OSError, ValueError) as e:
+            raise InputError(f"{cj}: not a JSON config ({e})") from None
+        origin = str(cj)
+        if path.is_dir():
+            files = _safetensors_files(path)
+    config = _text_config(config)
+    shapes = meta_shapes(config)
+    source = f"transformers (meta device) from {origin}"
+    if shapes is None:
+        if not files:
+            raise InputError(f"transformers does not know model_type {config.get('model_type')!r} and no "
+                             "safetensors checkpoint was given: no HF parameter list")
+        from safetensors import safe_open
+
+        shapes = {}
+        for name, p in files.items():
+            with safe_open(str(p), framework="pt") as f:
+                shapes[name] = tuple(f.get_slice(name).get_shape())
+        source = f"the checkpoint's tensor list ({path})"
+    return HFSide(config, shapes, source, from_gguf=hf is None, files=files)
+
+
+def hf_config(cfg: ModelConfig, g: Any) -> dict:
+    """A config.json (transformers 5 field names) describing the same network as the GGUF's metadata:
+    the inverse of reference/config.py's HF parsers (from_hf(hf_config(c)).diff(c) == {})."""
+    ids = {k: g.get(f"tokenizer.ggml.{k}_token_id") for k in ("bos", "eos", "padding")}
+    d: dict[str, Any] = dict(
+        vocab_size=cfg.n_vocab, hidden_size=cfg.n_embd, intermediate_size=cfg.n_ff,
+        num_hidden_layers=cfg.n_layer, num_attention_heads=cfg.n_head, num_key_value_heads=cfg.n_head_kv,
+        rms_norm_eps=cfg.norm_eps, tie_word_embeddings=cfg.tied_output,
+        max_position_embeddings=int(g.get(f"{cfg.arch}.context_length") or 4096),
+        bos_token_id=ids["bos"], eos_token_id=ids["eos"], pad_token_id=ids["padding"],
+    )
+    rope = {"rope_type": "default", "rope_theta": cfg.rope_base}
+    if cfg.rope_scale != 1.0:
+        rope = {"rope_type": "linear", "rope_theta": cfg.rope_base, "factor": 1.0 / cfg.rope_scale}
+    if cfg.arch in ("llama", "qwen2", "qwen3"):
+        d.update(model_type=cfg.arch, head_dim=cfg.head_dim, rope_parameters=rope,
+                 attention_bias=cfg.qkv_bias and cfg.arch == "llama")
+    elif cfg.arch == "gemma3":
+        local = {"rope_type": "default", "rope_theta": cfg.rope_base_swa or cfg.rope_base}
+        d.update(model_type="gemma3_text", head_dim=cfg.head_dim, sliding_window=cfg.sliding_window,
+                 layer_types=["sliding_attention" if s else "full_attention" for s in cfg.swa_layers],
+                 rope_parameters={"full_attention": rope, "sliding_attention": local},
+                 query_pre_attn_scalar=_int_if_whole(cfg.attn_scale ** -2),
+                 attn_logit_softcapping=cfg.attn_softcap, final_logit_softcapping=cfg.final_softcap)
+    elif cfg.mla is not None:
+        d.update(_mla_config(cfg))
+    else:
+        raise InputError(f"no HF config for architecture {cfg.arch!r}")
+    return d
+
+
+def _int_if_whole(x: float) -> int | float:
+    return int(round(x)) if abs(x - round(x)) < 1e-6 * max(1.0, abs(x)) else x
+
+
+def _mla_config(cfg: ModelConfig) -> dict:
+    m, moe = cfg.mla, cfg.moe
+    d: dict[str, Any] = dict(kv_lora_rank=m.kv_lora_rank, q_lora_rank=m.q_lora_rank or None,
+                             qk_rope_head_dim=m.qk_rope, qk_nope_head_dim=m.qk_nope, v_head_dim=m.v_dim)
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": cfg.rope_base}
+    if m.yarn is not None:
+        y = m.yarn
+        rope = {"rope_type": "yarn", "rope_theta": cfg.rope_base, "factor": y.factor,
+                "original_max_position_embeddings": y.orig_ctx, "beta_fast": y.beta_fast, "beta_slow": y.beta_slow,
+                "mscale": y.mscale_all_dim, "mscale_all_dim": y.mscale_all_dim,
+                "attention_factor": y.attn_factor}
+    d["rope_parameters"] = rope
+    if moe is not None:
+        d.update(n_routed_experts=moe.n_expert, num_experts_per_tok=moe.n_used, n_shared_experts=moe.n_shared,
+                 moe_intermediate_size=moe.n_ff_exp, scoring_func=moe.gating, norm_topk_prob=moe.norm_topk,
+                 routed_scaling_factor=moe.scale, n_group=moe.n_group, topk_group=moe.topk_group,
+                 first_k_dense_replace=moe.n_dense_lead)
+    if cfg.arch == "glm-dsa":
+        ix = m.indexer
+        d.update(model_type="glm_moe_dsa", index_n_heads=ix.n_head, index_head_dim=ix.head_dim,
+                 index_topk=ix.top_k, indexer_types=["full" if f else "shared" for f in ix.full])
+    else:
+        d["model_type"] = "deepseek_v2" if moe is not None and moe.gating == "softmax" else "deepseek_v3"
+    return d
+
+
+# ---- names, collisions, shapes, types ----------------------------------------------------------------
+
+def _names(p: layout.Plan, hf: HFSide, gg: dict[str, Any]) -> list[Finding]:
+    out = []
+    for name in p.unmapped:
+        out.append(_finding(f"names/{name}", "fail", f"HF parameter {name} has no GGUF name for {p.arch} "
+                            "(gguf-py's TensorNameMap knows none)", evidence=[{"hf": name}]))
+    targets = p.by_target()
+    for r in p.rules:
+        missing = [t for t in r.targets if t not in gg]
+        if missing:
+            out.append(_finding(f"names/{r.sources[0]}", "fail",
+                                f"HF parameter {_srcs(r)} has no GGUF source: {', '.join(missing)} is not in the file",
+                                evidence=[{"hf": list(r.sources[:4]), "gguf_missing": missing}]))
+    for name in gg:
+        if name not in targets and not DERIVED_GGUF.match(name):
+            out.append(_finding(f"names/{name}", "fail", f"GGUF tensor {name} has no HF parameter in {hf.source}",
+                                evidence=[{"gguf": name}]))
+    derived = {**p.skipped, **{n: "derived by the converter from config.json" for n in gg if DERIVED_GGUF.match(n)}}
+    if not out:
+        out.append(_finding("names", "pass", f"{len(targets)} GGUF tensors <-> {sum(len(r.sources) for r in p.rules)} "
+                            f"HF parameters, both directions; derived, not stored: "
+                            + ("; ".join(f"{k} ({v})" for k, v in list(derived.items())[:3]) or "none"),
+                            metrics={"gguf_tensors": len(gg), "hf_parameters": len(hf.shapes)},
+                            evidence=[{"derived": k, "why": v} for k, v in derived.items()]))
+    return out
+
+
+def _srcs(r: layout.Rule) -> str:
+    return r.sources[0] if len(r.sources) == 1 else f"{r.sources[0]} (+{len(r.sources) - 1} more)"
+
+
+def _collisions(p: layout.Plan) -> list[Finding]:
+    seen: dict[str, list[layout.Rule]] = {}
+    for r in p.rules:
+        for t in r.targets:
+            seen.setdefault(t, []).append(r)
+    bad = {t: [s for r in rs for s in r.sources] for t, rs in seen.items() if len(rs) > 1}
+    if not bad:
+        return [_finding("collisions", "pass", f"no two HF tensors map onto one GGUF name ({len(seen)} names)")]
+    return [_finding(f"collision/{t}", "fail", f"{' and '.join(s[:3])} all map onto {t}", evidence=[{"gguf": t, "hf": s}])
+            for t, s in bad.items()]
+
+
+def _expected_shapes(r: layout.Rule, hf: HFSide) -> list[tuple[int, ...]]:
+    """GGUF shapes (torch order) the forward transform makes of the HF shapes (run on meta tensors)."""
+    xs = [torch.empty(hf.shapes[s], device="meta") for s in r.sources]
+    return [tuple(t.shape) for t in r.forward(xs)]
+
+
+def _shapes(p: layout.Plan, hf: HFSide, gg: dict[str, Any]) -> list[Finding]:
+    out, n = [], 0
+    for r in p.rules:
+        if any(t not in gg for t in r.targets) or any(s not in hf.shapes for s in r.sources):
+            continue
+        try:
+            want = _expected_shapes(r, hf)
+        except RuntimeError as e:
+            out.append(_finding(f"shape/{r.targets[0]}", "fail", f"{_srcs(r)} {hf.shapes[r.sources[0]]} cannot go "
+                                f"through {r.transform} with this config: {e}"))
+            continue
+        for t, w in zip(r.targets, want):
+            n += 1
+            got = gg[t].shape
+            if got == w:
+                continue
+            why = ""
+            if len(got) >= 2 and got[:-2] + (got[-1], got[-2]) == w:
+                why = (f": its last two dims are exchanged ({t} stored without the transpose {r.transform} makes)"
+                       if r.transform == "kv_b_split" else ": it is stored transposed")
+            out.append(_finding(f"shape/{t}", "fail",
+                                f"{t} has shape {list(got)}; {_srcs(r)} {list(hf.shapes[r.sources[0]])} gives "
+                                f"{list(w)} through {r.transform}{why}",
+                                evidence=[{"gguf": t, "shape": list(got), "expected": list(w), "transform": r.transform}]))
+    if not out:
+        out.append(_finding("shapes", "pass", f"{n} GGUF tensors have the shapes the HF parameters take through "
+                            "the converter's transforms"))
+    return out
+
+
+def _types(gg: dict[str, Any]) -> list[Finding]:
+    out = []
+    for name, t in gg.items():
+        if t.type in UNQUANTIZED:
+            continue
+        if ".indexer." in name:
+            out.append(_finding(f"type/{name}", "fail",
+                                f"{name} is {t.type.name}: engines load the DSA indexer's weights unquantized (the "
+                                "seed's vLLM loader raised KeyError on them). Fix: dequantize it to F16/F32 at load, "
+                                "or keep indexer tensors F16/F32 when quantizing", evidence=[{"gguf": name, "type": t.type.name}]))
+        elif len(t.ne) == 1 or (len(t.ne) > 1 and all(d == 1 for d in t.ne[1:])):
+            out.append(_finding(f"type/{name}", "fail",
+                                f"{name} is a 1-D tensor stored {t.type.name}: norms and biases are consumed as F32 "
+                                "(the converter keeps every 1-D tensor F32). Fix: dequantize it to F32 at load",
+                                evidence=[{"gguf": name, "type": t.type.name}]))
+    if not out:
+        types = sorted({t.type.name for t in gg.values()})
+        out.append(_finding("types", "pass", f"every tensor's type is one engines consume ({', '.join(types)}); "
+                            "indexer and 1-D tensors unquantized"))
+    return out
+
+
+# ---- metadata semantics ------------------------------------------------------------------------------
+
+# ModelConfig field -> (GGUF key, config.json key), for the messages.
+KEYS = {
+    "n_layer": ("block_count", "num_hidden_layers"), "n_embd": ("embedding_length", "hidden_size"),
+    "n_head": ("attention.head_count", "num_attention_heads"),
+    "n_head_kv": ("attention.head_count_kv", "num_key_value_heads"),
+    "head_dim": ("attention.key_length", "head_dim"), "head_dim_v": ("attention.value_length", "head_dim"),
+    "n_ff": ("feed_forward_length", "intermediate_size"), "n_vocab": ("token_embd rows", "vocab_size"),
+    "norm_eps": ("attention.layer_norm_rms_epsilon", "rms_norm_eps"), "rope_base": ("rope.freq_base", "rope_theta"),
+    "rope_dim": ("rope.dimension_count", "head_dim * partial_rotary_factor"),
+    "rope_scale": ("rope.scaling.factor", "rope_parameters.factor"),
+    "rope_base_swa": ("rope.freq_base_swa", "rope_parameters.sliding_attention.rope_theta"),
+    "sliding_window": ("attention.sliding_window", "sliding_window"), "tied_output": ("no output.weight", "tie_word_embeddings"),
+    "mla.kv_lora_rank": ("attention.kv_lora_rank", "kv_lora_rank"), "mla.q_lora_rank": ("attention.q_lora_rank", "q_lora_rank"),
+    "mla.qk_nope": ("attention.key_length_mla - rope.dimension_count", "qk_nope_head_dim"),
+    "mla.qk_rope": ("rope.dimension_count", "qk_rope_head_dim"), "mla.v_dim": ("attention.value_length_mla", "v_head_dim"),
+    "mla.yarn.factor": ("rope.scaling.factor", "rope_parameters.factor"),
+    "mla.yarn.mscale_all_dim": ("rope.scaling.yarn_log_multiplier / 0.1", "rope_parameters.mscale_all_dim"),
+    "mla.indexer.n_head": ("attention.indexer.head_count", "index_n_heads"),
+    "mla.indexer.head_dim": ("attention.indexer.key_length", "index_head_dim"),
+    "mla.indexer.top_k": ("attention.indexer.top_k", "index_topk"),
+    "moe.n_expert": ("expert_count", "n_routed_experts"), "moe.n_used": ("expert_used_count", "num_experts_per_tok"),
+    "moe.n_shared": ("expert_shared_count", "n_shared_experts"), "moe.gating": ("expert_gating_func", "scoring_func"),
+    "moe.scale": ("expert_weights_scale", "routed_scaling_factor"),
+    "moe.n_dense_lead": ("leading_dense_block_count", "first_k_dense_replace"),
+    "moe.norm_topk": ("expert_weights_norm", "norm_topk_prob"),
+}
+
+
+def _flat_diff(a: Any, b: Any, prefix: str = "") -> dict[str, tuple[Any, Any]]:
+    """Field-by-field differences, descending into dataclasses (mla, moe, yarn, indexer)."""
+    import dataclasses
+
+    if dataclasses.is_dataclass(a) and dataclasses.is_dataclass(b) and type(a) is type(b):
+        out: dict[str, tuple[Any, Any]] = {}
+        for f in dataclasses.fields(a):
+            if f.compare:
+                out.update(_flat_diff(getattr(a, f.name), getattr(b, f.name), f"{prefix}{f.name}."))
+        return out
+    if isinstance(a, float) and isinstance(b, float) and math.isclose(a, b, rel_tol=1e-6):
+        return {}
+    return {} if a == b else {prefix.rstrip("."): (a, b)}
+
+
+def _metadata(cfg: ModelConfig, g: Any, hf: HFSide) -> list[Finding]:
+    if hf.from_gguf:
+        return [_finding("metadata", "skip", reason="no HF config.json given (--hf): metadata semantics need one")]
+    try:
+        other = from_hf(hf.config)
+    except InputError as e:
+        return [_finding("metadata", "skip", reason=f"config.json not parsed: {e}")]
+    diffs: dict[str, tuple[Any, Any]] = {}
+    for name, (a, b) in cfg.diff(other).items():
+        diffs.update(_flat_diff(a, b, f"{name}."))
+    for kind in ("bos", "eos"):
+        got, want = g.get(f"tokenizer.ggml.{kind}_token_id"), hf.config.get(f"{kind}_token_id")
+        if got is not None and want is not None and got not in (want if isinstance(want, list) else [want]):
+            diffs[f"{kind}_token_id"] = (got, want)
+    out = []
+    for name, (a, b) in diffs.items():
+        gk, hk = KEYS.get(name, (name, name))
+        out.append(_finding(f"metadata/{name}", "fail", f"{name}: GGUF {cfg.arch}.{gk} = {_short(a)}, "
+                            f"config.json {hk} = {_short(b)}", evidence=[{"field": name, "gguf": _short(a), "hf": _short(b)}]))
+    if not out:
+        out.append(_finding("metadata", "pass", "the GGUF metadata and config.json describe the same "
+                            f"{cfg.arch} ({cfg.n_layer} layers, {cfg.n_head}/{cfg.n_head_kv} heads, rope base "
+                            f"{cfg.rope_base:g}, vocab {cfg.n_vocab})"))
+    return out
+
+
+def _short(v: Any) -> Any:
+    if isinstance(v, (tuple, list)) and len(v) > 8:
+        return f"{list(v[:8])}... ({len(v)})"
+    return v if isinstance(v, (int, float, str, bool, type(None))) else str(v)
+
+
+# ---- numeric -----------------------------------------------------------------------------------------
+
+def _bpw(t: QT) -> float:
+    bs, ts = GGML_QUANT_SIZES[t]
+    return 8.0 * ts / bs
+
+
+def _roundtrip(x: torch.Tensor, qtype: QT) -> torch.Tensor:
+    """gguf-py quantize -> dequantize of x [..., ne0] (float32)."""
+    a = x.detach().to(torch.float32).cpu().numpy().reshape(-1, x.shape[-1])
+    return torch.from_numpy(quants.dequantize(quants.quantize(a, qtype), qtype).reshape(x.shape))
+
+
+def quant_error(x: torch.Tensor, qtype: QT) -> tuple[float, str]:
+    """(expected rel_l2 of storing x as qtype, how it was derived): see the module docstring."""
+    if qtype in (QT.F32, QT.F64):
+        return 0.0, "exact"
+    if x.shape[-1] % GGML_QUANT_SIZES[qtype][0]:
+        return math.nan, "row not a whole number of blocks"
+    try:
+        return M.rel_l2(_roundtrip(x, qtype), x), f"gguf-py {qtype.name} round trip"
+    except NotImplementedError:
+        pass
+    if x.shape[-1] % GGML_QUANT_SIZES[QT.Q4_0][0]:
+        return math.nan, f"no gguf-py quantizer for {qtype.name}"
+    e4 = M.rel_l2(_roundtrip(x, QT.Q4_0), x)
+    return e4 * 2.0 ** (_bpw(QT.Q4_0) - _bpw(qtype)), f"Q4_0 round trip x 2^({_bpw(QT.Q4_0):.3g} - {_bpw(qtype):.3g} bpw)"
+
+
+def _rows(t: Any) -> torch.Tensor | None:
+    """Indices of the rows compared for a large 2-D tensor, or None for all."""
+    if t.n_elements <= SAMPLE_ELEMENTS or len(t.shape) != 2:
+        return None
+    return torch.linspace(0, t.shape[0] - 1, SAMPLE_ROWS).round().long().unique()
+
+
+def _dequant(t: Any, rows: torch.Tensor | None = None) -> torch.Tensor:
+    from ..reference.forward import dequantize_raw
+
+    if rows is None:
+        return dequantize_raw(t.data, t.type, t.shape, device="cpu")
+    raw = t.data.reshape(t.shape[0], -1)[rows.numpy()]  # [n, row_bytes]
+    return dequantize_raw(np.ascontiguousarray(raw).reshape(-1), t.type, (len(rows), t.shape[1]), device="cpu")
+
+
+@dataclass
+class _Pair:
+    rule: layout.Rule
+    gg: list[torch.Tensor]  # dequantized GGUF targets (torch shapes)
+    hf: list[torch.Tensor]  # HF sources, float32
+    rows: torch.Tensor | None
+
+
+def band(p: _Pair, gg_types: list[QT]) -> tuple[float, dict[str, Any]]:
+    """The rule's error band: BAND_K * e_q + transform rounding + FLOAT32_FLOOR (module docstring)."""
+    fwd = p.rule.forward(p.hf) if p.rows is None else p.hf
+    eqs, how = [], set()
+    for x, qt in zip(fwd, gg_types):
+        if x.ndim >= 2:  # the error is a per-block statistic: every k-th row, about BAND_ELEMENTS in all
+            x = x.reshape(-1, x.shape[-1])[:: max(1, math.ceil(x.numel() / BAND_ELEMENTS))]
+        e, h = quant_error(x, qt)
+        eqs.append(e)
+        how.add(h)
+    e_q = max(eqs)
+    transform = 0.0
+    if p.rule.transform.startswith("norm_offset"):
+        w = p.hf[0].double()
+        transform = 2.0**-24 * float((1 + w).norm() / w.norm().clamp_min(1e-300))
+    b = BAND_K * e_q + transform + FLOAT32_FLOOR
+    n = max(x.numel() for x in p.hf)  # the cosine's own float64 evaluation error: gamma_n(2^-53)
+    cos_min = math.sqrt(max(0.0, 1 - b * b)) - M.gamma(n, M.unit_roundoff(torch.float64))
+    return b, {"rel_l2_max": b, "cosine_min": cos_min, "quant_rel_l2": e_q,
+               "transform_rounding": transform, "derivation": "; ".join(sorted(how))}
+
+
+def _compare(got: list[torch.Tensor], want: list[torch.Tensor]) -> tuple[float, float]:
+    """(worst rel_l2, worst cosine) over the source tensors; inf when shapes differ."""
+    rel, cos = 0.0, 1.0
+    for a, b in zip(got, want):
+        if a.shape != b.shape:
+            return math.inf, 0.0
+        a, b = a.double(), b.double()  # once here: the metrics then skip their own float64 copies
+        rel, cos = max(rel, M.rel_l2(a, b)), min(cos, M.cosine(a, b))
+    return rel, cos
+
+
+def _alternatives(p: _Pair, cfg: ModelConfig, arch: str) -> Iterator[tuple[str, list[torch.Tensor]]]:
+    """(what went wrong, the HF tensors the file would hold under that mistake), for one rule."""
+    r, gg = p.rule, p.gg
+    t0 = r.targets[0]
+    kv = ".attn_k." in t0
+    role = "n_head_kv" if kv else "n_head"
+    if m := re.match(r"rope_permute\(n_head=(\d+)\)", r.transform):
+        n = int(m[1])
+        rows = gg[0].shape[0]
+        for n2 in sorted({cfg.n_head, cfg.n_head_kv, 1, 2, 4, 8, 16, 32, 64}):
+            if n2 != n and rows % (2 * n2) == 0:
+                yield (f"{t0} matches {r.sources[0]} only after the RoPE permutation with {role}={n2} instead of {n}",
+                       [layout.rope_unpermute(gg[0], n2)])
+        yield f"{t0} matches {r.sources[0]} without the RoPE permutation (the converter did not permute it)", [gg[0]]
+    elif r.transform == "copy" and re.search(r"\.attn_[qk]\.", t0) and gg[0].ndim >= 1:
+        n = cfg.n_head_kv if kv else cfg.n_head
+        if gg[0].shape[0] % (2 * n) == 0:
+            yield (f"{t0} matches {r.sources[0]} only after undoing a RoPE permutation ({role}={n}) that {arch} "
+                   "does not use (its rope rotates halves)", [layout.rope_unpermute(gg[0], n)])
+    if r.transform.startswith("norm_offset"):
+        yield f"{t0} lacks gemma's +1 norm offset (stored w instead of w + 1)", [gg[0]]
+        yield f"{t0} has gemma's +1 norm offset applied twice", [gg[0] - 2]
+    elif r.transform == "copy" and t0.endswith("norm.weight"):
+        yield f"{t0} carries a +1 norm offset that {arch} does not use", [gg[0] - 1]
+    if r.transform == "kv_b_split" and len(gg) == 2:
+        k_b, v_b = gg
+        if k_b.ndim == 3:
+            try:
+                yield (f"{t0} was written without its transpose ([H, Dn, R] instead of [H, R, Dn])",
+                       [layout.kv_b_merge(k_b.transpose(1, 2), v_b)])
+            except RuntimeError:
+                pass
+            try:
+                yield (f"{t0} and {r.targets[1]} are exchanged (kv_b split in the wrong order)",
+                       [layout.kv_b_merge(v_b.transpose(1, 2), k_b.transpose(1, 2))])
+            except RuntimeError:
+                pass
+    if r.transform == "copy" and gg[0].ndim == 2:
+        yield f"{t0} is stored transposed", [gg[0].t()]
+
+
+def _block_peers(p: layout.Plan, r: layout.Rule) -> list[layout.Rule]:
+    """Rules of the same tensor kind in other blocks (swap candidates)."""
+    key = re.sub(r"^blk\.\d+\.", "blk.*.", r.targets[0])
+    return [o for o in p.rules if o is not r and re.sub(r"^blk\.\d+\.", "blk.*.", o.targets[0]) == key]
+
+
+def _numeric(p: layout.Plan, hf: HFSide, gg: dict[str, Any], cfg: ModelConfig) -> list[Finding]:
+    if not hf.files:
+        why = "no HF config given" if hf.from_gguf else "--hf is a config.json, not a checkpoint directory"
+        return [_finding("numeric", "skip", reason=f"numeric check needs an HF checkpoint (--hf DIR): {why}")]
+    out = []
+    cache: dict[str, torch.Tensor] = {}
+
+    def hf_t(name: str, rows: torch.Tensor | None) -> torch.Tensor | None:
+        key = f"{name}@{'all' if rows is None else len(rows)}"
+        if key not in cache:
+            t = hf.tensor(name, rows)
+            cache[key] = None if t is None else t.float()
+        return cache[key]
+
+    for r in p.rules:
+        if any(t not in gg for t in r.targets):
+            continue
+        if any(s not in hf.files for s in r.sources):
+            out.append(_finding(f"numeric/{r.targets[0]}", "skip",
+                                reason=f"{_srcs(r)} is not in the checkpoint's safetensors"))
+            continue
+        rows = _rows(gg[r.targets[0]]) if r.transform == "copy" else None
+        pair = _Pair(r, [_dequant(gg[t], rows) for t in r.targets], [hf_t(s, rows) for s in r.sources], rows)
+        b, budget = band(pair, [gg[t].type for t in r.targets])
+        try:
+            got = r.inverse(pair.gg) if rows is None else pair.gg
+            rel, cos = _compare(got, pair.hf)
+        except RuntimeError:
+            rel, cos = math.inf, 0.0
+        metrics = {"rel_l2": rel, "cosine": cos, "types": [gg[t].type.name for t in r.targets],
+                   "rows_compared": None if rows is None else len(rows)}
+        ok = rel <= b and cos >= budget["cosine_min"]
+        target = f"numeric/{r.targets[0]}"
+        if ok:
+            out.append(_finding(target, "pass", f"{' + '.join(r.targets)} ~ {_srcs(r)} after {r.transform}: rel_l2 "
+                                f"{rel:.3g} <= {b:.3g}, cosine {cos:.6f}", metrics=metrics, budget=budget))
+            continue
+        why = _explain(p, pair, hf_t, cfg, b)
+        out.append(_finding(target, "fail", (why or f"{' + '.join(r.targets)} does not match {_srcs(r)} after "
+                                             f"{r.transform}") + f" (rel_l2 {rel:.3g}, cosine {cos:.3f}, band {b:.3g})",
+                            metrics=metrics, budget=budget, evidence=[{"explained_by": why}] if why else []))
+    return out
+
+
+def _explain(p: layout.Plan, pair: _Pair, hf_t: Callable, cfg: ModelConfig, b: float) -> str:
+    """The first alternative transform (or swap partner) under which the tensor matches within the band."""
+    for what, cand in _alternatives(pair, cfg, p.arch):
+        rel, _ = _compare(cand, pair.hf)
+        if rel <= b:
+            return what
+    r = pair.rule
+    try:
+        mine = r.inverse(pair.gg) if pair.rows is None else pair.gg
+    except RuntimeError:
+        return ""
+    for o in _block_peers(p, r):
+        theirs = [hf_t(s, pair.rows) for s in o.sources]
+        if any(t is None for t in theirs):
+            continue
+        rel, _ = _compare(mine, theirs)
+        if rel <= b:
+            return (f"{r.targets[0]} holds {_srcs(o)}'s weights (the source of {o.targets[0]}): tensors swapped "
+                    "across layers")
+    return ""
+
+
+# ---- engine ------------------------------------------------------------------------------------------
+
+def _engine(engine: str | None) -> list[Finding]:
+    if engine is None:
+        return []
+    if engine != "vllm":
+        raise InputError(f"--engine {engine!r}: only vllm is known")
+    try:
+        import vllm  # noqa: F401
+    except ImportError as e:
+        return [_finding("engine/vllm", "skip", subject="vllm",
+                         reason=f"vLLM is not importable here ({e}); its GGUF name map was not compared. "
+                                "This path is untested")]
+    return [_finding("engine/vllm", "skip", subject="vllm",
+                     reason="vLLM is importable, but comparing its GGUF name map with ours is not implemented "
+                            "(no vLLM was available to build and test it against)")]
+
+
+# ---- entry point -------------------------------------------------------------------------------------
+
+@dataclass
+class Result:
+    findings: list[Finding]
+    arch: str
+    hf_source: str
+    seconds: float
+
+
+def run(path: Path, hf: Path | None = None, *, arch: str | None = None, engine: str | None = None,
+        numeric: bool = True) -> Result:
+    """Every mapping check of the GGUF at `path` against `hf` (checkpoint dir, config.json or None)."""
+    import time
+
+    t0 = time.perf_counter()
+    with open_gguf(path) as g:
+        cfg = from_gguf(g)
+        arch = arch or cfg.arch
+        side = load_hf(hf, g, cfg)
+        gg = {t.name: t for t in g.tensors}
+        p = layout.plan(arch, list(side.shapes), side.config)
+        findings = (_names(p, side, gg) + _collisions(p) + _shapes(p, side, gg) + _types(gg)
+                    + _metadata(cfg, g, side))
+        if numeric:
+            findings += _numeric(p, side, gg, cfg)
+        findings += _engine(engine)
+    return Result(findings, arch, side.source, time.perf_counter() - t0)

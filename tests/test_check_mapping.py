@@ -1,0 +1,218 @@
+"""check mapping: consistent pairs pass (the demo against an HF checkpoint made from it by the inverse
+transforms, the tiny DeepSeek-V3 / GLM-DSA models, a tiny quantized llama), every planted mapping fault is
+found and named, and the CLI follows the exit-code conventions."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as QT
+from typer.testing import CliRunner
+
+import fixtures_mla as fx
+from llmdoctor import faults
+from llmdoctor.checks import mapping
+from llmdoctor.cli import app
+from llmdoctor.faults.mapping import _rewrite
+from llmdoctor.gguf import layout, open_gguf
+from llmdoctor.reference.config import from_gguf, from_hf
+from llmdoctor.reference.forward import dequantize_raw
+from test_reference_dense import write_gguf
+
+
+def failed(res: mapping.Result) -> list[str]:
+    return [f.explanation for f in res.findings if f.status == "fail"]
+
+
+# ---- fixtures ------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def demo_hf(demo_path, tmp_path_factory):
+    """An HF-layout checkpoint of the demo: config.json written from its metadata, every tensor
+    dequantized and taken through the inverse transforms (gemma norms: stored w + 1 -> w)."""
+    from safetensors.torch import save_file
+
+    out = tmp_path_factory.mktemp("demo-hf")
+    with open_gguf(demo_path) as g:
+        cfg = from_gguf(g)
+        config = mapping.hf_config(cfg, g)
+        p = layout.plan(cfg.arch, list(mapping.meta_shapes(config)), config)
+        gg = {t.name: dequantize_raw(t.data, t.type, t.shape, device="cpu") for t in g.tensors}
+    save_file({k: v.contiguous() for k, v in layout.to_hf(p, gg).items()}, str(out / "model.safetensors"))
+    (out / "config.json").write_text(json.dumps(config))
+    return out
+
+
+@pytest.fixture(scope="module")
+def mla(tmp_path_factory):
+    out = tmp_path_factory.mktemp("mla")
+    return {kind: (fx.build(kind, out).gguf_path, out / f"hf-{kind}") for kind in ("deepseek", "glm")}
+
+
+# A tiny llama (GQA: 4 heads, 2 kv heads) as convert_hf_to_gguf.py + llama-quantize would write it:
+# Q/K rows permuted, attn_q Q4_0, attn_v Q8_0, FFN Q5_0, output F16; attn_k F32 (the K fault edits it).
+LLAMA_TYPES = {"attn_q": QT.Q4_0, "attn_v": QT.Q8_0, "ffn_gate": QT.Q5_0, "ffn_up": QT.Q5_0, "ffn_down": QT.Q5_1,
+               "attn_output": QT.Q4_1, "output": QT.F16}
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    import transformers
+
+    out = tmp_path_factory.mktemp("llama")
+    cfg = transformers.LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                                   rms_norm_eps=1e-6, rope_parameters={"rope_type": "default", "rope_theta": 5000.0},
+                                   tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            p.copy_(1 + 0.2 * torch.randn_like(p) if n.endswith("norm.weight") else torch.randn_like(p) / 8)
+    model.save_pretrained(out / "hf")
+    d = json.loads((out / "hf" / "config.json").read_text())
+    sd = {k: v for k, v in model.state_dict().items()}
+    p = layout.plan("llama", list(sd), d)
+    write_gguf(out / "f32.gguf", "llama", d, layout.to_gguf(p, sd))
+
+    def quantize(name, data, qt):
+        kind = name.split(".")[-2]
+        t = LLAMA_TYPES.get(kind)
+        yield (name, data, qt) if t is None else (name, gguf.quants.quantize(data, t), t)
+
+    return _rewrite(out / "f32.gguf", out / "llama.gguf", quantize), out / "hf"
+
+
+# ---- consistent pairs ----------------------------------------------------------------------------
+
+def test_demo_consistent(demo_path, demo_hf):
+    res = mapping.run(demo_path, demo_hf)
+    assert failed(res) == [] and not [f for f in res.findings if f.status == "skip"]
+    numeric = [f for f in res.findings if f.target.startswith("numeric/")]
+    assert len(numeric) == 236 and all(f.metrics["rel_l2"] <= f.budget["rel_l2_max"] for f in numeric)
+    names = next(f for f in res.findings if f.target == "names")
+    assert "lm_head.weight (tied" in names.explanation  # the derived parameter, named with its reason
+    assert next(f for f in numeric if f.target == "numeric/token_embd.weight").metrics["rows_compared"] == 4096
+
+
+def test_demo_without_hf_checks_names_and_shapes(demo_path):
+    res = mapping.run(demo_path)
+    assert failed(res) == []
+    skipped = {f.target: f.reason for f in res.findings if f.status == "skip"}
+    assert set(skipped) == {"metadata", "numeric"}
+
+
+@pytest.mark.parametrize("kind", ["deepseek", "glm"])
+def test_mla_consistent(mla, kind):
+    res = mapping.run(*mla[kind])
+    assert failed(res) == []
+    assert {"names", "collisions", "shapes", "types", "metadata"} <= {f.target for f in res.findings}
+    by = {f.target: f for f in res.findings}
+    assert by["numeric/blk.0.attn_k_b.weight"].metrics["rel_l2"] == 0.0  # F32: the inverse is exact
+    with open_gguf(mla[kind][0]) as g:  # one numeric finding per GGUF tensor, k_b and v_b sharing theirs
+        n_rules = len(g.tensors) - sum(t.name.endswith("attn_v_b.weight") for t in g.tensors)
+    assert len([t for t in by if t.startswith("numeric/")]) == n_rules
+
+
+def test_quantized_llama_within_band(llama):
+    """Quantized with gguf-py's quantizers, each tensor's error equals its own round-trip estimate:
+    inside the band, and the band is far below a swapped tensor's sqrt(2)."""
+    res = mapping.run(*llama)
+    assert failed(res) == []
+    q = next(f for f in res.findings if f.target == "numeric/blk.0.attn_q.weight")
+    assert q.metrics["types"] == ["Q4_0"] and 0.05 < q.metrics["rel_l2"] <= q.budget["rel_l2_max"] < 0.5
+    assert math.isclose(q.metrics["rel_l2"], q.budget["quant_rel_l2"], rel_tol=1e-6)
+    k = next(f for f in res.findings if f.target == "numeric/blk.0.attn_k.weight")
+    assert k.metrics["rel_l2"] == 0.0
+
+
+def test_hf_config_inverts_the_parsers(demo_path, mla):
+    for path in [demo_path] + [p for p, _ in mla.values()]:
+        with open_gguf(path) as g:
+            cfg = from_gguf(g)
+            assert from_hf(mapping.hf_config(cfg, g)).diff(cfg) == {}, path
+
+
+def test_band_for_types_without_a_gguf_py_quantizer():
+    """K-quants: Q4_0's round-trip error scaled by 2 per bit of bits-per-weight difference."""
+    x = torch.randn(64, 256, generator=torch.Generator().manual_seed(0))
+    e = {t: mapping.quant_error(x, t) for t in (QT.Q2_K, QT.Q4_K, QT.Q6_K, QT.Q4_0, QT.Q8_0, QT.F32)}
+    assert e[QT.F32][0] == 0 and "gguf-py Q8_0" in e[QT.Q8_0][1] and "Q4_0 round trip" in e[QT.Q6_K][1]
+    assert e[QT.Q4_K][0] == e[QT.Q4_0][0]  # same 4.5 bits per weight
+    assert e[QT.Q8_0][0] < e[QT.Q6_K][0] < e[QT.Q4_K][0] < e[QT.Q2_K][0] < 0.5
+
+
+def test_name_map_pollution_cannot_reach_the_check(llama):
+    """gguf 0.19: after gguf-py builds an ARCTIC map, its own LLAMA maps lose post_attention_layernorm ->
+    ffn_norm. The check builds its maps privately (layout.name_map), so it still finds the pair consistent."""
+    saved = dict(gguf.TensorNameMap.block_mappings_cfg)
+    try:
+        gguf.TensorNameMap(gguf.MODEL_ARCH.ARCTIC, 3)
+        layout.name_map.cache_clear()
+        assert failed(mapping.run(*llama)) == []
+    finally:
+        gguf.TensorNameMap.block_mappings_cfg.clear()
+        gguf.TensorNameMap.block_mappings_cfg.update(saved)
+
+
+# ---- planted faults ------------------------------------------------------------------------------
+
+def _pair(name, demo_path, demo_hf, mla, llama):
+    """The pair each fault is planted in: config.json alone where names/metadata suffice (fast)."""
+    return {
+        "mapping-swap-layers": llama,
+        "mapping-k-wrong-heads": (llama[0].with_name("f32.gguf"), llama[1]),
+        "mapping-kb-not-transposed": mla["deepseek"],
+        "mapping-indexer-missing": mla["glm"],
+        "mapping-indexer-quantized": mla["glm"],
+        "mapping-rope-base": (demo_path, demo_hf / "config.json"),
+        "mapping-head-count": (demo_path, demo_hf / "config.json"),
+        "mapping-hf-no-source": (demo_path, demo_hf / "config.json"),
+    }[name]
+
+
+MAPPING_FAULTS = [f.name for f in faults.all_faults("file") if f.name.startswith("mapping-")]
+NAMED = {  # the finding must say this much (with both values / the explaining transform)
+    "mapping-swap-layers": "blk.1.attn_k.weight holds model.layers.2.self_attn.k_proj.weight's weights",
+    "mapping-k-wrong-heads": "blk.0.attn_k.weight matches model.layers.0.self_attn.k_proj.weight only after the "
+                             "RoPE permutation with n_head_kv=4 instead of 2",
+    "mapping-kb-not-transposed": "blk.0.attn_k_b.weight was written without its transpose",
+    "mapping-indexer-missing": "model.layers.0.self_attn.indexer.weights_proj.weight has no GGUF source",
+    "mapping-indexer-quantized": "blk.0.indexer.proj.weight is Q8_0",
+    "mapping-rope-base": "rope_base: GGUF gemma3.rope.freq_base = 100.0, config.json rope_theta = 1000000.0",
+    "mapping-head-count": "n_head: GGUF gemma3.attention.head_count = 8, config.json num_attention_heads = 4",
+    "mapping-hf-no-source": "HF parameter lm_head.weight has no GGUF source: output.weight is not in the file",
+}
+
+
+def test_every_mapping_fault_is_tested():
+    assert sorted(MAPPING_FAULTS) == sorted(NAMED)
+
+
+@pytest.mark.parametrize("name", sorted(NAMED))
+def test_planted_fault_found_and_named(name, demo_path, demo_hf, mla, llama, tmp_path):
+    f = faults.get(name)
+    gguf_path, hf = f.build(*_pair(name, demo_path, demo_hf, mla, llama), tmp_path)
+    res = mapping.run(gguf_path, hf)
+    msgs = failed(res)
+    assert any(f.expect in m for m in msgs), msgs
+    assert any(NAMED[name] in m for m in msgs), msgs
+
+
+# ---- CLI -----------------------------------------------------------------------------------------
+
+def test_cli_exit_codes(mla, tmp_path):
+    gguf_path, hf = mla["deepseek"]
+    r = CliRunner().invoke(app, ["check", "mapping", str(gguf_path), "--hf", str(hf), "--json"])
+    doc = json.loads(r.stdout)
+    assert r.exit_code == 0 and doc["verdict"] == "consistent" and doc["schema"] == "llmdoctor.check.mapping/1"
+    bad, _ = faults.get("mapping-kb-not-transposed").build(gguf_path, hf, tmp_path)
+    r = CliRunner().invoke(app, ["check", "mapping", str(bad), "--hf", str(hf / "config.json"), "--engine", "vllm"])
+    assert r.exit_code == 1 and "attn_k_b" in r.stdout and "vLLM is not importable" in r.stdout
+    r = CliRunner().invoke(app, ["check", "mapping", str(gguf_path), "--hf", str(tmp_path / "none")])
+    assert r.exit_code == 2
