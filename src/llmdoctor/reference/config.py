@@ -191,6 +191,7 @@ def dense_from_gguf(g: Any, arch: str, **overrides: Any) -> ModelConfig:
         attn_scale=1.0 / math.sqrt(head_dim),
         attn_softcap=_opt_float(gguf_key(g, Keys.LLM.ATTN_LOGIT_SOFTCAPPING, arch, None)),
         final_softcap=_opt_float(gguf_key(g, Keys.LLM.FINAL_LOGIT_SOFTCAPPING, arch, None)),
+        qkv_bias=_has_tensor(g, "blk.0.attn_q.bias"),  # llama.cpp loads q/k/v biases when present
         tied_output=not _has_tensor(g, "output.weight"),
         source="gguf",
     )
