@@ -68,6 +68,12 @@ def _child(fd: int) -> None:
         resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
     except (ImportError, ValueError, OSError):
         pass
+    try:  # Linux: die with the parent, so a hung subject never outlives a killed check
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
     conn = Connection(fd)
     path, factory, args, bulk_path = conn.recv()
     sys.path[:] = path
