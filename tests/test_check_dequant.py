@@ -324,3 +324,10 @@ def test_ggml_agrees_with_gguf_py_on_every_type(every_type_gguf):
     passed = {f.metrics["type"] for f in res.findings if f.status == "pass"}
     assert len(passed) >= 20 and {"IQ1_M", "IQ4_XS", "Q2_K", "TQ1_0", "MXFP4", "BF16", "F16"} <= passed
     assert all(f.metrics["compared_blocks"] == f.metrics["n_blocks"] for f in res.findings if f.status == "pass")
+
+
+def test_q4_1_decoded_as_q4_0_is_named(every_type_gguf):
+    """The issue's example of a wrong type assumed: a Q4_1 tensor decoded as Q4_0."""
+    res = dequant.run(every_type_gguf, kernel=faults.get("wrong_type").build(), only="t.Q4_1")
+    (f,) = res.findings
+    assert f.status == "fail" and "layout bug: wrong type assumed (Q4_0)" in f.reason
