@@ -302,6 +302,30 @@ def h_metadata(s: Session) -> list[Finding]:
                      f"vocab {cfg.n_vocab} match the tensor shapes")]
 
 
+def h_mapping(s: Session) -> list[Finding]:
+    """GGUF<->HF names, shapes, quant types and metadata semantics (checks/mapping.py); with --hf DIR
+    also each tensor's numbers. The passing numeric findings are summarized in one."""
+    from .checks import mapping
+
+    if s.inputs.gguf is None:
+        raise Skip("no model file (--gguf)")
+    s.progress("name map, shapes and metadata vs " + (str(s.inputs.hf) if s.inputs.hf else "the file's own metadata"))
+    res = mapping.run(s.inputs.gguf, s.inputs.hf)
+    for f in res.findings:
+        f.confidence = "high"
+    out, numeric = [], []
+    for f in res.findings:
+        (numeric if f.status == "pass" and f.target.startswith("numeric/") else out).append(f)
+    if numeric:
+        worst = max(numeric, key=lambda f: f.metrics["rel_l2"] / f.budget["rel_l2_max"])
+        out.append(_finding("mapping", "gguf<->hf", "numeric", "pass", confidence="high",
+                            metrics={"tensors": len(numeric), "worst": worst.target,
+                                     "worst_ratio": worst.metrics["rel_l2"] / worst.budget["rel_l2_max"]},
+                            explanation=f"{len(numeric)} tensors match the HF checkpoint within their "
+                                        f"quantization band; worst {worst.target}"))
+    return out
+
+
 DEQUANT_BLOCKS = 32  # blocks compared per tensor: first, last and 30 seeded ones
 
 
@@ -448,8 +472,7 @@ def plan(inputs: Inputs) -> list[Hypothesis]:
         Hypothesis("file-integrity", "Is the model file intact?", h_file_integrity),
         Hypothesis("engine-file", "Does the engine load the same model?", h_engine_file),
         Hypothesis("metadata", "Does the metadata describe the tensors?", h_metadata),
-        Hypothesis("mapping", "Are the GGUF<->HF names and layouts right?",
-                   _not_requested("the mapping check (check mapping) is not part of this version")),
+        Hypothesis("mapping", "Are the GGUF<->HF names and layouts right?", h_mapping),
         Hypothesis("dequant", "Is the engine's dequant kernel right?", h_dequant),
         Hypothesis("fp16-overflow", "Does the model overflow in float16?", h_fp16_overflow),
         Hypothesis("attention", "Are the attention kernels right?",
@@ -470,6 +493,21 @@ def run(inputs: Inputs, progress: Callable[[str], None] = lambda s: None) -> Dia
         return _run(s, inputs, progress)
     finally:
         s.close()
+
+
+def _named_subjects(inputs: Inputs) -> set[str]:
+    """Hypotheses whose subject the user named explicitly: if one cannot run, nothing healthy can be
+    concluded about it (exit 2), unlike a hypothesis merely implied by the plan."""
+    named = set()
+    if inputs.dequant_kernel:
+        named.add("dequant")
+    if inputs.attention_impl:
+        named.add("attention")
+    if inputs.endpoint:
+        named.add("symptom-bisection")
+    if inputs.hf:
+        named.add("mapping")
+    return named
 
 
 def _run(s: Session, inputs: Inputs, progress: Callable[[str], None]) -> Diagnosis:
@@ -496,6 +534,8 @@ def _run(s: Session, inputs: Inputs, progress: Callable[[str], None]) -> Diagnos
         layer = next((f for f in suspects if f.check == "layer-localization"), None)
         if layer is not None and suspects[0] is not layer:
             verdict += f" (first divergent layer: {layer.metrics['first_divergent_layer']})"
+    elif missing := [f for f in findings if f.status == "skip" and f.check in _named_subjects(inputs)]:
+        verdict, code = f"could not diagnose: {missing[0].check} could not run: {missing[0].reason}", 2
     elif c["passed"] == 0 or not any(f.check in ("engine-vs-reference", "layer-localization")
                                      and f.status == "pass" for f in findings) and inputs.engine:
         verdict, code = "could not diagnose: nothing was compared", 2

@@ -1,0 +1,108 @@
+"""`llmdoctor diagnose`: the healthy demo raises no alarm; every demo fault is diagnosed with the right
+top-ranked cause and, where it is a layer, the right layer; the reports render."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+
+import pytest
+from typer.testing import CliRunner
+
+from llmdoctor.cli import app
+from llmdoctor.faults.demo import all_demo_faults
+
+runner = CliRunner()
+
+
+def _diagnose(*args: str) -> dict:
+    r = runner.invoke(app, ["diagnose", "--json", "--threads", "2", *args])
+    doc = json.loads(r.stdout)
+    assert doc["exit_code"] == r.exit_code
+    return doc
+
+
+def _top(doc: dict) -> dict:
+    by_id = {f["id"]: f for f in doc["findings"]}
+    return by_id[doc["suspects"][0]]
+
+
+def _layer(doc: dict) -> int | None:
+    f = next((f for f in doc["findings"] if f["check"] == "layer-localization" and f["status"] == "fail"), None)
+    return None if f is None else f["metrics"]["first_divergent_layer"]
+
+
+@pytest.fixture(scope="module")
+def healthy():
+    return _diagnose()
+
+
+def test_healthy_demo_raises_no_alarm(healthy):
+    assert healthy["exit_code"] == 0 and healthy["verdict"] == "healthy"
+    assert healthy["counts"]["failed"] == 0
+    checks = {f["check"]: f for f in healthy["findings"]}
+    for must_run in ("file-integrity", "metadata", "dequant", "fp16-overflow", "engine-vs-reference",
+                     "layer-localization"):
+        assert checks[must_run]["status"] == "pass", checks[must_run]
+    # the float16 finding is advisory for a float32 deployment, and says so
+    fp16 = checks["fp16-overflow"]
+    assert fp16["metrics"]["advisory"] and fp16["metrics"]["first_overflow_layer"] == 7
+    # what could not run says why
+    for f in healthy["findings"]:
+        if f["status"] == "skip":
+            assert f["reason"]
+    assert len(healthy["layer_curve"]) == 18 * 5
+
+
+def test_demo_fault_list():
+    r = runner.invoke(app, ["diagnose", "--demo-fault", "list"])
+    assert r.exit_code == 0
+    names = [line.split("\t")[0] for line in r.stdout.strip().splitlines()]
+    assert names == [f.name for f in all_demo_faults()] and len(names) >= 4
+
+
+@pytest.mark.parametrize("fault", all_demo_faults(), ids=lambda f: f.name)
+def test_demo_fault_is_diagnosed(fault):
+    doc = _diagnose("--demo-fault", fault.name)
+    assert doc["exit_code"] == 1, [(f["check"], f["status"], f["reason"][:300]) for f in doc["findings"]]
+    top = _top(doc)
+    assert top["check"] == fault.expect.check, top
+    assert fault.expect.says in top["explanation"], top["explanation"]
+    if fault.expect.layer is not None:
+        assert _layer(doc) == fault.expect.layer
+    if fault.expect.check == "fp16-overflow":
+        assert top["metrics"]["first_overflow_layer"] == fault.expect.layer
+
+
+def test_unknown_demo_fault_and_engine_are_input_errors():
+    r = runner.invoke(app, ["diagnose", "--demo-fault", "nope"])
+    assert r.exit_code == 2 and "unknown demo fault" in r.stderr
+    r = runner.invoke(app, ["diagnose", "--engine", "tgi"])
+    assert r.exit_code == 2 and "unknown engine" in r.stderr
+
+
+def test_html_report_renders_in_chromium(healthy, tmp_path):
+    from llmdoctor.report.html import render
+
+    doc = dict(healthy)
+    page = tmp_path / "report.html"
+    page.write_text(render(doc))
+    text = page.read_text()
+    assert "<svg" in text and "healthy" in text and "<script" not in text and "http" not in text.split("</style>")[0]
+    browser = shutil.which("chromium") or shutil.which("chromium-browser")
+    if browser is None:
+        pytest.skip("skipped: chromium is not installed (.ci/run installs it)")
+    shot = tmp_path / "shot.png"
+    p = subprocess.run([browser, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                        "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                        f"--user-data-dir={tmp_path / 'profile'}", "--window-size=1000,1400",
+                        f"--screenshot={shot}", page.as_uri()], capture_output=True, text=True, timeout=120)
+    assert shot.exists() and shot.stat().st_size > 10_000, p.stderr[-2000:]
+
+
+def test_named_subject_that_cannot_run_is_exit_2(tmp_path):
+    bad = tmp_path / "k.py"
+    bad.write_text("raise ImportError('this kernel module cannot load')\n")
+    doc = _diagnose("--dequant-kernel", f"{bad}:fn")
+    assert doc["exit_code"] == 2 and "dequant could not run" in doc["verdict"], doc["verdict"]
