@@ -459,6 +459,24 @@ def h_layer_localization(s: Session) -> list[Finding]:
                                  f"{point.error:.3g} (rel. L2) where the engine's noise is {point.noise:.3g}")]
 
 
+def h_symptom_bisection(s: Session) -> list[Finding]:
+    """Black-box probes of the endpoint (checks/probes.py), against the reference when --gguf is given."""
+    if not s.inputs.endpoint:
+        raise Skip("no endpoint given (--endpoint)")
+    from .checks.probes import probe
+
+    rep = probe(s.inputs.endpoint, gguf=s.inputs.gguf, seed=s.inputs.seed, progress=s.progress)
+    if rep.verdict == "inconclusive" and not any(f.status == "fail" for f in rep.findings):
+        raise Skip(f"the endpoint probes were inconclusive: {', '.join(rep.symptoms) or 'no evidence'}")
+    out = []
+    for f in rep.findings:
+        f.target = f"{f.check}: {f.target}"
+        f.check = "symptom-bisection"
+        f.confidence = f.confidence or "medium"
+        out.append(f)
+    return out
+
+
 def _not_requested(what: str) -> Callable[[Session], list[Finding]]:
     def run(s: Session) -> list[Finding]:
         raise Skip(what)
@@ -479,8 +497,7 @@ def plan(inputs: Inputs) -> list[Hypothesis]:
                    _not_requested("no attention kernel given (--attention-impl)")),
         Hypothesis("engine-vs-reference", "Does the engine compute the model's distribution?",
                    h_engine_vs_reference),
-        Hypothesis("symptom-bisection", "Which symptom class does the endpoint show?",
-                   _not_requested("no endpoint given (--endpoint)")),
+        Hypothesis("symptom-bisection", "Which symptom class does the endpoint show?", h_symptom_bisection),
         Hypothesis("layer-localization", "Where does the engine leave the reference?", h_layer_localization),
     ]
 
