@@ -185,8 +185,14 @@ def _dims(shape: Shape, case: Case) -> dict[str, int]:
 
 # ----------------------------------------------------------------------------- inputs
 
-def make_inputs(shape: Shape, case: Case, seed: int) -> dict[str, torch.Tensor]:
-    """Fresh float64 inputs (int32 index tensors) of a case on the CPU."""
+def make_inputs(shape: Shape, case: Case, seed: int, device: str = "cpu") -> dict[str, torch.Tensor]:
+    """Fresh float64 inputs (int32 index tensors) of a case, drawn on the CPU (the same numbers on every
+    machine), then moved to `device`, where the reference math runs (float64 on the GPU for --device cuda:
+    the full-width presets would take minutes on the CPU)."""
+    return {n: v.to(device) for n, v in _draw(shape, case, seed).items()}
+
+
+def _draw(shape: Shape, case: Case, seed: int) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
 
     def randn(*size: int) -> torch.Tensor:
@@ -310,11 +316,11 @@ class Floor:
     lse_max: float
 
 
-def noise_floor(shape: Shape, case: Case, dtype: torch.dtype) -> Floor:
+def noise_floor(shape: Shape, case: Case, dtype: torch.dtype, device: str = "cpu") -> Floor:
     """Largest error over FLOOR_SEEDS seeds of the rounded emulation (module docstring)."""
     fl = Floor(0.0, 0.0, 0.0)
     for seed in range(FLOOR_SEEDS):
-        x = make_inputs(shape, case, 10_000 + seed)
+        x = make_inputs(shape, case, 10_000 + seed, device)
         want, want_lse = reference(shape, case, x)
         emu, emu_lse = reference(shape, case, _rounded(x, dtype), p_dtype=dtype, out_dtype=dtype)
         fl.out_max = max(fl.out_max, metrics.max_abs_diff(emu, want))
@@ -337,12 +343,15 @@ class Got:
 
 def _call(iso: Isolated, contract: str, args: list[Any], kwargs: dict[str, Any], out_shape: tuple[int, ...],
           lse_shape: tuple[int, ...]) -> Got:
+    dev = next(a.device for a in args if isinstance(a, torch.Tensor))  # where the reference lives
+    args = [a.cpu() if isinstance(a, torch.Tensor) else a for a in args]
     r: Outcome = iso.call({"contract": contract, "out_shape": list(out_shape), "lse_shape": list(lse_shape)},
                           subj.pack({"args": args, "kwargs": kwargs}))
     if r.status != "ok":
         return Got(r.status, r.message, seconds=r.seconds)
     res = subj.unpack(r.payload)
-    return Got("ok", out=res["out"], lse=res["lse"], seconds=r.header.get("seconds", r.seconds))
+    lse = None if res["lse"] is None else res["lse"].to(dev)
+    return Got("ok", out=res["out"].to(dev), lse=lse, seconds=r.header.get("seconds", r.seconds))
 
 
 def run_case(iso: Isolated, shape: Shape, case: Case, x: dict[str, torch.Tensor], dtype: torch.dtype) -> Got:
@@ -540,7 +549,7 @@ def subject_patterns(findings: list[Finding]) -> list[str]:
 # ----------------------------------------------------------------------------- consistency
 
 def consistency(iso: Isolated, shape: Shape, dtype: torch.dtype, dtype_name: str, subject: str,
-                contracts: set[str], seed: int) -> list[Finding]:
+                contracts: set[str], seed: int, dev: str = "cpu") -> list[Finding]:
     """prefill row t == decode at t; absorbed MLA == naive MLA (when the subject has both contracts)."""
     out: list[Finding] = []
     if "prefill" in contracts:
@@ -549,9 +558,9 @@ def consistency(iso: Isolated, shape: Shape, dtype: torch.dtype, dtype_name: str
         rows = (0, L // 2, L - 1)
         step = Case("prefill-vs-decode", "prefill", tuple((1, t + 1) for t in rows))
         out.append(_pair(iso, shape, dtype, dtype_name, subject, "prefill-row-vs-decode", full, step,
-                         lambda xa: _decode_inputs(xa, rows), lambda o: o[list(rows)], seed))
+                         lambda xa: _decode_inputs(xa, rows), lambda o: o[list(rows)], seed, dev))
     if "prefill" in contracts and "mla-decode" in contracts and shape.mla:
-        out.append(_absorbed_vs_naive(iso, shape, dtype, dtype_name, subject, seed))
+        out.append(_absorbed_vs_naive(iso, shape, dtype, dtype_name, subject, seed, dev))
     return out
 
 
@@ -559,22 +568,23 @@ def _decode_inputs(x: dict[str, torch.Tensor], rows: tuple[int, ...]) -> dict[st
     """The decode-step inputs of the given rows of a one-sequence causal prefill."""
     k = torch.cat([x["k"][: t + 1] for t in rows])
     v = torch.cat([x["v"][: t + 1] for t in rows])
-    lens = torch.tensor([t + 1 for t in rows])
-    return {"q": x["q"][list(rows)], "k": k, "v": v, "cu_q": torch.arange(len(rows) + 1, dtype=torch.int32),
+    lens = torch.tensor([t + 1 for t in rows], device=k.device)
+    return {"q": x["q"][list(rows)], "k": k, "v": v,
+            "cu_q": torch.arange(len(rows) + 1, dtype=torch.int32, device=k.device),
             "cu_k": torch.nn.functional.pad(lens.cumsum(0), (1, 0)).to(torch.int32)}
 
 
-def _pair(iso, shape, dtype, dtype_name, subject, name, case_a, case_b, derive, select, seed) -> Finding:
+def _pair(iso, shape, dtype, dtype_name, subject, name, case_a, case_b, derive, select, seed, dev) -> Finding:
     """Two subject calls that must agree: budget K_FLOOR x max over seeds of the summed emulation errors."""
     floor = 0.0
     for s in range(FLOOR_SEEDS):
-        xa = make_inputs(shape, case_a, 20_000 + s)
+        xa = make_inputs(shape, case_a, 20_000 + s, dev)
         xb = derive(xa)
         ea = select(reference(shape, case_a, _rounded(xa, dtype), p_dtype=dtype, out_dtype=dtype)[0])
         eb = reference(shape, case_b, _rounded(xb, dtype), p_dtype=dtype, out_dtype=dtype)[0]
         wa = select(reference(shape, case_a, xa)[0])
         floor = max(floor, float(((ea - wa).abs() + (eb - wa).abs()).max()))
-    xa = make_inputs(shape, case_a, seed)
+    xa = make_inputs(shape, case_a, seed, dev)
     ga, gb = run_case(iso, shape, case_a, xa, dtype), run_case(iso, shape, case_b, derive(xa), dtype)
     return _agree(subject, f"{name}/{dtype_name}", ga, gb, select, floor, dtype_name)
 
@@ -597,7 +607,7 @@ def _agree(subject: str, target: str, ga: Got, gb: Got, select: Callable, floor:
 
 
 def _absorbed_vs_naive(iso: Isolated, shape: Shape, dtype: torch.dtype, dtype_name: str, subject: str,
-                       seed: int) -> Finding:
+                       seed: int, dev: str) -> Finding:
     """Decode of B sequences as naive MLA (prefill on decompressed K/V) and absorbed MLA (mla-decode on the
     latent cache, then v_b): both must give the same [B, H, Dv]."""
     m = shape.mla
@@ -606,7 +616,7 @@ def _absorbed_vs_naive(iso: Isolated, shape: Shape, dtype: torch.dtype, dtype_na
 
     def build(s: int) -> tuple[dict, dict, torch.Tensor]:
         gen = torch.Generator().manual_seed(s)
-        x = make_inputs(shape, dec, s)
+        x = make_inputs(shape, dec, s)  # drawn and built on the CPU, moved below
         k_b = torch.randn(shape.n_head, m.kv_lora_rank, m.qk_nope, generator=gen, dtype=torch.float64) / m.kv_lora_rank ** 0.5
         v_b = torch.randn(shape.n_head, m.v_dim, m.kv_lora_rank, generator=gen, dtype=torch.float64) / m.kv_lora_rank ** 0.5
         q_nope = torch.randn(len(dec.seqs), shape.n_head, m.qk_nope, generator=gen, dtype=torch.float64)
@@ -621,7 +631,7 @@ def _absorbed_vs_naive(iso: Isolated, shape: Shape, dtype: torch.dtype, dtype_na
         lens = torch.tensor([n for _, n in dec.seqs])
         xn = {"q": torch.cat([q_nope, q_pe], -1), "k": torch.cat(ks), "v": torch.cat(vs), "cu_q": x["cu_q"],
               "cu_k": torch.nn.functional.pad(lens.cumsum(0), (1, 0)).to(torch.int32)}
-        return x, xn, v_b
+        return ({n: t.to(dev) for n, t in x.items()}, {n: t.to(dev) for n, t in xn.items()}, v_b.to(dev))
 
     def up(o: torch.Tensor, v_b: torch.Tensor) -> torch.Tensor:
         return torch.einsum("bhr,hvr->bhv", o, v_b)
@@ -669,7 +679,8 @@ def run(shape: Shape, subjects: list[tuple[str, Optional[str]]], *, device: str 
     t0 = time.perf_counter()
     all_cases = [c for c in cases(shape) if only is None or c.name in only]
     floors: dict[tuple[str, str], Floor] = {}
-    inputs = {c.name: make_inputs(shape, c, seed + i) for i, c in enumerate(all_cases)}
+    dev = "cuda" if device == "cuda" else "cpu"
+    inputs = {c.name: make_inputs(shape, c, seed + i, dev) for i, c in enumerate(all_cases)}
     for spec, contract in subjects:
         label = spec if contract is None else f"{spec} ({contract})"
         st = time.perf_counter()
@@ -692,14 +703,14 @@ def run(shape: Shape, subjects: list[tuple[str, Optional[str]]], *, device: str 
                         on_step(f"{label}: {case.name} {dname}")
                     key = (case.name, dname)
                     if key not in floors:
-                        floors[key] = noise_floor(shape, case, dtype)
+                        floors[key] = noise_floor(shape, case, dtype, dev)
                     got = run_case(iso, shape, case, inputs[case.name], dtype)
                     f = judge(shape, case, inputs[case.name], got, floors[key], dname, label)
                     if f.status != "skip" or "has no" not in f.reason:
                         has.add(case.contract)
                     found.append(f)
                 if only is None:
-                    found += consistency(iso, shape, dtype, dname, label, has, seed)
+                    found += consistency(iso, shape, dtype, dname, label, has, seed, dev)
             res.subjects[label] = {"loaded": True, "restarts": iso.restarts, "seconds": time.perf_counter() - st}
         res.findings += found
         pats = subject_patterns(found)

@@ -73,6 +73,26 @@ def _latent_rows(q_rows: torch.Tensor, kv_cache: torch.Tensor, block_table: torc
 
 # ----------------------------------------------------------------------------- torch SDPA
 
+# Messages with which torch says a forced backend or a compiled kernel cannot take this shape (a skip,
+# not a failure): SDPA's dispatcher, cuDNN's frontend, Triton's shared-memory check (compiled flex on
+# 576/512 asks for more than the H200's 232,448 B, issue 6).
+_CANNOT_RUN = ("No available kernel", "No valid execution plans", "cuDNN Frontend error", "out of resource")
+
+
+def _why(messages: Any) -> str:
+    """The informative lines of torch's warnings / errors: no 'X not used because:' headers, no notes
+    that the other backends are disabled (we disabled them), no pointers to verbose logging."""
+    keep: list[str] = []
+    for m in messages:
+        for line in m.splitlines():
+            line = line.split(" (Triggered internally")[0].strip()
+            if (not line or line.endswith("because:") or "has been disabled" in line or "TORCHDYNAMO_VERBOSE" in line
+                    or "TORCH_LOGS" in line or line in keep):
+                continue
+            keep.append(line)
+    hit = [k for k in keep if any(c in k for c in _CANNOT_RUN)]
+    return "; ".join(hit or keep)[:300]
+
 def _sdpa(backend_name: str, device: str) -> dict[str, Callable]:
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -87,9 +107,9 @@ def _sdpa(backend_name: str, device: str) -> dict[str, Callable]:
             try:
                 return F.scaled_dot_product_attention(q[None], k[None], v[None], scale=scale, **kw)[0]
             except RuntimeError as e:
-                if "No available kernel" not in str(e):
+                if not any(m in str(e) for m in _CANNOT_RUN):
                     raise
-                why = "; ".join(str(w.message).splitlines()[0] for w in caught)[:400]
+                why = _why(str(w.message) for w in caught)
                 raise Unsupported(f"{backend_name} cannot run q {tuple(q.shape)} k {tuple(k.shape)} "
                                   f"v {tuple(v.shape)}: {why or e}") from None
 
@@ -175,8 +195,14 @@ def _flex(device: str) -> dict[str, Callable]:
         block = fa.create_block_mask(lambda b, h, qi, kj: mask[qi, kj], None, None, pq, pk, device=q.device)
         score_mod = (lambda s, b, h, qi, kj: softcap * torch.tanh(s / softcap)) if softcap else None
         kw = {"return_aux": aux(lse=True)} if aux else {"return_lse": True}
-        o, extra = flex(padded(q, pq), padded(k, pk), padded(v, pk), score_mod=score_mod, block_mask=block,
-                        scale=scale, enable_gqa=k.shape[1] != q.shape[1], **kw)
+        try:
+            o, extra = flex(padded(q, pq), padded(k, pk), padded(v, pk), score_mod=score_mod, block_mask=block,
+                            scale=scale, enable_gqa=k.shape[1] != q.shape[1], **kw)
+        except Exception as e:  # noqa: BLE001 - compile errors come wrapped in several classes
+            if not any(m in str(e) for m in _CANNOT_RUN):
+                raise
+            raise Unsupported(f"flex cannot compile q {tuple(q.shape)} v {tuple(v.shape)}: "
+                              f"{_why([str(e)])}") from None
         lse = extra.lse if aux else extra
         return o[0, :, :tq].transpose(0, 1), lse[0, :, :tq]
 
