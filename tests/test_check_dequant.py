@@ -331,3 +331,11 @@ def test_q4_1_decoded_as_q4_0_is_named(every_type_gguf):
     res = dequant.run(every_type_gguf, kernel=faults.get("wrong_type").build(), only="t.Q4_1")
     (f,) = res.findings
     assert f.status == "fail" and "layout bug: wrong type assumed (Q4_0)" in f.reason
+
+
+def test_working_precision_of_outputs_that_are_not_bit_exact():
+    x = torch.randn(1000)
+    assert dequant._working_precision(x.double()) == torch.float32  # may be more exact than the reference
+    assert dequant._working_precision(x.half().float()) == torch.float16  # computed in float16
+    assert dequant._working_precision(x.bfloat16().float()) == torch.bfloat16
+    assert dequant._working_precision(x) is None  # genuine float32: must be bit-exact

@@ -86,6 +86,19 @@ def _representable(x: torch.Tensor, dtype: torch.dtype) -> bool:
     return True
 
 
+def _working_precision(got: torch.Tensor) -> Optional[torch.dtype]:
+    """The precision an output that is not bit-exact is judged in, or None (it must be bit-exact).
+
+    float32 values that are all float16 (or bfloat16) numbers were computed in that precision;
+    float64 output may be more exact than the float32 reference, so it is held to float32 rounding.
+    """
+    if got.dtype == torch.float64:
+        return torch.float32
+    if got.dtype == torch.float32:
+        return next((h for h in (torch.float16, torch.bfloat16) if _representable(got, h)), None)
+    return None
+
+
 @dataclass
 class Judge:
     """How one tensor's output is judged: bit-exact, or the reduced-precision bound in `precision`."""
@@ -220,10 +233,10 @@ def _check_tensor(iso: Isolated, t: Any, kernel: str, n_blocks: int, all_blocks:
     tensor = layout_bugs.Tensor(q, tuple(t.shape), t.data)
     precision = got.dtype if got.dtype in (torch.float16, torch.bfloat16) else None
     tally = _compare(got, tensor, idx, Judge(precision))
-    if precision is None and got.dtype == torch.float32 and tally.mismatches:
-        half = next((h for h in (torch.float16, torch.bfloat16) if _representable(got, h)), None)
-        if half is not None:  # float32 output computed in half precision: judge it as such
-            precision, tally = half, _compare(got, tensor, idx, Judge(half))
+    if precision is None and tally.mismatches:
+        precision = _working_precision(got)
+        if precision is not None:
+            tally = _compare(got, tensor, idx, Judge(precision))
     judge = Judge(precision)
     mets = {**tally.metrics(idx, t), "output_dtype": out.header["dtype"], "output_device": out.header["device"],
             "kernel_seconds": out.header.get("seconds"), "nonfinite_in_output": out.header.get("nonfinite", 0)}
@@ -233,9 +246,10 @@ def _check_tensor(iso: Isolated, t: Any, kernel: str, n_blocks: int, all_blocks:
                   "formula": "|err| <= gamma_c(u)*(|d*q|+|m|) + c*eta_min + gamma_3(2^-24)*(|d*q|+|m|)"})}
     stray = _nonfinite_elsewhere(out, tensor)
     if not tally.failing and not stray:
-        how = "bit-exact" if precision is None else "reduced-precision arithmetic"
+        how = ("bit-exact" if precision is None else "within float32 rounding" if precision == torch.float32
+               else "reduced-precision arithmetic")
         expl = "" if precision is None else (
-            f"reduced-precision arithmetic ({budget['precision']}): within the derived rounding bound, not a layout bug")
+            f"{how} ({budget['precision']}): within the derived rounding bound, not a layout bug")
         return finding("pass", how, metrics=mets, budget=budget, explanation=expl)
     if not tally.failing:
         return finding("fail", f"non-finite output where the reference is finite ({len(stray)} shown)",
