@@ -9,7 +9,8 @@
 2. Prompt throughput (tokens/s) on one prompt: ours (float32, weights cached, warm) vs llama.cpp
    (llama-cpp-python, same thread count).
 3. Peak RSS of a process that runs the forward with layer streaming vs with every block cached.
-Each measurement runs in its own process so that RSS and cold-start times do not leak between them.
+Each measurement runs in its own process so that RSS and cold-start times do not leak between them;
+wall time and CPU time (user + system) are both reported, since other processes may share the cores.
 """
 
 from __future__ import annotations
@@ -121,7 +122,11 @@ def child_throughput(n: int, threads: int) -> dict:
 
 
 def run_child(*args: str) -> dict:
-    out = subprocess.run([sys.executable, __file__, "--child", *args], capture_output=True, text=True)
+    # The dev VM's 2 cores are shared with other processes: OpenMP workers that spin while waiting
+    # stall every small parallel region there. Every child (ours and transformers alike) therefore
+    # waits passively; an explicit OMP_WAIT_POLICY in the environment wins.
+    env = {"OMP_WAIT_POLICY": "PASSIVE", **os.environ}
+    out = subprocess.run([sys.executable, __file__, "--child", *args], capture_output=True, text=True, env=env)
     if out.returncode:
         raise SystemExit(f"child {args} failed:\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])

@@ -10,11 +10,7 @@ from typing import Any
 
 import torch
 
-from .forward import ReferenceModel
-
-
-def _log_softmax(logits: torch.Tensor) -> torch.Tensor:
-    return torch.log_softmax(logits.to(torch.float64), dim=-1)
+from .forward import ReferenceModel, log_softmax
 
 
 def top_k(tok: Any, logprobs: torch.Tensor, k: int) -> list[dict]:
@@ -33,7 +29,7 @@ def report(model: ReferenceModel, tok: Any, prompt: str, *, top: int = 5, greedy
 
         raise InputError("the prompt encodes to no tokens")
     logits, _ = model.forward(ids, all_logits=prompt_logprobs)
-    lp = _log_softmax(logits)  # [T or 1, n_vocab]
+    lp = log_softmax(logits)  # [T or 1, n_vocab]
     out: dict[str, Any] = {
         "prompt": prompt,
         "tokens": [{"id": i, "text": tok.decode([i], special=True)} for i in ids],
@@ -58,7 +54,7 @@ def report(model: ReferenceModel, tok: Any, prompt: str, *, top: int = 5, greedy
             if nxt in tok.eog_ids:
                 break
             step_logits, _ = model.forward(seq, all_logits=False)
-            step_lp = _log_softmax(step_logits)[-1]
+            step_lp = log_softmax(step_logits)[-1]
         out["greedy"] = {"text": tok.decode(seq[len(ids):]), "steps": steps}
     return out
 
