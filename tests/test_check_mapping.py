@@ -160,6 +160,46 @@ def test_name_map_pollution_cannot_reach_the_check(llama):
         gguf.TensorNameMap.block_mappings_cfg.update(saved)
 
 
+def test_many_to_one_collision():
+    """gguf-py's map sends several architectures' names to token_embd: a checkpoint holding two of them
+    collides."""
+    p = layout.plan("llama", ["model.embed_tokens.weight", "transformer.wte.weight"], {"num_hidden_layers": 1,
+                                                                                       "num_attention_heads": 1})
+    [f] = mapping._collisions(p)
+    assert f.status == "fail" and f.explanation == "model.embed_tokens.weight and transformer.wte.weight all map onto token_embd.weight"
+
+
+def test_gguf_tensor_without_hf_parameter(mla, tmp_path):
+    gguf_path, hf = mla["deepseek"]
+
+    def extra(name, data, qt):
+        yield name, data, qt
+        if name == "blk.0.attn_norm.weight":
+            yield "blk.0.attn_norm_2.weight", data, qt
+
+    res = mapping.run(_rewrite(gguf_path, tmp_path / "extra.gguf", extra), hf / "config.json")
+    assert failed(res) == ["GGUF tensor blk.0.attn_norm_2.weight has no HF parameter in transformers (meta device) "
+                           f"from {hf / 'config.json'}"]
+    assert "numeric check needs an HF checkpoint (--hf DIR): --hf is a config.json" in \
+        next(f.reason for f in res.findings if f.target == "numeric")
+
+
+def test_metadata_differences_named_with_both_values(mla, tmp_path):
+    gguf_path, hf = mla["glm"]
+    config = json.loads((hf / "config.json").read_text())
+    config.update(rms_norm_eps=1e-5, routed_scaling_factor=1.0, first_k_dense_replace=2, num_experts_per_tok=3,
+                  scoring_func="softmax", index_topk=8, eos_token_id=7)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    msgs = failed(mapping.run(gguf_path, tmp_path / "config.json"))
+    for want in ("norm_eps: GGUF glm-dsa.attention.layer_norm_rms_epsilon = 1e-06, config.json rms_norm_eps = 1e-05",
+                 "moe.scale: GGUF glm-dsa.expert_weights_scale = 2.5, config.json routed_scaling_factor = 1.0",
+                 "moe.n_dense_lead: GGUF glm-dsa.leading_dense_block_count = 1, config.json first_k_dense_replace = 2",
+                 "moe.n_used: GGUF glm-dsa.expert_used_count = 2, config.json num_experts_per_tok = 3",
+                 "moe.gating: GGUF glm-dsa.expert_gating_func = sigmoid, config.json scoring_func = softmax",
+                 "mla.indexer.top_k: GGUF glm-dsa.attention.indexer.top_k = 6, config.json index_topk = 8"):
+        assert want in msgs, msgs
+
+
 # ---- planted faults ------------------------------------------------------------------------------
 
 def _pair(name, demo_path, demo_hf, mla, llama):

@@ -84,6 +84,7 @@ class HFSide:
     source: str  # where names and shapes came from
     from_gguf: bool = False  # the config was written from the GGUF's own metadata
     files: dict[str, Path] = field(default_factory=dict)  # checkpoint name -> safetensors file
+    checkpoint: Path | None = None  # the --hf directory
 
     def tensor(self, name: str, rows: torch.Tensor | None = None) -> torch.Tensor | None:
         """The checkpoint tensor (only `rows` of it when given), or None when absent."""
@@ -163,7 +164,8 @@ def load_hf(hf: Path | None, g: Any, cfg: ModelConfig) -> HFSide:
             with safe_open(str(p), framework="pt") as f:
                 shapes[name] = tuple(f.get_slice(name).get_shape())
         source = f"the checkpoint's tensor list ({path})"
-    return HFSide(config, shapes, source, from_gguf=hf is None, files=files)
+    return HFSide(config, shapes, source, from_gguf=hf is None, files=files,
+                  checkpoint=Path(hf) if hf is not None and Path(hf).is_dir() else None)
 
 
 def hf_config(cfg: ModelConfig, g: Any) -> dict:
@@ -401,6 +403,8 @@ def _metadata(cfg: ModelConfig, g: Any, hf: HFSide) -> list[Finding]:
 
 
 def _short(v: Any) -> Any:
+    if isinstance(v, float) and float(np.float32(v)) == v:  # a GGUF float32: its shortest float32 spelling
+        return float(str(np.float32(v)))
     if isinstance(v, (tuple, list)) and len(v) > 8:
         return f"{list(v[:8])}... ({len(v)})"
     return v if isinstance(v, (int, float, str, bool, type(None))) else str(v)
@@ -541,7 +545,8 @@ def _block_peers(p: layout.Plan, r: layout.Rule) -> list[layout.Rule]:
 
 def _numeric(p: layout.Plan, hf: HFSide, gg: dict[str, Any], cfg: ModelConfig) -> list[Finding]:
     if not hf.files:
-        why = "no HF config given" if hf.from_gguf else "--hf is a config.json, not a checkpoint directory"
+        why = ("no HF config given" if hf.from_gguf else "--hf is a config.json, not a checkpoint directory"
+               if hf.checkpoint is None else f"{hf.checkpoint} holds no *.safetensors")
         return [_finding("numeric", "skip", reason=f"numeric check needs an HF checkpoint (--hf DIR): {why}")]
     out = []
     cache: dict[str, torch.Tensor] = {}
