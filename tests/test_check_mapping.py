@@ -8,7 +8,6 @@ import json
 import math
 
 import gguf
-import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as QT

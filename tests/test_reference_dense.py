@@ -190,8 +190,8 @@ def test_attention_matches_textbook(h, hk, t, s, window, softcap):
     g = torch.Generator().manual_seed(h * 100 + t)
     q, k, v = (torch.randn(n, m, 8, generator=g, dtype=torch.float64) for n, m in ((t, h), (s, hk), (s, hk)))
     want = naive_attention(q, k, v, 0.3, window, softcap)
-    for chunk in (None, 2, 4):
-        got = A.attention(q, k, v, scale=0.3, window=window, softcap=softcap, kv_chunk=chunk)
+    for kv_chunk, q_chunk in ((None, None), (2, None), (4, None), (None, 2), (3, 2)):
+        got = A.attention(q, k, v, scale=0.3, window=window, softcap=softcap, kv_chunk=kv_chunk, q_chunk=q_chunk)
         assert metrics.max_abs_diff(got, want) < 1e-13
 
 

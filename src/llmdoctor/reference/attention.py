@@ -83,14 +83,20 @@ def merge(outs: list[torch.Tensor], lses: list[torch.Tensor]) -> tuple[torch.Ten
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float,
               window: int | None = None, softcap: float | None = None, q_offset: int | None = None,
-              kv_chunk: int | None = None, p_dtype: torch.dtype | None = None) -> torch.Tensor:
+              kv_chunk: int | None = None, q_chunk: int | None = None,
+              p_dtype: torch.dtype | None = None) -> torch.Tensor:
     """Causal attention. q [T, H, D], k [S, Hk, D], v [S, Hk, Dv] -> [T, H, Dv] in q's dtype.
 
-    With `kv_chunk`, the keys are processed in blocks and merged by log-sum-exp (bounded memory:
-    [H, T, kv_chunk] scores at a time; the result equals the one-block computation up to rounding).
+    With `kv_chunk`, the keys are processed in blocks and merged by log-sum-exp; with `q_chunk`, the
+    queries in blocks (chunked prefill: each block sits at its own offset). Memory is then bounded by
+    [H, q_chunk, kv_chunk] scores at a time; the result equals the one-block computation up to rounding.
     """
     t, s = q.shape[0], k.shape[0]
     q_offset = s - t if q_offset is None else q_offset
+    if q_chunk and t > q_chunk:
+        return torch.cat([attention(q[i:i + q_chunk], k, v, scale=scale, window=window, softcap=softcap,
+                                    q_offset=q_offset + i, kv_chunk=kv_chunk, p_dtype=p_dtype)
+                          for i in range(0, t, q_chunk)])
     step = kv_chunk or s
     outs, lses = [], []
     for j in range(0, s, step):

@@ -297,7 +297,7 @@ def dense_attention(st: Step, h: torch.Tensor) -> torch.Tensor:
     kv_dtype = em[0].kv_dtype if em is not None else None
     if kv_dtype is not None:  # the engine's KV cache (and the matmuls against it) in kv_dtype
         q, k, v = (t.to(kv_dtype).to(t.dtype) for t in (q, k, v))
-    o = attn.attention(q, k, v, scale=cfg.attn_scale, window=cfg.layer_window(st.il),
+    o = attn.attention(q, k, v, scale=cfg.attn_scale, window=cfg.layer_window(st.il), q_chunk=st.kv_chunk,
                        softcap=cfg.attn_softcap, kv_chunk=st.kv_chunk, p_dtype=kv_dtype)  # [T, H, Dv]
     o = st.cap("kqv_out", o.reshape(T, cfg.n_head * cfg.head_dim_v))
     return st.cap("attn_out", linear(o, st.w(MODEL_TENSOR.ATTN_OUT)))
