@@ -89,13 +89,15 @@ def _representable(x: torch.Tensor, dtype: torch.dtype) -> bool:
 def _working_precision(got: torch.Tensor) -> Optional[torch.dtype]:
     """The precision an output that is not bit-exact is judged in, or None (it must be bit-exact).
 
-    float32 values that are all float16 (or bfloat16) numbers were computed in that precision;
-    float64 output may be more exact than the float32 reference, so it is held to float32 rounding.
+    float32 values that are all bfloat16 (or else all float16) numbers were computed in that
+    precision (bfloat16 first: its numbers in float16's range are float16 numbers too, while float16
+    results essentially never all land on the coarser bfloat16 grid); float64 output may be more
+    exact than the float32 reference, so it is held to float32 rounding.
     """
     if got.dtype == torch.float64:
         return torch.float32
     if got.dtype == torch.float32:
-        return next((h for h in (torch.float16, torch.bfloat16) if _representable(got, h)), None)
+        return next((h for h in (torch.bfloat16, torch.float16) if _representable(got, h)), None)
     return None
 
 
