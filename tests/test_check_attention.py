@@ -98,7 +98,7 @@ def fault_run():
 
 def test_every_planted_attention_fault_is_caught_and_named(fault_run):
     planted, res = fault_run
-    assert len(planted) == 7
+    assert len(planted) == 8
     for f in planted:
         mine = _by(res.findings, f.build()["impl"])
         failed = [x for x in mine if x.status == "fail"]
@@ -128,7 +128,8 @@ def test_builtin_subjects_pass_and_consistency_holds_on_cpu():
         mine = _by(res.findings, s)
         assert not [f for f in mine if f.status == "fail"], [(f.target, f.reason) for f in mine if f.status == "fail"]
         names = {f.target.split("/")[0] for f in mine if f.status == "pass"}
-        assert {"prefill-row-vs-decode", "absorbed-vs-naive", "sparse-prefill", "mla-decode-long"} <= names
+        assert {"prefill-row-vs-decode", "absorbed-vs-naive", "sparse-prefill-row-vs-decode", "sparse-prefill",
+                "mla-decode-long"} <= names
     chunked = {f.subject: f for f in res.findings if f.target == "chunked/bfloat16"}
     assert chunked["sdpa-math"].status == "skip" and "lse" in chunked["sdpa-math"].reason
     assert chunked["flex"].status == "pass"

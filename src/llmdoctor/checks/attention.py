@@ -550,7 +550,8 @@ def subject_patterns(findings: list[Finding]) -> list[str]:
 
 def consistency(iso: Isolated, shape: Shape, dtype: torch.dtype, dtype_name: str, subject: str,
                 contracts: set[str], seed: int, dev: str = "cpu") -> list[Finding]:
-    """prefill row t == decode at t; absorbed MLA == naive MLA (when the subject has both contracts)."""
+    """prefill row t == decode at t (dense and sparse); absorbed MLA == naive MLA (when the subject has
+    both contracts)."""
     out: list[Finding] = []
     if "prefill" in contracts:
         L = 29
@@ -561,7 +562,23 @@ def consistency(iso: Isolated, shape: Shape, dtype: torch.dtype, dtype_name: str
                          lambda xa: _decode_inputs(xa, rows), lambda o: o[list(rows)], seed, dev))
     if "prefill" in contracts and "mla-decode" in contracts and shape.mla:
         out.append(_absorbed_vs_naive(iso, shape, dtype, dtype_name, subject, seed, dev))
+    if {"mla-sparse-prefill", "mla-sparse-decode"} <= contracts and shape.top_k:
+        t, n, k = 9, 40, min(shape.top_k, TOPK)
+        rows = (0, t // 2, t - 1)
+        full = Case("sparse-prefill-vs-decode", "mla-sparse-prefill", ((t, n),), top_k=k)
+        step = Case("sparse-prefill-vs-decode", "mla-sparse-decode", tuple((1, n - t + r + 1) for r in rows), top_k=k)
+        out.append(_pair(iso, shape, dtype, dtype_name, subject, "sparse-prefill-row-vs-decode", full, step,
+                         lambda xa: _sparse_decode_inputs(xa, rows, n - t), lambda o: o[list(rows)], seed, dev))
     return out
+
+
+def _sparse_decode_inputs(x: dict[str, torch.Tensor], rows: tuple[int, ...], ctx: int) -> dict[str, torch.Tensor]:
+    """The sparse decode steps of the given query rows of a one-sequence sparse prefill (same cache,
+    same top-k rows; query r sits at position ctx + r, so its seq_len is ctx + r + 1)."""
+    dev = x["q"].device
+    return {"q": x["q"][list(rows)], "kv_cache": x["kv_cache"], "block_table": x["block_table"][[0] * len(rows)],
+            "seq_lens": torch.tensor([ctx + r + 1 for r in rows], dtype=torch.int32, device=dev),
+            "cu_q": torch.arange(len(rows) + 1, dtype=torch.int32, device=dev), "topk": x["topk"][list(rows)]}
 
 
 def _decode_inputs(x: dict[str, torch.Tensor], rows: tuple[int, ...]) -> dict[str, torch.Tensor]:

@@ -1,8 +1,8 @@
 """Planted attention kernels for `llmdoctor check attention`: one correct eager torch kernel for all
 four contracts, and faulty twins, one per bug the check must name (issue 6): softmax scale from the
 wrong dim, top-left causal alignment, LSE in log2, V not taken from the latent, a batch-offset bug
-(only sequences after the first), an empty-key-range bug (only kv_len 0), and NaN leaking from unused
-cache pages.
+(only sequences after the first), an empty-key-range bug (only kv_len 0), out= rows left unwritten, and
+NaN leaking from unused cache pages.
 
 Each fault's `build()` returns {"impl": "llmdoctor.faults.attention:<function>", "contract": name};
 `expect` is a substring the check's explanation must contain. Written independently of the
@@ -111,6 +111,17 @@ def mla_sparse_prefill(q, kv_cache, block_table, cu_seqlens_q, seq_lens, topk_in
                    kv_lora_rank)
 
 
+def prefill_out_unwritten(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
+                          out=None):
+    """Writes into the caller's out= but skips sequences with no keys (an uninitialized workspace row)."""
+    res, lse = _prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal)
+    cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    for b in range(len(cq) - 1):
+        if ck[b + 1] > ck[b]:
+            out[cq[b]:cq[b + 1]] = res[cq[b]:cq[b + 1]]
+    return out, lse
+
+
 def _prefill_bug(bug: str):
     def fn(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal):
         return _prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal, bug)
@@ -144,6 +155,8 @@ _fault("attn-batch-offset", "prefill_batch_offset", "prefill",
        "prefill kernel reading the keys of sequences after the first one row early", "only sequences after the first")
 _fault("attn-kv0-nan", "prefill_kv0_nan", "prefill",
        "prefill kernel whose softmax divides 0/0 for an empty key range", "only sequences with kv_len 0")
+_fault("attn-out-unwritten", "prefill_out_unwritten", "prefill",
+       "prefill kernel leaving the out= rows of kv_len-0 sequences unwritten", "only sequences with kv_len 0")
 _fault("attn-scale-576", "mla_decode_scale_576", "mla-decode",
        "MLA decode using 1/sqrt(R+Dr) = 1/sqrt(576) instead of the given scale", "softmax scale from the wrong dim")
 _fault("attn-v-rope", "mla_decode_v_rope", "mla-decode",
