@@ -333,6 +333,8 @@ def test_tiny_model_matches_transformers_float64(tmp_path, model_type, arch, ext
     err = metrics.max_abs_diff(got, want)
     print(f"{arch} float64: max |diff| {err:.3g}, bound {bound:.3g}")
     assert err <= bound, (err, bound)
+    ours.kv_chunk = 7  # chunked prefill: query and key blocks of 7 merged by log-sum-exp, same logits
+    assert metrics.max_abs_diff(ours.forward(ids)[0], got) <= bound
     # the planted rope-base fault breaks the agreement by far more than the bound
     faulty, _ = faults.get("reference-wrong-rope-base").build(load(path, dtype=torch.float64)).forward(ids)
     assert metrics.max_abs_diff(faulty, want) > 1e3 * bound
