@@ -173,7 +173,8 @@ class Session:
                 dtype = self.inputs.engine_dtype or "float32"
                 self.progress(f"transformers forward pass ({dtype})")
                 path = self.inputs.engine_gguf or self.inputs.gguf
-                run = hf_engine.run(path, self.tokens(), dtype=dtype, n_threads=self.inputs.threads)
+                run = hf_engine.run(path, self.tokens(), dtype=dtype, n_threads=self.inputs.threads,
+                                    dequant_kernel=self.inputs.dequant_kernel)
                 return run.logits, run.captures, run.info
 
             return self.once("engine", make)
@@ -450,13 +451,58 @@ def h_layer_localization(s: Session) -> list[Finding]:
                                   "worst": f"{worst.point}-{worst.layer}"},
                          explanation=f"{len(curve)} points within budget; worst {worst.point}-{worst.layer} "
                                      f"at {worst.error / worst.limit:.2f} of its limit")]
+    swaps = substitutions(s, point)
+    confirmed = [w for w in swaps if w["reproduces"]]
     return [_finding("layer-localization", s.inputs.engine, f"layer {layer}", "fail", confidence="high",
                      hypothesis="every layer stays within the engine's noise",
                      metrics={"first_divergent_layer": layer, "point": point.point, "error": point.error,
-                              "noise": point.noise, "limit": point.limit},
+                              "noise": point.noise, "limit": point.limit,
+                              "substitutions": swaps},
                      evidence=[p.as_dict() for p in curve if p.layer in (layer - 1, layer, layer + 1)],
                      explanation=f"first divergent layer {layer}: {point.point}-{layer} is off by "
-                                 f"{point.error:.3g} (rel. L2) where the engine's noise is {point.noise:.3g}")]
+                                 f"{point.error:.3g} (rel. L2) where the engine's noise is {point.noise:.3g}"
+                                 + (f"; swapping {confirmed[0]['swap']} into the reference alone reproduces it"
+                                    if confirmed else
+                                    ("; no single swap into the reference reproduces it" if swaps else "")))]
+
+
+def substitutions(s: Session, point) -> list[dict[str, Any]]:
+    """Op substitution: rerun the reference with one suspect component swapped in and ask whether that
+    swap alone reproduces the engine's divergence at its first divergent point (error at least half
+    the engine's, or non-finite like it)."""
+    from .checks import metrics as M
+
+    name = f"{point.point}-{point.layer}"
+    _, ref_caps, _ = s.reference("float32")
+
+    def reproduces(caps) -> tuple[bool, float]:
+        if name not in caps:
+            return False, math.nan
+        err = M.rel_l2(caps[name], ref_caps[name])
+        return (not math.isfinite(err) and not math.isfinite(point.error)) or \
+            (math.isfinite(err) and err >= 0.5 * point.error), err
+
+    out = []
+    precision = "llama.cpp arithmetic (Q8 activations, F16 KV)" if s.inputs.engine == "llama.cpp" \
+        else f"{_torch_dtype_name(s.inputs.engine_dtype or 'float32')} precision"
+    ok, err = reproduces(s.budget_reference()[1])
+    out.append({"swap": f"the engine's {precision}", "reproduces": ok, "error": err})
+    if s.inputs.dequant_kernel:
+        from .subjects.substitution import KernelDequantizer
+
+        s.progress(f"reference with the dequant kernel {s.inputs.dequant_kernel!r} swapped in")
+        try:
+            with KernelDequantizer(s.inputs.dequant_kernel) as kd:
+                from .reference import load
+
+                with load(s.inputs.gguf, dequantizer=kd) as model:
+                    _, caps = model.forward(s.tokens(), capture={name})
+            ok, err = reproduces(caps)
+            out.append({"swap": f"the dequant kernel {s.inputs.dequant_kernel!r}", "reproduces": ok, "error": err})
+        except Exception as e:  # the suspect kernel may crash: that is evidence too, not our failure
+            out.append({"swap": f"the dequant kernel {s.inputs.dequant_kernel!r}", "reproduces": None,
+                        "error": None, "could_not_run": f"{type(e).__name__}: {e}"})
+    return out
 
 
 def h_symptom_bisection(s: Session) -> list[Finding]:

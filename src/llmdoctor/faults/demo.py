@@ -52,6 +52,14 @@ def dequant_scale_min_swap(inputs, tmp: Path) -> None:
     inputs.dequant_kernel = get("scale_min_swap").build()
 
 
+@_demo("engine-dequant-scale-min-swap",
+       "transformers serves the demo GGUF through a Q4_K dequant kernel that swaps sub-block scale and min",
+       Expect("dequant", "scale and min swapped", 0))
+def engine_dequant_scale_min_swap(inputs, tmp: Path) -> None:
+    inputs.engine = "transformers"
+    inputs.dequant_kernel = get("scale_min_swap").build()
+
+
 def all_demo_faults() -> list[Fault]:
     return all_faults("demo")
 

@@ -17,11 +17,12 @@ from .forward import ReferenceModel, register_block
 
 
 def load(path, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-         cache: bool = False, emulate=None) -> ReferenceModel:
+         cache: bool = False, emulate=None, dequantizer=None) -> ReferenceModel:
     """Open a GGUF for the reference forward pass (weights are dequantized lazily, block by block;
     `cache=True` keeps the dequantized blocks for repeated runs; `emulate` an EnginePrecision from
-    reference/emulate.py reproduces an engine's arithmetic, to calibrate noise budgets)."""
-    return ReferenceModel(path, dtype=dtype, device=device, cache=cache, emulate=emulate)
+    reference/emulate.py reproduces an engine's arithmetic, to calibrate noise budgets;
+    `dequantizer` swaps in another dequantizer, for op substitution)."""
+    return ReferenceModel(path, dtype=dtype, device=device, cache=cache, emulate=emulate, dequantizer=dequantizer)
 
 
 __all__ = ["ModelConfig", "ReferenceModel", "from_gguf", "from_hf", "load", "register_block"]

@@ -80,8 +80,12 @@ class Weights:
     for it when a run emulates one (reference/emulate.py).
     """
 
-    def __init__(self, g, *, dtype: torch.dtype, device: torch.device, cache: bool):
+    def __init__(self, g, *, dtype: torch.dtype, device: torch.device, cache: bool,
+                 dequantizer: Callable[..., torch.Tensor] | None = None):
         self.g, self.dtype, self.device, self.cache = g, dtype, device, cache
+        # (raw, qtype, shape, device=) -> float tensor: ours by default; op substitution swaps in a
+        # suspect kernel (subjects/kernels.py KernelDequantizer)
+        self.dequantize = dequantizer or dequantize_raw
         self.qtypes: dict[int, int] = {}  # data_ptr -> GGML type
         self._names = {t.name for t in g.tensors}
         self._cached: dict[str, torch.Tensor] = {}
@@ -97,7 +101,7 @@ class Weights:
         w = self._cached.get(name)
         if w is None:
             t = self.g.tensor(name)
-            w = dequantize_raw(t.data, t.type, t.shape, device=self.device).to(self.dtype)
+            w = self.dequantize(t.data, t.type, t.shape, device=self.device).to(self.dtype)
             if self.cache:
                 self._cached[name] = w
             self._remember(w, t.type)
@@ -110,7 +114,7 @@ class Weights:
         t = self.g.tensor(name)
         n_rows, row_len = t.shape
         raw = t.data.reshape(n_rows, -1)[ids.cpu().numpy()]  # [len(ids), row_bytes]
-        return dequantize_raw(raw, t.type, (len(ids), row_len), device=self.device).to(self.dtype)
+        return self.dequantize(raw, t.type, (len(ids), row_len), device=self.device).to(self.dtype)
 
     def slab(self, name: str, i: int) -> torch.Tensor:
         """Slab i along the slowest dim (one expert of a merged [E, out, in] expert tensor), dequantizing
@@ -119,7 +123,7 @@ class Weights:
             return self._cached[name][i]
         t = self.g.tensor(name)
         raw = t.data.reshape(t.shape[0], -1)[i]
-        w = dequantize_raw(raw, t.type, tuple(t.shape[1:]), device=self.device).to(self.dtype)
+        w = self.dequantize(raw, t.type, tuple(t.shape[1:]), device=self.device).to(self.dtype)
         return self._remember(w, t.type)
 
     def row_slices(self, name: str, chunk: int) -> Iterable[torch.Tensor]:
@@ -134,7 +138,7 @@ class Weights:
         raw = t.data.reshape(n_rows, -1)
         for r in range(0, n_rows, chunk):
             part = raw[r:r + chunk]
-            w = dequantize_raw(part, t.type, (part.shape[0], row_len), device=self.device).to(self.dtype)
+            w = self.dequantize(part, t.type, (part.shape[0], row_len), device=self.device).to(self.dtype)
             yield self._remember(w, t.type)
 
 
@@ -333,7 +337,7 @@ class ReferenceModel:
 
     def __init__(self, path, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
                  cache: bool = False, vocab_chunk: int = 32768, kv_chunk: int | None = 4096,
-                 emulate: EnginePrecision | None = None):
+                 emulate: EnginePrecision | None = None, dequantizer: Callable[..., torch.Tensor] | None = None):
         if dtype not in (torch.float64, torch.float32, torch.bfloat16, torch.float16):
             raise InputError(f"dtype {dtype} not supported (float64, float32, bfloat16, float16)")
         self.path = path
@@ -343,7 +347,7 @@ class ReferenceModel:
         if self.block is None:
             raise InputError(f"{path}: no reference block for architecture {self.config.arch!r}")
         self.dtype, self.device = dtype, torch.device(device)
-        self.weights = Weights(self.g, dtype=dtype, device=self.device, cache=cache)
+        self.weights = Weights(self.g, dtype=dtype, device=self.device, cache=cache, dequantizer=dequantizer)
         self.emulate = emulate
         self.vocab_chunk, self.kv_chunk = vocab_chunk, kv_chunk
         self.stats: list[LayerStats] = []

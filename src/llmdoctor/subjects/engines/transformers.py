@@ -62,14 +62,17 @@ def hf_config(cfg) -> dict[str, Any]:
     return d
 
 
-def build(path: str | os.PathLike, dtype: torch.dtype = torch.float32):
-    """(model, config) with the GGUF's weights in transformers' layout, in `dtype`, on the CPU."""
+def build(path: str | os.PathLike, dtype: torch.dtype = torch.float32, dequantizer=None):
+    """(model, config) with the GGUF's weights in transformers' layout, in `dtype`, on the CPU.
+    `dequantizer` is the deployment's GGUF dequant kernel (default: ours, bit-exact)."""
     import transformers
     from transformers.initialization import no_init_weights
 
     from ...gguf import layout, open_gguf
     from ...reference.config import from_gguf
     from ...reference.forward import dequantize_raw
+
+    dequantize = dequantizer or dequantize_raw
 
     with open_gguf(path) as g:
         cfg = from_gguf(g)
@@ -86,7 +89,7 @@ def build(path: str | os.PathLike, dtype: torch.dtype = torch.float32):
         for r in plan.rules:
             for t_name in r.targets:
                 t = g.tensor(t_name)
-                gg[t_name] = dequantize_raw(t.data, t.type, t.shape, device="cpu")
+                gg[t_name] = dequantize(t.data, t.type, t.shape, device="cpu")
         state = {k: v.to(dtype) for k, v in layout.to_hf(plan, gg).items()}
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [m for m in missing if m not in plan.skipped and not m.endswith("rotary_emb.inv_freq")]
@@ -100,19 +103,27 @@ def build(path: str | os.PathLike, dtype: torch.dtype = torch.float32):
 
 @torch.inference_mode()
 def run(path: str | os.PathLike, tokens: list[int], *, dtype: str = "float32",
-        n_threads: int | None = None) -> EngineRun:
-    """One forward pass of `tokens` through transformers in `dtype`: logits [T, V] and l_out-{i}."""
+        n_threads: int | None = None, dequant_kernel: str | None = None) -> EngineRun:
+    """One forward pass of `tokens` through transformers in `dtype`: logits [T, V] and l_out-{i}.
+    `dequant_kernel`: a kernel spec the deployment loads the GGUF with (run isolated)."""
     torch_dtype = getattr(torch, dtype, None)
     if not isinstance(torch_dtype, torch.dtype):
         raise InputError(f"unknown dtype {dtype!r}")
     if n_threads:
         torch.set_num_threads(n_threads)
-    model, cfg = build(path, torch_dtype)
+    if dequant_kernel:
+        from ..substitution import KernelDequantizer
+
+        with KernelDequantizer(dequant_kernel) as kd:
+            model, cfg = build(path, torch_dtype, kd)
+    else:
+        model, cfg = build(path, torch_dtype)
     out = model(torch.tensor([tokens]), output_hidden_states=True, use_cache=False)
     logits = out.logits[0].float().numpy()  # [T, V]
     # hidden_states[0] is the (scaled) embedding; hidden_states[i + 1] the output of layer i, except
     # that the last entry has the final norm applied (transformers' convention): drop it.
     caps = {f"l_out-{i}": h[0].float().numpy() for i, h in enumerate(out.hidden_states[1:-1])}
     caps["result_output"] = logits
-    info = {"engine": "transformers", "transformers": __import__("transformers").__version__, "dtype": dtype}
+    info = {"engine": "transformers", "transformers": __import__("transformers").__version__, "dtype": dtype,
+            "dequant_kernel": dequant_kernel or "llmdoctor"}
     return EngineRun(np.ascontiguousarray(logits), caps, list(caps), info)
