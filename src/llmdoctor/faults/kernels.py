@@ -130,7 +130,7 @@ def _bug_kernel(name: str, bug: str, target: str, expect: str, description: str)
         return out if dtype is None else out.to(dtype)
 
     kernel.__name__ = kernel.__qualname__ = name
-    globals()[name] = kernel
+    globals()[name] = kernel  # a module attribute, so that "llmdoctor.faults.kernels:<name>" resolves
     register(name, "kernel", description, expect)(lambda: _SPEC + name)
     DEMO_TARGET[name] = target
 
