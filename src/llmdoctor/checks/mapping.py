@@ -86,6 +86,8 @@ class HFSide:
     files: dict[str, Path] = field(default_factory=dict)  # checkpoint name -> safetensors file
     checkpoint: Path | None = None  # the --hf directory
 
+    _open: dict[Path, Any] = field(default_factory=dict, repr=False)  # one safe_open handle per file
+
     def tensor(self, name: str, rows: torch.Tensor | None = None) -> torch.Tensor | None:
         """The checkpoint tensor (only `rows` of it when given), or None when absent."""
         from safetensors import safe_open
@@ -93,11 +95,13 @@ class HFSide:
         path = self.files.get(name)
         if path is None:
             return None
-        with safe_open(str(path), framework="pt") as f:
-            if rows is None:
-                return f.get_tensor(name)
-            sl = f.get_slice(name)
-            return torch.stack([sl[int(i):int(i) + 1][0] for i in rows])
+        if path not in self._open:  # header parsed once per shard, not once per tensor
+            self._open[path] = safe_open(str(path), framework="pt")
+        f = self._open[path]
+        if rows is None:
+            return f.get_tensor(name)
+        sl = f.get_slice(name)
+        return torch.stack([sl[int(i):int(i) + 1][0] for i in rows])
 
 
 def _text_config(d: dict) -> dict:
@@ -463,9 +467,10 @@ class _Pair:
     rows: torch.Tensor | None
 
 
-def band(p: _Pair, gg_types: list[QT]) -> tuple[float, dict[str, Any]]:
-    """The rule's error band: BAND_K * e_q + transform rounding + FLOAT32_FLOOR (module docstring)."""
-    fwd = p.rule.forward(p.hf) if p.rows is None else p.hf
+def band(fwd: list[torch.Tensor], gg_types: list[QT], hf: list[torch.Tensor], transform: str
+         ) -> tuple[float, dict[str, Any]]:
+    """The error band of GGUF tensors `fwd` (the HF tensors `hf` taken through `transform`) stored as
+    `gg_types`: BAND_K * e_q + transform rounding + FLOAT32_FLOOR (module docstring)."""
     eqs, how = [], set()
     for x, qt in zip(fwd, gg_types):
         if x.ndim >= 2:  # the error is a per-block statistic: every k-th row, about BAND_ELEMENTS in all
@@ -474,15 +479,15 @@ def band(p: _Pair, gg_types: list[QT]) -> tuple[float, dict[str, Any]]:
         eqs.append(e)
         how.add(h)
     e_q = max(eqs)
-    transform = 0.0
-    if p.rule.transform.startswith("norm_offset"):
-        w = p.hf[0].double()
-        transform = 2.0**-24 * float((1 + w).norm() / w.norm().clamp_min(1e-300))
-    b = BAND_K * e_q + transform + FLOAT32_FLOOR
-    n = max(x.numel() for x in p.hf)  # the cosine's own float64 evaluation error: gamma_n(2^-53)
+    rounding = 0.0
+    if transform.startswith("norm_offset"):
+        w = hf[0].double()
+        rounding = 2.0**-24 * float((1 + w).norm() / w.norm().clamp_min(1e-300))
+    b = BAND_K * e_q + rounding + FLOAT32_FLOOR
+    n = max(x.numel() for x in hf)  # the cosine's own float64 evaluation error: gamma_n(2^-53)
     cos_min = math.sqrt(max(0.0, 1 - b * b)) - M.gamma(n, M.unit_roundoff(torch.float64))
     return b, {"rel_l2_max": b, "cosine_min": cos_min, "quant_rel_l2": e_q,
-               "transform_rounding": transform, "derivation": "; ".join(sorted(how))}
+               "transform_rounding": rounding, "derivation": "; ".join(sorted(how))}
 
 
 def _compare(got: list[torch.Tensor], want: list[torch.Tensor]) -> tuple[float, float]:
@@ -549,7 +554,7 @@ def _numeric(p: layout.Plan, hf: HFSide, gg: dict[str, Any], cfg: ModelConfig) -
                if hf.checkpoint is None else f"{hf.checkpoint} holds no *.safetensors")
         return [_finding("numeric", "skip", reason=f"numeric check needs an HF checkpoint (--hf DIR): {why}")]
     out = []
-    cache: dict[str, torch.Tensor] = {}
+    cache: dict[str, torch.Tensor] = {}  # HF tensors of the rule at hand (and its swap candidates)
 
     def hf_t(name: str, rows: torch.Tensor | None) -> torch.Tensor | None:
         key = f"{name}@{'all' if rows is None else len(rows)}"
@@ -559,15 +564,20 @@ def _numeric(p: layout.Plan, hf: HFSide, gg: dict[str, Any], cfg: ModelConfig) -
         return cache[key]
 
     for r in p.rules:
+        cache.clear()
         if any(t not in gg for t in r.targets):
             continue
         if any(s not in hf.files for s in r.sources):
             out.append(_finding(f"numeric/{r.targets[0]}", "skip",
                                 reason=f"{_srcs(r)} is not in the checkpoint's safetensors"))
             continue
+        if r.transform == "stack_experts":
+            out.append(_numeric_experts(r, gg[r.targets[0]], hf))
+            continue
         rows = _rows(gg[r.targets[0]]) if r.transform == "copy" else None
         pair = _Pair(r, [_dequant(gg[t], rows) for t in r.targets], [hf_t(s, rows) for s in r.sources], rows)
-        b, budget = band(pair, [gg[t].type for t in r.targets])
+        fwd = r.forward(pair.hf) if rows is None else pair.hf
+        b, budget = band(fwd, [gg[t].type for t in r.targets], pair.hf, r.transform)
         try:
             got = r.inverse(pair.gg) if rows is None else pair.gg
             rel, cos = _compare(got, pair.hf)
@@ -586,6 +596,42 @@ def _numeric(p: layout.Plan, hf: HFSide, gg: dict[str, Any], cfg: ModelConfig) -
                                              f"{r.transform}") + f" (rel_l2 {rel:.3g}, cosine {cos:.3f}, band {b:.3g})",
                             metrics=metrics, budget=budget, evidence=[{"explained_by": why}] if why else []))
     return out
+
+
+def _numeric_experts(r: layout.Rule, t: Any, hf: HFSide) -> Finding:
+    """A stacked-experts tensor [E, out, in] one expert at a time (the memory of one expert): slot e
+    against checkpoint expert e, under the band of expert 0 (the experts of one tensor share their
+    distribution). A failing slot is then matched against the layer's other experts (stored out of order)."""
+    from ..reference.forward import dequantize_raw
+
+    slab = t.nbytes // t.shape[0]
+
+    def slot(e: int) -> torch.Tensor:  # expert e's bytes are contiguous: [out, in]
+        return dequantize_raw(t.data[e * slab:(e + 1) * slab], t.type, t.shape[1:], device="cpu")
+
+    b, budget, rel_w, cos_w, worst, bad = 0.0, {}, 0.0, 1.0, 0, []
+    for e, src in enumerate(r.sources):
+        want = hf.tensor(src).float()
+        if e == 0:
+            b, budget = band([want], [t.type], [want], r.transform)
+        rel, cos = _compare([slot(e)], [want])
+        if rel > rel_w:
+            rel_w, worst = rel, e
+        cos_w = min(cos_w, cos)
+        if not (rel <= b and cos >= budget["cosine_min"]):
+            bad.append(e)
+    metrics = {"rel_l2": rel_w, "cosine": cos_w, "types": [t.type.name], "experts": len(r.sources),
+               "worst_expert": worst, "experts_failed": len(bad)}
+    if not bad:
+        return _finding(f"numeric/{t.name}", "pass", f"{t.name} ~ {_srcs(r)}, expert by expert: worst rel_l2 "
+                        f"{rel_w:.3g} <= {b:.3g} (expert {worst})", metrics=metrics, budget=budget)
+    e, got = bad[0], slot(bad[0])
+    why = next((f"{t.name} slot {e} holds {src} (expert {e2}): experts stored out of order"
+                for e2, src in enumerate(r.sources) if e2 != e and _compare([got], [hf.tensor(src).float()])[0] <= b), "")
+    return _finding(f"numeric/{t.name}", "fail", (why or f"{t.name}: {len(bad)} of {len(r.sources)} experts do not "
+                                                  f"match, first expert {e} ({r.sources[e]})")
+                    + f" (worst rel_l2 {rel_w:.3g}, band {b:.3g})", metrics=metrics, budget=budget,
+                    evidence=[{"failed_experts": bad[:16]}])
 
 
 def _explain(p: layout.Plan, pair: _Pair, hf_t: Callable, cfg: ModelConfig, b: float) -> str:

@@ -148,6 +148,17 @@ def indexer_quantized(gguf: Path, hf: Path | None, out_dir: Path) -> Pair:
     return _rewrite(gguf, Path(out_dir) / f"{Path(gguf).stem}.q8-indexer.gguf", edit), hf
 
 
+@register("mapping-experts-order", "file", "blk.1.ffn_up_exps with experts 0 and 1 in each other's slots",
+          expect="experts stored out of order")
+def experts_order(gguf: Path, hf: Path | None, out_dir: Path) -> Pair:
+    def edit(name: str, data: np.ndarray, qt: QT):
+        if name == "blk.1.ffn_up_exps.weight":
+            data = data[[1, 0, *range(2, data.shape[0])]]
+        yield name, data, qt
+
+    return _rewrite(gguf, Path(out_dir) / f"{Path(gguf).stem}.experts.gguf", edit), hf
+
+
 @register("mapping-rope-base", "file", "rope.freq_base changed in the metadata (-> 100)", expect="rope_base")
 def rope_base_changed(gguf: Path, hf: Path | None, out_dir: Path) -> Pair:
     return rope_base(gguf, out_dir), hf
