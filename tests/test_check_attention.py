@@ -129,7 +129,7 @@ def test_builtin_subjects_pass_and_consistency_holds_on_cpu():
         assert not [f for f in mine if f.status == "fail"], [(f.target, f.reason) for f in mine if f.status == "fail"]
         names = {f.target.split("/")[0] for f in mine if f.status == "pass"}
         assert {"prefill-row-vs-decode", "absorbed-vs-naive", "sparse-prefill-row-vs-decode", "sparse-prefill",
-                "mla-decode-long"} <= names
+                "mla-decode-long", "mla-decode-fp8"} <= names
     chunked = {f.subject: f for f in res.findings if f.target == "chunked/bfloat16"}
     assert chunked["sdpa-math"].status == "skip" and "lse" in chunked["sdpa-math"].reason
     assert chunked["flex"].status == "pass"

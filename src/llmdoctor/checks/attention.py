@@ -7,6 +7,10 @@ not multiples of the cache block size, a long sequence, sliding window / softcap
 them, paged latent caches with unused pages full of NaN, DSA top-k selections with -1 and duplicates.
 Every case draws fresh random inputs (never zeros); a subject taking `out=` gets a NaN-filled buffer.
 
+An fp8 latent cache (`mla-decode-fp8`) gets its floor the same way, its cache rounded through
+float8_e4m3fn at the per-tensor scale; the subject is judged against the float64 math on the dequantized
+fp8 cache it was given.
+
 Budget (issue 6): the noise floor of a case in a dtype is the largest error, over 5 seeds, of the
 reference math run with its inputs rounded to the dtype, the probabilities P rounded to the dtype
 before P·V, and the output rounded to the dtype (lse rounded to float32, what kernels return),
@@ -138,6 +142,7 @@ class Case:
     block_size: int = 16
     top_k: int = 0
     chunk: int = 0
+    fp8_cache: bool = False  # the latent cache in float8_e4m3fn with a per-tensor scale (kv_scale=)
 
     @property
     def total_q(self) -> int:
@@ -166,6 +171,7 @@ def cases(shape: Shape) -> list[Case]:
             Case("mla-decode-b1", "mla-decode", ((1, 37),)),
             Case("mla-decode-ragged", "mla-decode", ((1, 1), (1, 17), (1, 64), (1, 100))),
             Case("mla-decode-long", "mla-decode", ((1, LONG),), block_size=64),
+            Case("mla-decode-fp8", "mla-decode", ((1, 37), (1, 64)), fp8_cache=True),
         ]
     if shape.top_k:
         k = min(shape.top_k, TOPK)
@@ -246,6 +252,17 @@ def _topk(case: Case, gen: torch.Generator) -> torch.Tensor:
     return torch.stack(rows).to(torch.int32)
 
 
+FP8 = torch.float8_e4m3fn
+
+
+def fp8_cache(x: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """x with its latent cache rounded through float8_e4m3fn at a per-tensor scale (amax / 448, the
+    format's largest finite value), and that scale as `kv_scale`: what an fp8-cache engine stores."""
+    cache = x["kv_cache"]
+    scale = cache[torch.isfinite(cache)].abs().max() / torch.finfo(FP8).max
+    return {**x, "kv_cache": (cache / scale).to(FP8).to(torch.float64) * scale, "kv_scale": scale}
+
+
 def _rounded(x: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """The inputs in `dtype` (the reference math on them accumulates in float32)."""
     return {n: (v.to(dtype) if v.is_floating_point() else v) for n, v in x.items()}
@@ -322,7 +339,8 @@ def noise_floor(shape: Shape, case: Case, dtype: torch.dtype, device: str = "cpu
     for seed in range(FLOOR_SEEDS):
         x = make_inputs(shape, case, 10_000 + seed, device)
         want, want_lse = reference(shape, case, x)
-        emu, emu_lse = reference(shape, case, _rounded(x, dtype), p_dtype=dtype, out_dtype=dtype)
+        emu, emu_lse = reference(shape, case, _rounded(fp8_cache(x) if case.fp8_cache else x, dtype), p_dtype=dtype,
+                                 out_dtype=dtype)
         fl.out_max = max(fl.out_max, metrics.max_abs_diff(emu, want))
         fl.out_rel = max(fl.out_rel, metrics.rel_l2(emu, want))
         fin = torch.isfinite(want_lse)
@@ -362,6 +380,9 @@ def run_case(iso: Isolated, shape: Shape, case: Case, x: dict[str, torch.Tensor]
         kw["window_left"] = case.window - 1
     if case.softcap:
         kw["softcap"] = case.softcap
+    if case.fp8_cache:  # x's cache is already fp8-representable at this scale: the conversion is exact
+        c["kv_cache"] = (x["kv_cache"] / x["kv_scale"]).to(FP8)
+        kw["kv_scale"] = float(x["kv_scale"])
     h, tq = shape.n_head, case.total_q
     if case.contract == "prefill":
         def one(k, v, cu_k, causal):
@@ -698,6 +719,7 @@ def run(shape: Shape, subjects: list[tuple[str, Optional[str]]], *, device: str 
     floors: dict[tuple[str, str], Floor] = {}
     dev = "cuda" if device == "cuda" else "cpu"
     inputs = {c.name: make_inputs(shape, c, seed + i, dev) for i, c in enumerate(all_cases)}
+    inputs |= {c.name: fp8_cache(inputs[c.name]) for c in all_cases if c.fp8_cache}
     for spec, contract in subjects:
         label = spec if contract is None else f"{spec} ({contract})"
         st = time.perf_counter()

@@ -150,9 +150,12 @@ def _sdpa(backend_name: str, device: str) -> dict[str, Callable]:
 
 
 def _mla_entry_points(latent: Callable) -> dict[str, Callable]:
-    """The three MLA contracts on top of one `latent(q, cache, table, cu_q, seq_lens, topk, scale, R)`."""
+    """The three MLA contracts on top of one `latent(q, cache, table, cu_q, seq_lens, topk, scale, R)`.
+    An fp8 cache (kv_scale=) is dequantized to q's dtype first, as engines without fp8 attention do."""
 
-    def mla_decode(q, kv_cache, block_table, seq_lens, softmax_scale, kv_lora_rank):
+    def mla_decode(q, kv_cache, block_table, seq_lens, softmax_scale, kv_lora_rank, kv_scale=None):
+        if kv_scale is not None:
+            kv_cache = kv_cache.to(q.dtype) * kv_scale
         return latent(q, kv_cache, block_table, list(range(q.shape[0] + 1)), seq_lens.tolist(), None,
                       softmax_scale, kv_lora_rank)
 
