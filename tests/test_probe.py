@@ -18,7 +18,7 @@ import pytest
 from typer.testing import CliRunner
 
 from llmdoctor.checks.metrics import topk_tail
-from llmdoctor.checks.probes import THRESHOLDS, counting_run, expected_stats, probe, render_chat_template
+from llmdoctor.checks.probes import DEFAULT_STEPS, THRESHOLDS, counting_run, expected_stats, probe, render_chat_template
 from llmdoctor.cli import app
 from llmdoctor.demo import model_path
 from llmdoctor.errors import InputError
@@ -131,12 +131,14 @@ def test_faults_are_registered() -> None:
 
 @pytest.mark.slow
 def test_healthy_real_server_with_reference(server: str) -> None:
-    rep = probe(server, gguf=model_path(), concurrency=3)
+    rep = probe(server, gguf=model_path(), concurrency=3, steps=[*DEFAULT_STEPS, "echo"])
     assert rep.verdict == "healthy", _symptoms(rep)
+    assert rep.features["echo"] and rep.features["tokenize_route"] == "/extras/tokenize"
     assert rep.exit_code == 0 and not rep.symptoms and not rep.transport_events
     ref = next(f for f in rep.findings if f.target == "reference")
     assert ref.status == "pass" and ref.metrics["top1_agreement"] == 1.0
     assert ref.metrics["kl_max"] <= THRESHOLDS["reference_kl_max"]["value"]
+    assert any(r["probe"].startswith("echo/") for r in ref.evidence)  # per prompt position
     print(f"\nhealthy probe: {rep.wall_s:.0f} s, {rep.n_requests} requests, reference KL max "
           f"{ref.metrics['kl_max']:.2e} mean {ref.metrics['kl_mean']:.2e}")
 
