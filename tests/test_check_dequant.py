@@ -339,3 +339,20 @@ def test_working_precision_of_outputs_that_are_not_bit_exact():
     assert dequant._working_precision(x.half().float()) == torch.float16  # computed in float16
     assert dequant._working_precision(x.bfloat16().float()) == torch.bfloat16
     assert dequant._working_precision(x) is None  # genuine float32: must be bit-exact
+
+
+def test_near_cancellation_is_thousands_of_ulps_off_yet_within_the_bound(demo):
+    """Q4_K in float16 (d·sc·q - dmin·m): where d·q ≈ m the result is >1000 float16 ulps from the
+    rounded reference, yet inside the derived bound, which no element of the correct kernel exceeds."""
+    from llmdoctor.checks import metrics
+    from llmdoctor.faults.kernels import _decode
+    from llmdoctor.gguf import open_gguf
+
+    with open_gguf(demo) as g:
+        t = g.tensor("blk.0.attn_output.weight")
+        b = np.array(t.data).reshape(-1, t.type_size)
+        got = _decode(torch.from_numpy(b.reshape(-1)), int(t.type), t.shape, ct=torch.float16).reshape(-1)
+    ref = torch.from_numpy(layout_bugs.reference(t.type, b)).reshape(-1)
+    m = torch.from_numpy(layout_bugs.min_part(t.type, b)).reshape(-1)
+    assert int(metrics.ulp_distance(got, ref.half()).max()) > 1000
+    assert not dequant.Judge(torch.float16).bad(got, ref, m).any()
