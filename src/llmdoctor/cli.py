@@ -183,16 +183,20 @@ def probe(
     concurrency: int = typer.Option(4, "--concurrency", min=2, help="Requests in flight for the batch probe."),
     timeout: float = typer.Option(60.0, "--timeout", help="Seconds one request may take."),
     seed: int = typer.Option(0, "--seed", help="Seed of the random string of the copy probe."),
+    echo: bool = typer.Option(False, "--echo", help="Also ask for the prompt's own log-probs (echo): "
+                              "prefill vs decode and per-position reference KL (slow on llama-cpp-python)."),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object on stdout."),
 ) -> None:
     """Black-box checks of a live OpenAI-compatible endpoint: healthy, degraded, garbage or inconclusive."""
+    from .checks.probes import DEFAULT_STEPS
     from .checks.probes import probe as run_probe
     from .errors import InputError
 
     if gguf is not None and not gguf.is_file():
         raise InputError(f"{gguf}: no such file")
     rep = run_probe(url, model=model, gguf=gguf, api_key_env=api_key_env, concurrency=concurrency,
-                    timeout=timeout, seed=seed, progress=lambda msg: terminal.stderr.print(msg))
+                    timeout=timeout, seed=seed, progress=lambda msg: terminal.stderr.print(msg),
+                    steps=[*DEFAULT_STEPS, "echo"] if echo else None)
     if json_out:
         print(dumps(envelope("probe", argv=sys.argv[1:], verdict=rep.verdict, exit_code=rep.exit_code,
                              findings=rep.findings, file=gguf, seed=seed, result=rep.to_dict())))
