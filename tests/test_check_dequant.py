@@ -356,3 +356,14 @@ def test_near_cancellation_is_thousands_of_ulps_off_yet_within_the_bound(demo):
     m = torch.from_numpy(layout_bugs.min_part(t.type, b)).reshape(-1)
     assert int(metrics.ulp_distance(got, ref.half()).max()) > 1000
     assert not dequant.Judge(torch.float16).bad(got, ref, m).any()
+
+
+def test_bound_has_teeth_bfloat16_arithmetic_returned_as_float16(demo, tmp_path):
+    """A kernel that returns float16 but computed in bfloat16 (3 bits short) fails the float16 bound."""
+    k = tmp_path / "bf16_as_f16.py"
+    k.write_text("import torch\nfrom llmdoctor.faults.kernels import _decode\n"
+                 "def dequant(raw, qtype, shape, dtype=None):\n"
+                 "    return _decode(raw, qtype, shape, ct=torch.bfloat16).half()\n")
+    res = dequant.run(demo, kernel=f"{k}:dequant", only="blk.0.attn_output.weight")
+    (f,) = res.findings
+    assert f.status == "fail" and "beyond the float16 rounding bound" in f.reason
