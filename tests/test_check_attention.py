@@ -169,3 +169,13 @@ def test_cli_bad_input_is_one_line_and_exit_2():
     assert json.loads(p.stdout)["verdict"] == "error"
     p = _cli("--preset", "nope")
     assert p.returncode == 2 and "--preset" in p.stderr and "Traceback" not in p.stderr
+
+
+def test_consistency_catches_a_kernel_that_disagrees_with_itself():
+    from llmdoctor.subjects.isolation import Isolated
+
+    spec = "llmdoctor.faults.attention:prefill_top_left"
+    with Isolated("llmdoctor.subjects.attention:serve", (spec, "cpu", "prefill")) as iso:
+        iso.start()
+        (f,) = ca.consistency(iso, GLM, torch.bfloat16, "bfloat16", spec, {"prefill"}, 0)
+    assert f.target == "prefill-row-vs-decode/bfloat16" and f.status == "fail", f.reason

@@ -281,7 +281,9 @@ def _flashinfer(device: str) -> dict[str, Callable]:
                 q[cq[b]:cq[b + 1]], k[ck[b]:ck[b + 1]], v[ck[b]:ck[b + 1]], causal=causal, sm_scale=softmax_scale,
                 window_left=window_left, logits_soft_cap=softcap or None, return_lse=True)
             out[cq[b]:cq[b + 1]] = o
-            lse[:, cq[b]:cq[b + 1]] = l.float().transpose(0, 1) * ln2  # FlashInfer's lse is base 2
+            # FlashInfer's lse is [q_len, H] in base 2 (flashinfer issue #2113; prefill wrappers default
+            # lse_base="log2", PR #5257): to the contract's [H, q_len] natural log
+            lse[:, cq[b]:cq[b + 1]] = l.float().transpose(0, 1) * ln2
         return out, lse
 
     return {"prefill": prefill}
