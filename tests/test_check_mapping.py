@@ -199,6 +199,51 @@ def test_metadata_differences_named_with_both_values(mla, tmp_path):
         assert want in msgs, msgs
 
 
+def test_glm_nextn_block(mla, tmp_path):
+    """GLM-4.5/GLM-5 GGUFs keep the NextN/MTP layer as an extra block (block_count = num_hidden_layers + 1,
+    nextn_predict_layers = 1) that transformers builds no module for: consistent against config.json
+    (the block listed as such), against the checkpoint holding model.layers.3.* (compared), and alone."""
+    from safetensors.torch import load_file, save_file
+
+    from llmdoctor.reference.mla import INDEXER_TYPES_KEY
+
+    gguf_path, hf = mla["glm"]
+    config = {**json.loads((hf / "config.json").read_text()), "num_nextn_predict_layers": 1}
+    n, h = config["num_hidden_layers"], config["hidden_size"]
+    ckpt = load_file(hf / "model.safetensors")
+    g = torch.Generator().manual_seed(1)
+    mtp = {k.replace(f"layers.{n - 1}.", f"layers.{n}."): v for k, v in ckpt.items() if f"layers.{n - 1}." in k}
+    mtp |= {f"model.layers.{n}.{k}": torch.randn(*s, generator=g) for k, s in
+            (("eh_proj.weight", (h, 2 * h)), ("enorm.weight", (h,)), ("hnorm.weight", (h,)),
+             ("shared_head.norm.weight", (h,)))}
+    p = layout.plan("glm-dsa", list(mtp), config)
+    assert not p.unmapped and "blk.3.nextn.eh_proj.weight" in p.by_target()
+    extra = layout.to_gguf(p, mtp)
+
+    def add(name, data, qt):
+        yield name, data, qt
+        if name == "token_embd.weight":
+            yield from ((k, v.numpy(), QT.F32) for k, v in extra.items())
+
+    V, arch = gguf.GGUFValueType, "glm-dsa"
+    with open_gguf(gguf_path) as gf:
+        types = list(gf.get(INDEXER_TYPES_KEY.format(arch=arch))) + [True]
+    path = _rewrite(gguf_path, tmp_path / "mtp.gguf", add, {
+        f"{arch}.block_count": (n + 1, V.UINT32), f"{arch}.nextn_predict_layers": (1, V.UINT32),
+        INDEXER_TYPES_KEY.format(arch=arch): (types, V.ARRAY, V.BOOL)})
+    d = tmp_path / "hf"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(config))
+    save_file(ckpt, str(d / "model.safetensors"))
+    save_file(mtp, str(d / "mtp.safetensors"))
+    res = mapping.run(path, d / "config.json")
+    assert failed(res) == []
+    assert "blk.3.nextn.eh_proj.weight" in [e.get("derived") for e in next(f for f in res.findings if f.target == "names").evidence]
+    res = mapping.run(path, d)
+    assert failed(res) == [] and "numeric/blk.3.nextn.eh_proj.weight" in {f.target for f in res.findings}
+    assert failed(mapping.run(path)) == []
+
+
 # ---- planted faults ------------------------------------------------------------------------------
 
 def _pair(name, demo_path, demo_hf, mla, llama):

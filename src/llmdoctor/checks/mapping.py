@@ -40,6 +40,7 @@ the band of every type of at least 2.5 bits per weight (band <= 0.75).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import re
@@ -161,21 +162,55 @@ def load_hf(hf: Path | None, g: Any, cfg: ModelConfig) -> HFSide:
         if not files:
             raise InputError(f"transformers does not know model_type {config.get('model_type')!r} and no "
                              "safetensors checkpoint was given: no HF parameter list")
-        from safetensors import safe_open
-
-        shapes = {}
-        for name, p in files.items():
-            with safe_open(str(p), framework="pt") as f:
-                shapes[name] = tuple(f.get_slice(name).get_shape())
-        source = f"the checkpoint's tensor list ({path})"
+        shapes, source = _checkpoint_shapes(files, files), f"the checkpoint's tensor list ({path})"
+    else:  # NextN/MTP layers past num_hidden_layers: in the checkpoint, but transformers builds no module
+        n = int(config.get("num_hidden_layers") or 0)
+        shapes.update(_checkpoint_shapes(files, [k for k in files if (b := _layer(k)) is not None and b >= n]))
     return HFSide(config, shapes, source, from_gguf=hf is None, files=files,
                   checkpoint=Path(hf) if hf is not None and Path(hf).is_dir() else None)
+
+
+def _checkpoint_shapes(files: dict[str, Path], names: Any) -> dict[str, tuple[int, ...]]:
+    from safetensors import safe_open
+
+    out = {}
+    for name in names:
+        with safe_open(str(files[name]), framework="pt") as f:
+            out[name] = tuple(f.get_slice(name).get_shape())
+    return out
+
+
+def _layer(name: str) -> int | None:
+    """The block index of an HF (model.layers.N.) or GGUF (blk.N.) tensor name."""
+    m = re.match(r"(?:model\.layers|blk)\.(\d+)\.", name)
+    return int(m[1]) if m else None
+
+
+def nextn_layers(g: Any, arch: str) -> int:
+    """NextN/MTP blocks the GGUF counts in its block_count (llama.cpp's converters for GLM-4.5/GLM-5
+    write num_hidden_layers + num_nextn_predict_layers blocks and `{arch}.nextn_predict_layers`)."""
+    return int(g.get(f"{arch}.nextn_predict_layers") or 0)
+
+
+def main_layers(cfg: ModelConfig, nextn: int) -> ModelConfig:
+    """`cfg` without its trailing `nextn` MTP blocks: the layer count and per-layer tuples as config.json
+    counts them (num_hidden_layers, layer_types, indexer_types)."""
+    if not nextn:
+        return cfg
+    n = cfg.n_layer - nextn
+    out = dataclasses.replace(cfg, n_layer=n, swa_layers=cfg.swa_layers[:n])
+    ix = cfg.mla.indexer if cfg.mla is not None else None
+    if ix is not None:
+        out.mla = dataclasses.replace(cfg.mla, indexer=dataclasses.replace(ix, full=ix.full[:n]))
+    return out
 
 
 def hf_config(cfg: ModelConfig, g: Any) -> dict:
     """A config.json (transformers 5 field names) describing the same network as the GGUF's metadata:
     the inverse of reference/config.py's HF parsers (from_hf(hf_config(c)).diff(c) == {})."""
     ids = {k: g.get(f"tokenizer.ggml.{k}_token_id") for k in ("bos", "eos", "padding")}
+    nextn = nextn_layers(g, cfg.arch)
+    cfg = main_layers(cfg, nextn)
     d: dict[str, Any] = dict(
         vocab_size=cfg.n_vocab, hidden_size=cfg.n_embd, intermediate_size=cfg.n_ff,
         num_hidden_layers=cfg.n_layer, num_attention_heads=cfg.n_head, num_key_value_heads=cfg.n_head_kv,
@@ -183,6 +218,8 @@ def hf_config(cfg: ModelConfig, g: Any) -> dict:
         max_position_embeddings=int(g.get(f"{cfg.arch}.context_length") or 4096),
         bos_token_id=ids["bos"], eos_token_id=ids["eos"], pad_token_id=ids["padding"],
     )
+    if nextn:
+        d["num_nextn_predict_layers"] = nextn
     rope = {"rope_type": "default", "rope_theta": cfg.rope_base}
     if cfg.rope_scale != 1.0:
         rope = {"rope_type": "linear", "rope_theta": cfg.rope_base, "factor": 1.0 / cfg.rope_scale}
@@ -237,6 +274,9 @@ def _mla_config(cfg: ModelConfig) -> dict:
 
 def _names(p: layout.Plan, hf: HFSide, gg: dict[str, Any]) -> list[Finding]:
     out = []
+    n_main = int(hf.config.get("num_hidden_layers") or 0)
+    mtp = {n: "NextN/MTP block: transformers builds no module for it (give the checkpoint, --hf DIR, to compare it)"
+           for n in gg if hf.config.get("num_nextn_predict_layers") and (_layer(n) or 0) >= n_main}
     for name in p.unmapped:
         out.append(_finding(f"names/{name}", "fail", f"HF parameter {name} has no GGUF name for {p.arch} "
                             "(gguf-py's TensorNameMap knows none)", evidence=[{"hf": name}]))
@@ -248,10 +288,11 @@ def _names(p: layout.Plan, hf: HFSide, gg: dict[str, Any]) -> list[Finding]:
                                 f"HF parameter {_srcs(r)} has no GGUF source: {', '.join(missing)} is not in the file",
                                 evidence=[{"hf": list(r.sources[:4]), "gguf_missing": missing}]))
     for name in gg:
-        if name not in targets and not DERIVED_GGUF.match(name):
+        if name not in targets and not DERIVED_GGUF.match(name) and name not in mtp:
             out.append(_finding(f"names/{name}", "fail", f"GGUF tensor {name} has no HF parameter in {hf.source}",
                                 evidence=[{"gguf": name}]))
-    derived = {**p.skipped, **{n: "derived by the converter from config.json" for n in gg if DERIVED_GGUF.match(n)}}
+    derived = {**p.skipped, **{n: "derived by the converter from config.json" for n in gg if DERIVED_GGUF.match(n)},
+               **{n: why for n, why in mtp.items() if n not in targets}}
     if not out:
         out.append(_finding("names", "pass", f"{len(targets)} GGUF tensors <-> {sum(len(r.sources) for r in p.rules)} "
                             f"HF parameters, both directions; derived, not stored: "
@@ -367,8 +408,6 @@ KEYS = {
 
 def _flat_diff(a: Any, b: Any, prefix: str = "") -> dict[str, tuple[Any, Any]]:
     """Field-by-field differences, descending into dataclasses (mla, moe, yarn, indexer)."""
-    import dataclasses
-
     if dataclasses.is_dataclass(a) and dataclasses.is_dataclass(b) and type(a) is type(b):
         out: dict[str, tuple[Any, Any]] = {}
         for f in dataclasses.fields(a):
@@ -388,7 +427,7 @@ def _metadata(cfg: ModelConfig, g: Any, hf: HFSide) -> list[Finding]:
     except InputError as e:
         return [_finding("metadata", "skip", reason=f"config.json not parsed: {e}")]
     diffs: dict[str, tuple[Any, Any]] = {}
-    for name, (a, b) in cfg.diff(other).items():
+    for name, (a, b) in main_layers(cfg, nextn_layers(g, cfg.arch)).diff(other).items():
         diffs.update(_flat_diff(a, b, f"{name}."))
     for kind in ("bos", "eos"):
         got, want = g.get(f"tokenizer.ggml.{kind}_token_id"), hf.config.get(f"{kind}_token_id")

@@ -38,19 +38,20 @@ def _value_offset(g, key: str) -> int:
     return g.fields[key].offset + 8 + len(key.encode()) + 4
 
 
-def _rewrite(src: Path, dst: Path, edit: Edit) -> Path:
+def _rewrite(src: Path, dst: Path, edit: Edit, meta: dict[str, tuple] | None = None) -> Path:
     """Copy `src` to `dst` through GGUFWriter, every tensor passed through `edit(name, data, type)`,
-    which yields the tensors to write instead: (name, float32 values or raw uint8 bytes, type)."""
+    which yields the tensors to write instead: (name, float32 values or raw uint8 bytes, type).
+    `meta`: metadata to set, key -> (value, GGUFValueType[, element type for arrays])."""
     with open_gguf(src) as g:
         w = GGUFWriter(str(dst), g.architecture)
-        for key, f in g.fields.items():
+        kv = {k: (f.value, f.type, f.element_type) for k, f in g.fields.items()}
+        for key, (v, vtype, *sub) in {**kv, **(meta or {})}.items():
             if key == "general.architecture":
                 continue  # the writer adds it
-            v = f.value
-            if f.type == GGUFValueType.ARRAY:
-                w.add_key_value(key, list(v) if not hasattr(v, "tolist") else v.tolist(), f.type, sub_type=f.element_type)
+            if vtype == GGUFValueType.ARRAY:
+                w.add_key_value(key, v.tolist() if hasattr(v, "tolist") else list(v), vtype, sub_type=sub[0])
             else:
-                w.add_key_value(key, v, f.type)
+                w.add_key_value(key, v, vtype)
         for t in g.tensors:
             data = t.numpy().astype(np.float32) if t.type == QT.F32 else np.array(t.data).reshape(*t.shape[:-1], -1)
             for name, arr, qt in edit(t.name, data, t.type):
