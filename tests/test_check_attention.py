@@ -179,3 +179,19 @@ def test_consistency_catches_a_kernel_that_disagrees_with_itself():
         iso.start()
         (f,) = ca.consistency(iso, GLM, torch.bfloat16, "bfloat16", spec, {"prefill"}, 0)
     assert f.target == "prefill-row-vs-decode/bfloat16" and f.status == "fail", f.reason
+
+
+def test_shapes_from_an_hf_config_and_a_gguf_agree_with_the_presets(tmp_path):
+    from llmdoctor.demo import model_path
+
+    cfg = {"model_type": "deepseek_v3", "num_hidden_layers": 61, "num_attention_heads": 128, "q_lora_rank": 1536,
+           "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
+           "hidden_size": 7168, "intermediate_size": 18432, "vocab_size": 129280, "rope_theta": 10000,
+           "rope_scaling": {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096,
+                            "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    hf, preset = ca.load_shape(None, tmp_path / "config.json", None), ca.PRESETS["deepseek-v3"]
+    assert (hf.n_head, hf.head_dim, hf.head_dim_v, hf.mla.kv_lora_rank) == (128, 192, 128, 512)
+    assert math.isclose(hf.scale, preset.scale) and hf.scale > 192 ** -0.5  # YaRN mscale^2 included
+    g, gemma = ca.load_shape(None, None, model_path()), ca.PRESETS["gemma3-270m"]
+    assert (g.n_head, g.n_head_kv, g.head_dim, g.window) == (gemma.n_head, gemma.n_head_kv, gemma.head_dim, gemma.window)
