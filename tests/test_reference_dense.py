@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import json
 import math
 import types
 
@@ -328,6 +329,9 @@ def test_tiny_model_matches_transformers_float64(tmp_path, model_type, arch, ext
     model, d, path = tiny_gguf(tmp_path, model_type, arch, extra)
     ours = load(path, dtype=torch.float64)
     assert ours.config.diff(from_hf(d)) == {}
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(d, default=str))
+    assert from_hf(tmp_path / "hf") == from_hf(d)  # a checkpoint directory reads its config.json
     ids = torch.randint(0, 96, (40,), generator=torch.Generator().manual_seed(1))
     got, _ = ours.forward(ids)
     with torch.no_grad():

@@ -15,8 +15,11 @@ Conventions and where they come from:
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
+import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable
 
 from gguf import Keys
@@ -128,9 +131,17 @@ def from_gguf(g: Any) -> ModelConfig:
     return parser(g)
 
 
-def from_hf(config: dict | Any) -> ModelConfig:
-    """ModelConfig from an HF config (a config.json dict or a transformers PretrainedConfig)."""
+def from_hf(config: dict | str | os.PathLike | Any) -> ModelConfig:
+    """ModelConfig from an HF config: a config.json path (or its directory), its dict, or a
+    transformers PretrainedConfig."""
     _load_parsers()
+    if isinstance(config, (str, os.PathLike)):
+        path = Path(config)
+        path = path / "config.json" if path.is_dir() else path
+        try:
+            config = json.loads(path.read_text())
+        except (OSError, ValueError) as e:
+            raise InputError(f"{path}: cannot read an HF config: {e}") from None
     d = config if isinstance(config, dict) else config.to_dict()
     if "text_config" in d and d.get("model_type") not in _HF_PARSERS:
         d = d["text_config"]  # multimodal wrappers (Gemma3ForConditionalGeneration)
