@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import gguf
 import pytest
@@ -244,6 +245,45 @@ def test_glm_nextn_block(mla, tmp_path):
     assert failed(mapping.run(path)) == []
 
 
+class StandInGGUFModelLoader:
+    """vLLM is not installed here (and its 0.33.0 wheel has no GGUF loader): a stand-in with the contract of
+    vLLM's GGUFModelLoader._get_gguf_weights_map (model_config.hf_config -> {GGUF name: HF name}). Like
+    vLLM it maps through gguf-py's table, stacked experts under expert 0's name, and kv_b_proj whole."""
+
+    def _get_gguf_weights_map(self, model_config):
+        c = model_config.hf_config
+        out = {}
+        for name in mapping.meta_shapes(c.to_dict()):
+            e = re.match(r"(.+\.experts)\.(\d+)\.(\w+)\.weight$", name)
+            t = layout.gguf_name("deepseek2", c.num_hidden_layers, f"{e[1]}.{e[3]}.weight" if e else name)
+            if t and (e is None or e[2] == "0"):
+                out[t] = name
+        return out
+
+
+@pytest.mark.parametrize("legacy", [False, True])
+def test_engine_vllm_map_diffed_against_ours(tmp_path, monkeypatch, legacy):
+    """--engine vllm: a map that keeps kv_b_proj whole agrees with a file converted before the MLA split
+    and names each tensor it cannot place in a file with k_b / v_b."""
+    import sys
+    import types
+
+    mod = types.ModuleType(mapping.VLLM_LOADER)
+    mod.GGUFModelLoader = StandInGGUFModelLoader
+    monkeypatch.setitem(sys.modules, mapping.VLLM_LOADER, mod)
+    f = fx.build("deepseek", tmp_path, legacy=legacy)
+    res = mapping.run(f.gguf_path, tmp_path / "hf-deepseek" / "config.json", engine="vllm")
+    vllm = [x for x in res.findings if x.subject == "vllm"]
+    if legacy:
+        assert [x.status for x in vllm] == ["pass"] and failed(res) == []
+    else:
+        msgs = failed(res)
+        assert ("vLLM's map has no HF parameter for blk.0.attn_k_b.weight (ours: "
+                "model.layers.0.self_attn.kv_b_proj.weight): vLLM would not load it") in msgs
+        assert ("vLLM expects blk.0.attn_kv_b.weight (for model.layers.0.self_attn.kv_b_proj.weight), which the "
+                "file does not have") in msgs
+
+
 # ---- planted faults ------------------------------------------------------------------------------
 
 def _pair(name, demo_path, demo_hf, mla, llama):
@@ -299,6 +339,9 @@ def test_cli_exit_codes(mla, tmp_path):
     assert r.exit_code == 0 and doc["verdict"] == "consistent" and doc["schema"] == "llmdoctor.check.mapping/1"
     bad, _ = faults.get("mapping-kb-not-transposed").build(gguf_path, hf, tmp_path)
     r = CliRunner().invoke(app, ["check", "mapping", str(bad), "--hf", str(hf / "config.json"), "--engine", "vllm"])
-    assert r.exit_code == 1 and "attn_k_b" in r.stdout and "vLLM is not importable" in r.stdout
+    assert r.exit_code == 1 and "attn_k_b" in r.stdout and "inconsistent:" in r.stdout
+    r = CliRunner().invoke(app, ["check", "mapping", str(gguf_path), "--hf", str(hf), "--engine", "vllm", "--json"])
+    [v] = [f for f in json.loads(r.stdout)["findings"] if f["subject"] == "vllm"]
+    assert r.exit_code == 0 and v["status"] == "skip" and "GGUF loader is not importable" in v["reason"]
     r = CliRunner().invoke(app, ["check", "mapping", str(gguf_path), "--hf", str(tmp_path / "none")])
     assert r.exit_code == 2

@@ -119,17 +119,28 @@ def _safetensors_files(d: Path) -> dict[str, Path]:
     return out
 
 
-def meta_shapes(config: dict) -> dict[str, tuple[int, ...]] | None:
-    """Checkpoint names and shapes of transformers' model for `config` on the meta device, or None
-    when transformers does not know the model type."""
-    import transformers
+def config_object(config: dict) -> Any:
+    """transformers' PretrainedConfig for a config.json dict, or None when it does not know the type."""
     from transformers import CONFIG_MAPPING
 
     if config.get("model_type") not in CONFIG_MAPPING:  # a lazy mapping: `in`, not `.get`
         return None
-    cls = CONFIG_MAPPING[config["model_type"]]
     try:
-        cfg = cls.from_dict({k: v for k, v in config.items() if k != "transformers_version"})
+        return CONFIG_MAPPING[config["model_type"]].from_dict(
+            {k: v for k, v in config.items() if k != "transformers_version"})
+    except (TypeError, ValueError, KeyError) as e:  # includes huggingface_hub's validation errors
+        raise InputError(f"transformers rejects this {config['model_type']} config: {e}") from None
+
+
+def meta_shapes(config: dict) -> dict[str, tuple[int, ...]] | None:
+    """Checkpoint names and shapes of transformers' model for `config` on the meta device, or None
+    when transformers does not know the model type."""
+    import transformers
+
+    cfg = config_object(config)
+    if cfg is None:
+        return None
+    try:
         with torch.device("meta"):
             model = transformers.AutoModelForCausalLM.from_config(cfg)
     except (TypeError, ValueError, KeyError) as e:  # includes huggingface_hub's validation errors
@@ -697,20 +708,49 @@ def _explain(p: layout.Plan, pair: _Pair, hf_t: Callable, cfg: ModelConfig, b: f
 
 # ---- engine ------------------------------------------------------------------------------------------
 
-def _engine(engine: str | None) -> list[Finding]:
+VLLM_LOADER = "vllm.model_executor.model_loader.gguf_loader"
+
+
+def _engine(engine: str | None, p: layout.Plan, gg: dict[str, Any], hf: HFSide) -> list[Finding]:
+    """vLLM's own GGUF name map (`GGUFModelLoader._get_gguf_weights_map(model_config)`: GGUF name -> HF
+    parameter, built from transformers' meta model and gguf-py's map, as vLLM 0.1x-0.2x ship it) diffed
+    against ours. vLLM is not installed here and its 0.33.0 wheel has no GGUF loader: tested only
+    against a stand-in with that method's contract."""
+    import importlib
+    import types
+
     if engine is None:
         return []
     if engine != "vllm":
         raise InputError(f"--engine {engine!r}: only vllm is known")
     try:
-        import vllm  # noqa: F401
+        loader = importlib.import_module(VLLM_LOADER).GGUFModelLoader
     except ImportError as e:
         return [_finding("engine/vllm", "skip", subject="vllm",
-                         reason=f"vLLM is not importable here ({e}); its GGUF name map was not compared. "
-                                "This path is untested")]
-    return [_finding("engine/vllm", "skip", subject="vllm",
-                     reason="vLLM is importable, but comparing its GGUF name map with ours is not implemented "
-                            "(no vLLM was available to build and test it against)")]
+                         reason=f"vLLM's GGUF loader is not importable here ({e}); its name map was not compared. "
+                                "This path is untested against a real vLLM")]
+    model_config = types.SimpleNamespace(hf_config=config_object(hf.config), trust_remote_code=False)
+    try:
+        theirs = loader.__new__(loader)._get_gguf_weights_map(model_config)  # GGUF name -> HF name
+    except Exception as e:  # vLLM's own failure is the finding: it could not map this model
+        return [_finding("engine/vllm", "fail", f"vLLM's GGUF name map fails for this model: {e}", subject="vllm")]
+    ours = {t: r.sources for r in p.rules for t in r.targets}
+    out = []
+    for t in gg:
+        if t not in theirs and t in ours:
+            out.append(_finding(f"engine/vllm/{t}", "fail", f"vLLM's map has no HF parameter for {t} (ours: "
+                                f"{ours[t][0]}): vLLM would not load it", subject="vllm"))
+        elif t in theirs and t in ours and theirs[t] not in ours[t]:
+            out.append(_finding(f"engine/vllm/{t}", "fail", f"vLLM maps {t} to {theirs[t]}, we to {ours[t][0]}",
+                                subject="vllm"))
+    for t, name in theirs.items():
+        if t not in gg and name in hf.shapes:
+            out.append(_finding(f"engine/vllm/{t}", "fail", f"vLLM expects {t} (for {name}), which the file does "
+                                "not have", subject="vllm"))
+    if not out:
+        out.append(_finding("engine/vllm", "pass", f"vLLM's GGUF name map agrees with ours on {len(gg)} tensors",
+                            subject="vllm"))
+    return out
 
 
 # ---- entry point -------------------------------------------------------------------------------------
@@ -734,10 +774,12 @@ def run(path: Path, hf: Path | None = None, *, arch: str | None = None, engine: 
         arch = arch or cfg.arch
         side = load_hf(hf, g, cfg)
         gg = {t.name: t for t in g.tensors}
-        p = layout.plan(arch, list(side.shapes), side.config)
+        # files converted before llama.cpp's MLA split (PR 12801) keep kv_b_proj whole as attn_kv_b
+        legacy_mla = any(n.endswith(".attn_kv_b.weight") for n in gg)
+        p = layout.plan(arch, list(side.shapes), side.config, split_kv_b=not legacy_mla)
         findings = (_names(p, side, gg) + _collisions(p) + _shapes(p, side, gg) + _types(gg)
                     + _metadata(cfg, g, side))
         if numeric:
             findings += _numeric(p, side, gg, cfg)
-        findings += _engine(engine)
+        findings += _engine(engine, p, gg, side)
     return Result(findings, arch, side.source, time.perf_counter() - t0)
