@@ -8,6 +8,8 @@ The two sides:
   checkpoint tensors themselves (safetensors library) for the numeric check. Without any HF config the
   HF side is the GGUF's own metadata written as a config.json (`hf_config`): names and shapes are then
   checked against what the metadata implies, and metadata semantics are skipped (nothing to compare).
+  NextN/MTP blocks that GLM GGUFs count in block_count (transformers builds no module for them) come
+  from the checkpoint when given, else are listed as such.
 
 Every transform is `gguf/layout.py`'s `plan` (forward: what convert_hf_to_gguf.py does; inverse: back).
 
@@ -19,7 +21,8 @@ Findings (check="mapping"), by `target` prefix:
   type/...      quant types an engine cannot consume (quantized DSA indexer or 1-D tensors)
   metadata/...  `ModelConfig.diff` of the two sides plus BOS/EOS ids, each with both values
   numeric/...   with --hf DIR: dequantized GGUF tensor, inverse transform, vs the safetensors tensor
-  engine/vllm   vLLM's own name map (skipped when vLLM is not importable: untested here)
+  engine/vllm   vLLM's own GGUF name map diffed against ours (skipped when its loader does not import;
+                tested only against a stand-in, see `_engine`)
 
 Numeric band (derivation). The GGUF tensor carries the error of its quantization and nothing else: the
 transforms are permutations, reshapes, stacking (exact) and gemma's +1 (one float32 rounding). So the
