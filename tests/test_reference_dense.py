@@ -28,6 +28,7 @@ from llmdoctor.checks import metrics
 from llmdoctor.gguf import layout, open_gguf
 from llmdoctor.reference import attention as A
 from llmdoctor.reference import from_gguf, from_hf, load
+from llmdoctor.reference.config import llama3_freq_factors
 from llmdoctor.reference.forward import dequantize_raw
 
 TEXT = """The history of the lighthouse is a story of people trying to make the sea a little less dangerous. Long before electric lamps, sailors relied on fires burning on hilltops to find their way home at night. The ancient Pharos of Alexandria, built on a small island near the harbour, was one of the tallest structures of its time, and travellers wrote that its light could be seen from far out at sea. For centuries afterwards, most lights along the coasts of Europe were simple towers with coal or wood fires on top, and keeping them burning through a stormy winter night was hard and dangerous work.
@@ -225,10 +226,31 @@ def _rope64(self, x, position_ids, layer_type=None):
     params = self.config.rope_parameters[layer_type] if layer_type else self.config.rope_parameters
     dim = getattr(self.config, "head_dim", None) or self.config.hidden_size // self.config.num_attention_heads
     inv = 1.0 / params["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)
+    if params.get("rope_type") == "llama3":  # the divisors as the GGUF stores them (float32)
+        inv = inv / torch.tensor(llama3_factors(params, dim), dtype=torch.float32).double()
     ang = position_ids[..., None].to(torch.float64) * inv
     emb = torch.cat([ang, ang], -1) * 1.0
     scale = getattr(self, prefix + "attention_scaling")
     return (emb.cos() * scale).to(x.dtype), (emb.sin() * scale).to(x.dtype)
+
+
+def llama3_factors(params: dict, dim: int) -> tuple[float, ...]:
+    return llama3_freq_factors(dim, params["rope_theta"], params["factor"], params["low_freq_factor"],
+                               params["high_freq_factor"], params["original_max_position_embeddings"])
+
+
+def test_llama3_rope_factors_match_transformers():
+    """Our llama3 divisors (convert_hf_to_gguf.py's formula) reproduce transformers' own llama3
+    inv_freq, which it computes in float32: equal to 1e-6 relative."""
+    import transformers
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    c = transformers.LlamaConfig(hidden_size=64, num_attention_heads=4, rope_parameters=dict(LLAMA3_ROPE),
+                                 max_position_embeddings=256)
+    inv, _ = ROPE_INIT_FUNCTIONS["llama3"](c, "cpu")
+    base = 1.0 / 5000.0 ** (torch.arange(0, 16, 2, dtype=torch.float64) / 16)
+    ff = torch.tensor(llama3_factors(LLAMA3_ROPE, 16), dtype=torch.float64)
+    assert metrics.rel_l2(base / ff, inv) < 1e-6 and ff.min() == 1.0 and ff.max() == 8.0 and 1 < ff[1] < 8
 
 
 def hf_float64(model):
@@ -267,6 +289,8 @@ def write_gguf(path, arch: str, config: dict, tensors: dict[str, torch.Tensor]) 
     if arch == "llama":
         w.add_vocab_size(config["vocab_size"])
         w.add_rope_dimension_count(head_dim)
+        if rp.get("rope_type") == "llama3":  # LlamaModel.generate_extra_tensors
+            w.add_tensor("rope_freqs.weight", np.array(llama3_factors(rp, head_dim), dtype=np.float32))
     w.add_file_type(gguf.LlamaFileType.ALL_F32)
     for name, t in tensors.items():
         w.add_tensor(name, t.detach().to(torch.float32).contiguous().numpy())
@@ -304,10 +328,15 @@ GEMMA3_TINY = {"num_hidden_layers": 6, "head_dim": 16, "sliding_window": 8, "que
                "tie_word_embeddings": True,
                "rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1e6},
                                    "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}}
-TINY = [("llama", "llama", {"tie_word_embeddings": False}),
-        ("qwen2", "qwen2", {"tie_word_embeddings": True}),
-        ("qwen3", "qwen3", {"tie_word_embeddings": True, "head_dim": 32}),
-        ("gemma3_text", "gemma3", GEMMA3_TINY)]
+# llama 3.1's rope scaling: with theta 5000, D 16 and an original context of 32 the divisors cover all
+# three regimes (kept 1.0, ramp 2.89, long wavelengths 8.0); the GGUF carries them as rope_freqs.
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 5000.0, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
+TINY = {"llama": ("llama", "llama", {"tie_word_embeddings": False}),
+        "llama3-rope": ("llama", "llama", {"tie_word_embeddings": False, "rope_parameters": LLAMA3_ROPE}),
+        "qwen2": ("qwen2", "qwen2", {"tie_word_embeddings": True}),
+        "qwen3": ("qwen3", "qwen3", {"tie_word_embeddings": True, "head_dim": 32}),
+        "gemma3": ("gemma3_text", "gemma3", GEMMA3_TINY)}
 
 
 def tiny_gguf(tmp_path, model_type: str, arch: str, extra: dict):
@@ -324,8 +353,9 @@ def tiny_gguf(tmp_path, model_type: str, arch: str, extra: dict):
     return model, d, path
 
 
-@pytest.mark.parametrize("model_type,arch,extra", TINY, ids=[t[1] for t in TINY])
-def test_tiny_model_matches_transformers_float64(tmp_path, model_type, arch, extra):
+@pytest.mark.parametrize("name", list(TINY))
+def test_tiny_model_matches_transformers_float64(tmp_path, name):
+    model_type, arch, extra = TINY[name]
     model, d, path = tiny_gguf(tmp_path, model_type, arch, extra)
     ours = load(path, dtype=torch.float64)
     assert ours.config.diff(from_hf(d)) == {}
@@ -348,9 +378,10 @@ def test_tiny_model_matches_transformers_float64(tmp_path, model_type, arch, ext
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("model_type,arch,extra", TINY, ids=[t[1] for t in TINY])
-def test_tiny_model_on_cuda(tmp_path, model_type, arch, extra):
+@pytest.mark.parametrize("name", list(TINY))
+def test_tiny_model_on_cuda(tmp_path, name):
     """The same forward on CUDA: float64 within the float64 bound of CPU, float32 within float32's."""
+    model_type, arch, extra = TINY[name]
     model, d, path = tiny_gguf(tmp_path, model_type, arch, extra)
     ids = torch.randint(0, 96, (40,), generator=torch.Generator().manual_seed(1))
     cpu = load(path, dtype=torch.float64)

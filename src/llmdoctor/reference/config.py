@@ -52,6 +52,7 @@ class ModelConfig:
     rope_neox: bool  # True: rotate halves (NEOX); False: rotate adjacent pairs (llama.cpp "NORM")
     attn_scale: float  # multiplies q.k
     rope_scale: float = 1.0  # linear position scaling: positions are multiplied by this (1/factor)
+    rope_freq_factors: tuple[float, ...] | None = None  # theta_i / factor_i (GGUF rope_freqs; HF llama3)
     rope_base_swa: float | None = None  # rope base of sliding-window layers, when it differs
     sliding_window: int | None = None  # a query sees keys with q_pos - k_pos < sliding_window
     swa_layers: tuple[bool, ...] = ()  # per layer: uses the sliding window
@@ -74,7 +75,7 @@ class ModelConfig:
             if not f.compare:
                 continue
             a, b = getattr(self, f.name), getattr(other, f.name)
-            if isinstance(a, float) and isinstance(b, float) and math.isclose(a, b, rel_tol=1e-6):
+            if _close(a, b):
                 continue
             if a != b:
                 out[f.name] = (a, b)
@@ -87,6 +88,34 @@ class ModelConfig:
 
     def layer_window(self, il: int) -> int | None:
         return self.sliding_window if self.swa_layers and self.swa_layers[il] else None
+
+
+def _close(a: Any, b: Any) -> bool:
+    """Floats (and tuples of floats) equal to 1e-6 relative: a GGUF stores float32, HF float64."""
+    if isinstance(a, tuple) and isinstance(b, tuple):
+        return len(a) == len(b) and all(_close(x, y) for x, y in zip(a, b))
+    if isinstance(a, float) and isinstance(b, float):
+        return math.isclose(a, b, rel_tol=1e-6)
+    return a == b
+
+
+def llama3_freq_factors(dim: int, theta: float, factor: float, low_freq_factor: float,
+                        high_freq_factor: float, original_context: int) -> tuple[float, ...]:
+    """Per-frequency divisors of llama 3.1's rope scaling, as convert_hf_to_gguf.py writes them into
+    `rope_freqs` (LlamaModel.generate_extra_tensors; transformers' `_compute_llama3_parameters`
+    divides inv_freq the same way): long wavelengths / factor, short ones kept, a smooth ramp between."""
+    low_wavelen, high_wavelen = original_context / low_freq_factor, original_context / high_freq_factor
+    out = []
+    for i in range(0, dim, 2):
+        wavelen = 2 * math.pi * theta ** (i / dim)
+        if wavelen < high_wavelen:
+            out.append(1.0)
+        elif wavelen > low_wavelen:
+            out.append(float(factor))
+        else:
+            smooth = (original_context / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+            out.append(1.0 / ((1 - smooth) / factor + smooth))
+    return tuple(out)
 
 
 GGUFParser = Callable[[Any], ModelConfig]  # (GGUFFile) -> ModelConfig
@@ -202,12 +231,21 @@ def dense_from_gguf(g: Any, arch: str, **overrides: Any) -> ModelConfig:
         attn_scale=1.0 / math.sqrt(head_dim),
         attn_softcap=_opt_float(gguf_key(g, Keys.LLM.ATTN_LOGIT_SOFTCAPPING, arch, None)),
         final_softcap=_opt_float(gguf_key(g, Keys.LLM.FINAL_LOGIT_SOFTCAPPING, arch, None)),
+        rope_freq_factors=_rope_freqs(g),
         qkv_bias=_has_tensor(g, "blk.0.attn_q.bias"),  # llama.cpp loads q/k/v biases when present
         tied_output=not _has_tensor(g, "output.weight"),
         source="gguf",
     )
     cfg.update(overrides)
     return ModelConfig(**cfg)
+
+
+def _rope_freqs(g: Any) -> tuple[float, ...] | None:
+    """The `rope_freqs` tensor (F32, one divisor per rotated pair) that llama.cpp passes to every
+    ggml_rope_ext as freq_factors, when the file has one."""
+    if not _has_tensor(g, "rope_freqs.weight"):
+        return None
+    return tuple(float(x) for x in g.tensor("rope_freqs.weight").numpy().reshape(-1))
 
 
 def _opt_float(v: Any) -> float | None:
@@ -267,19 +305,26 @@ def _gemma3_gguf(g: Any) -> ModelConfig:
 
 # ---- HF config.json ---------------------------------------------------------------------------
 
-def _hf_rope(d: dict, layer_type: str | None = None) -> tuple[float, float, str]:
-    """(theta, linear position scale, rope_type) from transformers 5 `rope_parameters` or the older
-    `rope_theta` / `rope_scaling` fields."""
+def _hf_rope_params(d: dict, layer_type: str | None = None) -> dict:
+    """One rope parameter dict from transformers 5 `rope_parameters` or the older `rope_theta` /
+    `rope_scaling` fields (keys: rope_theta, rope_type, factor, ...)."""
     params = d.get("rope_parameters") or {}
     if layer_type and layer_type in params:
         params = params[layer_type]
     elif params and all(isinstance(v, dict) for v in params.values()):
         params = params.get("full_attention", {})
-    scaling = d.get("rope_scaling") or {}
-    theta = params.get("rope_theta", d.get("rope_theta", 10_000.0))
-    rtype = params.get("rope_type", scaling.get("rope_type", scaling.get("type", "default"))) or "default"
-    factor = params.get("factor", scaling.get("factor", 1.0)) or 1.0
-    return float(theta), (1.0 / float(factor) if rtype == "linear" else 1.0), rtype
+    out = dict(d.get("rope_scaling") or {})
+    out.setdefault("rope_type", out.pop("type", "default"))
+    out["rope_theta"] = d.get("rope_theta", 10_000.0)
+    out.update(params)
+    return out
+
+
+def _hf_rope(d: dict, layer_type: str | None = None) -> tuple[float, float, str]:
+    """(theta, linear position scale, rope_type) of `_hf_rope_params`."""
+    p = _hf_rope_params(d, layer_type)
+    rtype = p.get("rope_type") or "default"
+    return float(p["rope_theta"]), (1.0 / float(p.get("factor") or 1.0) if rtype == "linear" else 1.0), rtype
 
 
 def dense_from_hf(d: dict, arch: str, **overrides: Any) -> ModelConfig:
@@ -288,9 +333,14 @@ def dense_from_hf(d: dict, arch: str, **overrides: Any) -> ModelConfig:
     n_head = int(d["num_attention_heads"])
     head_dim = int(d.get("head_dim") or n_embd // n_head)
     theta, rope_scale, rtype = _hf_rope(d)
-    if rtype not in ("default", "linear"):
+    if rtype not in ("default", "linear", "llama3"):
         raise InputError(f"HF rope type {rtype!r} not supported for {arch}")
     prf = float(d.get("partial_rotary_factor", 1.0) or 1.0)
+    freq_factors = None
+    if rtype == "llama3":
+        p = _hf_rope_params(d)
+        freq_factors = llama3_freq_factors(int(head_dim * prf), theta, float(p["factor"]), float(p["low_freq_factor"]),
+                                           float(p["high_freq_factor"]), int(p["original_max_position_embeddings"]))
     cfg = dict(
         arch=arch,
         n_layer=int(d["num_hidden_layers"]),
@@ -306,6 +356,7 @@ def dense_from_hf(d: dict, arch: str, **overrides: Any) -> ModelConfig:
         rope_dim=int(head_dim * prf),
         rope_neox=True,
         rope_scale=rope_scale,
+        rope_freq_factors=freq_factors,
         attn_scale=1.0 / math.sqrt(head_dim),
         tied_output=bool(d.get("tie_word_embeddings", False)),
         source="hf",

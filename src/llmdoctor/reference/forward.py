@@ -275,8 +275,8 @@ def rope_qk(st: Step, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, t
     """RoPE on q [T, H, D] and k [T, Hk, D] with the layer's base (llama.cpp get_rope_freq_base:
     the SWA base on sliding-window layers) and the file's rope_freqs factors when present."""
     cfg = st.cfg
-    ff_name = tensor_name(MODEL_TENSOR.ROPE_FREQS)
-    ff = st.weights.get(ff_name) if st.weights.has(ff_name) else None
+    ff = None if cfg.rope_freq_factors is None else torch.tensor(cfg.rope_freq_factors, dtype=torch.float64,
+                                                                  device=st.positions.device)
     cos, sin = attn.rope_cos_sin(st.positions, cfg.rope_dim, cfg.layer_rope_base(st.il),
                                  pos_scale=cfg.rope_scale, freq_factors=ff)
     return (attn.apply_rope(q, cos, sin, neox=cfg.rope_neox),
