@@ -71,6 +71,10 @@ def test_demo_fault_is_diagnosed(fault):
     assert fault.expect.says in top["explanation"], top["explanation"]
     if fault.expect.layer is not None:
         assert _layer(doc) == fault.expect.layer
+    if fault.expect.swap is not None:
+        loc = next(f for f in doc["findings"] if f["check"] == "layer-localization")
+        confirmed = [w["swap"] for w in loc["metrics"]["substitutions"] if w["reproduces"]]
+        assert confirmed and all(fault.expect.swap in w for w in confirmed), loc["metrics"]["substitutions"]
     if fault.expect.check == "fp16-overflow":
         assert top["metrics"]["first_overflow_layer"] == fault.expect.layer
 

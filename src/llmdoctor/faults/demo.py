@@ -19,6 +19,7 @@ class Expect:
     check: str  # the check of the top-ranked suspect
     says: str  # a substring of its explanation
     layer: int | None = None  # the first divergent layer, when the fault is a layer
+    swap: str | None = None  # the op substitution that alone reproduces the divergence
 
 
 def _demo(name: str, description: str, expect: Expect):
@@ -40,7 +41,7 @@ def engine_rope_base(inputs, tmp: Path) -> None:
 
 
 @_demo("fp16-overflow", "the seed's root cause in miniature: the model run in float16 by transformers",
-       Expect("fp16-overflow", "bfloat16", 7))
+       Expect("fp16-overflow", "bfloat16", 7, swap="float16 precision"))
 def fp16_overflow(inputs, tmp: Path) -> None:
     inputs.engine = "transformers"
     inputs.engine_dtype = "float16"
@@ -54,7 +55,7 @@ def dequant_scale_min_swap(inputs, tmp: Path) -> None:
 
 @_demo("engine-dequant-scale-min-swap",
        "transformers serves the demo GGUF through a Q4_K dequant kernel that swaps sub-block scale and min",
-       Expect("dequant", "scale and min swapped", 0))
+       Expect("dequant", "scale and min swapped", 0, swap="dequant kernel"))
 def engine_dequant_scale_min_swap(inputs, tmp: Path) -> None:
     inputs.engine = "transformers"
     inputs.dequant_kernel = get("scale_min_swap").build()
