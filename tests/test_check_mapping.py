@@ -131,6 +131,55 @@ def test_quantized_llama_within_band(llama):
     assert k.metrics["rel_l2"] == 0.0
 
 
+@pytest.fixture(scope="module")
+def kquant(tmp_path_factory):
+    """A tiny llama (rows of 256, as K-quants need) quantized by llama.cpp itself (llama-cpp-python's
+    llama_model_quantize, no importance matrix) to K- and IQ-quant mixes gguf-py cannot produce."""
+    import ctypes
+
+    import transformers
+
+    llama_cpp = pytest.importorskip("llama_cpp")
+    out = tmp_path_factory.mktemp("kquant")
+    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=256, intermediate_size=512, num_hidden_layers=3,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                                   rms_norm_eps=1e-6, rope_parameters={"rope_type": "default", "rope_theta": 5000.0},
+                                   tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            p.copy_(1 + 0.2 * torch.randn_like(p) if n.endswith("norm.weight") else torch.randn_like(p) / 16)
+    model.save_pretrained(out / "hf")
+    d = json.loads((out / "hf" / "config.json").read_text())
+    sd = dict(model.state_dict())
+    write_gguf(out / "f32.gguf", "llama", d, layout.to_gguf(layout.plan("llama", list(sd), d), sd))
+    files = {}
+    for ftype in ("Q4_K_M", "Q2_K", "IQ4_XS"):
+        params = llama_cpp.llama_model_quantize_default_params()
+        params.ftype, params.nthread = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{ftype}"), 1
+        files[ftype] = out / f"{ftype}.gguf"
+        assert llama_cpp.llama_model_quantize(str(out / "f32.gguf").encode(), str(files[ftype]).encode(),
+                                              ctypes.byref(params)) == 0
+    return files, out / "hf"
+
+
+@pytest.mark.parametrize("ftype", ["Q4_K_M", "Q2_K", "IQ4_XS"])
+def test_llama_cpp_quantized_within_band(kquant, ftype, tmp_path):
+    """llama.cpp's own K/IQ quantizers land inside the band estimated from Q4_0's round trip (measured
+    worst rel_l2 / band: 0.42 Q4_K, 0.47 Q2_K, 0.43 Q3_K, 0.38 IQ4_XS, 0.44 Q6_K), and a swap across
+    layers still falls outside it at 2.6 bits per weight."""
+    files, hf = kquant
+    res = mapping.run(files[ftype], hf)
+    assert failed(res) == []
+    numeric = [f for f in res.findings if f.target.startswith("numeric/")]
+    types = {t for f in numeric for t in f.metrics["types"]}
+    assert {"Q4_K_M": "Q4_K", "Q2_K": "Q2_K", "IQ4_XS": "IQ4_XS"}[ftype] in types
+    assert max(f.metrics["rel_l2"] / f.budget["rel_l2_max"] for f in numeric) < 0.6
+    swapped, _ = faults.get("mapping-swap-layers").build(files[ftype], hf, tmp_path, kind="attn_q.weight")
+    assert any("swapped across layers" in m for m in failed(mapping.run(swapped, hf)))
+
+
 def test_hf_config_inverts_the_parsers(demo_path, mla):
     for path in [demo_path] + [p for p, _ in mla.values()]:
         with open_gguf(path) as g:
