@@ -67,10 +67,11 @@ THRESHOLDS: dict[str, dict[str, Any]] = {
         "certain for a healthy model (-0.002 at every length measured here); requiring half the mass "
         "(-0.69) is 30x looser than the worst healthy (-0.024 at 12 numbers), while a rope base of 100 "
         "instead of 1e6 gives -2.1 at 54 numbers"},
-    "reference_kl_max": {"value": 0.05, "why": "healthy server vs reference (float32, same GGUF, "
-        "top-10 + tail): KL max 6.0e-3, mean 1.4e-3 over 11 positions here (transformers vs this "
-        "server: 5.9e-4); 0.05 is ~8x the healthy max, while attention block scales perturbed give "
-        "KL up to 2.5 and a rope base of 100 gives 0.36-2.1 beyond 90 tokens"},
+    "reference_kl_max": {"value": 0.1, "why": "healthy server vs reference (float32, same GGUF, "
+        "top-10 + tail): KL max 2.0e-2 (an echoed prompt position where the model hesitates between "
+        "two tokens), mean 1.8e-3 over 29 positions; 6.0e-3 at the probes' own positions "
+        "(transformers vs this server: 5.9e-4). 0.1 is 5x the healthy max, while attention block "
+        "scales perturbed give KL up to 2.5 and a rope base of 100 gives 0.36-2.1 beyond 90 tokens"},
     "position_trend_min": {"value": 0.6, "why": "reference mismatches are position-dependent when the "
         "shortest position agrees and KL rises with position: Spearman rank correlation >= 0.6, about "
         "the two-sided 5% critical value for the ~11 positions probed (0.62 at n=11). Rope base 100 "
