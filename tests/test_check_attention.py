@@ -90,7 +90,7 @@ FAULT_CASES = {"ragged", "context-chunk-kv0", "chunked", "mla-decode-ragged", "m
 
 @pytest.fixture(scope="module")
 def fault_run():
-    planted = [f for f in faults.all_faults("kernel") if f.name.startswith("attn-")]
+    planted = [f for f in faults.all_faults("kernel") if f.name.startswith("attn-") and f.name != "attn-fp16-as-bf16"]
     subjects = [(b["impl"], b["contract"]) for b in (f.build() for f in planted)]
     subjects += [("llmdoctor.faults.attention:prefill", "prefill"), ("llmdoctor.faults.attention:mla_decode", "mla-decode")]
     return planted, ca.run(GLM, subjects, dtypes=("bfloat16",), only=FAULT_CASES)
@@ -195,3 +195,11 @@ def test_shapes_from_an_hf_config_and_a_gguf_agree_with_the_presets(tmp_path):
     assert math.isclose(hf.scale, preset.scale) and hf.scale > 192 ** -0.5  # YaRN mscale^2 included
     g, gemma = ca.load_shape(None, None, model_path()), ca.PRESETS["gemma3-270m"]
     assert (g.n_head, g.n_head_kv, g.head_dim, g.window) == (gemma.n_head, gemma.n_head_kv, gemma.head_dim, gemma.window)
+
+
+def test_a_float16_only_bug_is_named_by_the_subject_pattern():
+    fault = faults.get("attn-fp16-as-bf16")
+    b = fault.build()
+    res = ca.run(GLM, [(b["impl"], b["contract"])], dtypes=("float32", "bfloat16", "float16"), only={"batch1", "ragged"})
+    assert {f.metrics["dtype"] for f in res.findings if f.status == "fail"} == {"float16"}
+    assert any(fault.expect in p for p in res.patterns[f"{b['impl']} ({b['contract']})"])

@@ -1,8 +1,9 @@
 """Planted attention kernels for `llmdoctor check attention`: one correct eager torch kernel for all
 four contracts, and faulty twins, one per bug the check must name (issue 6): softmax scale from the
 wrong dim, top-left causal alignment, LSE in log2, V not taken from the latent, a batch-offset bug
-(only sequences after the first), an empty-key-range bug (only kv_len 0), out= rows left unwritten, and
-NaN leaking from unused cache pages.
+(only sequences after the first), an empty-key-range bug (only kv_len 0), out= rows left unwritten,
+NaN leaking from unused cache pages, and a float16-only dtype-dispatch bug (named by the subject-level
+pattern, not by one case).
 
 Each fault's `build()` returns {"impl": "llmdoctor.faults.attention:<function>", "contract": name};
 `expect` is a substring the check's explanation must contain. Written independently of the
@@ -122,6 +123,15 @@ def prefill_out_unwritten(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max
     return out, lse
 
 
+def prefill_fp16_as_bf16(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal):
+    """A dtype-dispatch bug: float16 inputs take a bfloat16 path (8 fewer mantissa bits); others are right."""
+    dtype = q.dtype
+    if dtype == torch.float16:
+        q, k, v = q.to(torch.bfloat16), k.to(torch.bfloat16), v.to(torch.bfloat16)
+    out, lse = _prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal)
+    return out.to(dtype), lse
+
+
 def _prefill_bug(bug: str):
     def fn(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal):
         return _prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal, bug)
@@ -157,6 +167,8 @@ _fault("attn-kv0-nan", "prefill_kv0_nan", "prefill",
        "prefill kernel whose softmax divides 0/0 for an empty key range", "only sequences with kv_len 0")
 _fault("attn-out-unwritten", "prefill_out_unwritten", "prefill",
        "prefill kernel leaving the out= rows of kv_len-0 sequences unwritten", "only sequences with kv_len 0")
+_fault("attn-fp16-as-bf16", "prefill_fp16_as_bf16", "prefill",
+       "prefill kernel sending float16 inputs down a bfloat16 path", "only dtype float16 fails")
 _fault("attn-scale-576", "mla_decode_scale_576", "mla-decode",
        "MLA decode using 1/sqrt(R+Dr) = 1/sqrt(576) instead of the given scale", "softmax scale from the wrong dim")
 _fault("attn-v-rope", "mla_decode_v_rope", "mla-decode",

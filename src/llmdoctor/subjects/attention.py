@@ -182,6 +182,8 @@ def _flex(device: str) -> dict[str, Callable]:
     from torch.nn.attention import flex_attention as fa
 
     flex = torch.compile(fa.flex_attention, dynamic=False) if device.startswith("cuda") else fa.flex_attention
+    warnings.filterwarnings("ignore", message=".*without torch.compile.*")  # eager on the CPU is the choice
+    warnings.filterwarnings("ignore", message=".*return_lse is deprecated.*")  # older torch: no AuxRequest
     pad = 128 if device.startswith("cuda") else 1
     aux = getattr(fa, "AuxRequest", None)
 
