@@ -203,3 +203,19 @@ def test_a_float16_only_bug_is_named_by_the_subject_pattern():
     res = ca.run(GLM, [(b["impl"], b["contract"])], dtypes=("float32", "bfloat16", "float16"), only={"batch1", "ragged"})
     assert {f.metrics["dtype"] for f in res.findings if f.status == "fail"} == {"float16"}
     assert any(fault.expect in p for p in res.patterns[f"{b['impl']} ({b['contract']})"])
+
+
+def test_a_kernel_that_raises_crashes_or_breaks_the_contract_is_reported_per_case(tmp_path):
+    (tmp_path / "bad.py").write_text(
+        "import os, torch\n"
+        "def prefill(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal):\n"
+        "    if q.shape[0] == 37: raise RuntimeError('boom')\n"
+        "    if q.shape[0] == 29: os.abort()\n"
+        "    return torch.zeros(q.shape[0], q.shape[1], 3)\n")
+    spec = f"{tmp_path / 'bad.py'}:prefill"
+    res = ca.run(GLM, [(spec, "prefill")], dtypes=("float32",), only={"batch1", "ragged", "decode-batch"})
+    why = {f.target.split("/")[0]: f.reason for f in res.findings}
+    assert all(f.status == "fail" for f in res.findings) and len(why) == 3
+    assert why["batch1"].startswith("kernel raised: RuntimeError: boom")
+    assert why["ragged"].startswith("kernel crashed: killed by SIGABRT")
+    assert why["decode-batch"].startswith("contract violation: out: returned shape")
