@@ -139,6 +139,7 @@ def test_healthy_real_server_with_reference(server: str) -> None:
     assert ref.status == "pass" and ref.metrics["top1_agreement"] == 1.0
     assert ref.metrics["kl_max"] <= THRESHOLDS["reference_kl_max"]["value"]
     assert any(r["probe"].startswith("echo/") for r in ref.evidence)  # per prompt position
+    assert next(f for f in rep.findings if f.target == "echo/tokens").status == "pass"
     print(f"\nhealthy probe: {rep.wall_s:.0f} s, {rep.n_requests} requests, reference KL max "
           f"{ref.metrics['kl_max']:.2e} mean {ref.metrics['kl_mean']:.2e}")
 

@@ -484,12 +484,24 @@ class Prober:
                        evidence=[{"text": c.text[:80], "tokens": (c.tokens or [])[:8]}])
             return
         self.features["echo"] = True
-        # the server's ids of the text, aligned with the echoed tokens (BOS echoed or not)
+        body, body_tops = echoed[n_bos:], tops[n_bos:]  # the text's tokens, without an echoed BOS
         ids = self.server_ids.get(text) or self._tokenize(text)
-        if ids is not None and len(ids) == len(echoed) + 1 - n_bos:
-            lead = 1 - n_bos  # ids before echoed token 0
+        tok = self._vocab()
+        if tok is not None:  # the echoed tokens against the GGUF tokenizer's pieces
+            ours = tok.encode(text)
+            pieces = [tok.piece(t, special=True).decode("utf-8", "replace") for t in ours]
+            lead = len(ours) - len(body)
+            same = lead in (0, 1) and pieces[lead:] == body
+            self._find("echo/tokens", "pass" if same else "fail", None if same else "tokenizer-mismatch",
+                       metrics={"echoed": len(body), "ours": len(ours)},
+                       evidence=[] if same else [{"echoed": body[:12], "ours": pieces[:12]}],
+                       hypothesis="the echoed prompt tokens are the GGUF tokenizer's pieces")
+            if ids is None and same:
+                ids = ours
+        if ids is not None and len(ids) - len(body) in (0, 1):
+            lead = len(ids) - len(body)  # ids before the text's first token (BOS)
             self.echo_steps = [(f"echo/{i}", ids[:lead + i], top)
-                               for i, top in enumerate(tops) if top and lead + i > 0]
+                               for i, top in enumerate(body_tops) if top and lead + i > 0]
         rows, failed = [], False
         for j in (0, 1):  # greedy token j sits at echoed position n_prompt - 2 + j
             top = tops[len(echoed) - 2 + j] or {}
