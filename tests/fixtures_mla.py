@@ -209,6 +209,8 @@ def write_gguf(path: Path, config: dict, checkpoint: dict[str, torch.Tensor], *,
             w.add_array(key, value)
         else:
             w.add_key_value(key, value, vtype)
+    # no tokenizer is written (the tests feed token ids); "none" lets llama.cpp load the file anyway
+    w.add_string(gguf.Keys.Tokenizer.MODEL, "none")
     for name, t in layout.to_gguf(plan, checkpoint).items():
         w.add_tensor(name, t.to(torch.float32).contiguous().numpy())
     w.write_header_to_file()

@@ -33,7 +33,7 @@ FP16_MAX = 65504.0
 ENGINES = ("llama.cpp", "transformers", "vllm")
 CONFIDENCE_ORDER = {"high": 0, "medium": 1, "low": 2, "": 3}
 # Reference capture points compared with an engine's (checks/layers.py POINTS).
-REFERENCE_POINTS = ("l_out-*", "attn_norm-*", "kqv_out-*", "ffn_inp-*", "ffn_out-*", "result_norm")
+REFERENCE_POINTS = ("l_out-*", "attn_norm-*", "kqv_out-*", "ffn_inp-*", "ffn_out-*", "ffn_moe_topk-*", "result_norm")
 
 
 class Skip(Exception):
@@ -52,6 +52,7 @@ class Inputs:
     attention_impl: str | None = None
     attention_contract: str | None = None
     prompt: str = DEFAULT_PROMPT
+    token_ids: list[int] | None = None  # instead of the prompt (models without a tokenizer)
     seed: int = 0
     threads: int | None = None
 
@@ -110,6 +111,9 @@ class Session:
         return self.once("config", lambda: from_gguf(self.gguf()))
 
     def tokens(self) -> list[int]:
+        if self.inputs.token_ids is not None:
+            return list(self.inputs.token_ids)
+
         def make() -> list[int]:
             from .reference.tokenizer import Tokenizer
 
@@ -162,7 +166,7 @@ class Session:
                 path = self.inputs.engine_gguf or self.inputs.gguf
                 run = llama_cpp.run(path, self.tokens(), n_threads=self.inputs.threads,
                                     capture=("l_out-*", "attn_norm-*", "kqv_out-*", "sa_out-*", "ffn_out-*",
-                                             "result_norm"))
+                                             "ffn_moe_topk-*", "result_norm"))
                 return run.logits, engine_names_to_reference(run.captures, LLAMA_CPP_ALIASES), run.info
 
             return self.once("engine", make)
@@ -433,6 +437,43 @@ def h_engine_vs_reference(s: Session) -> list[Finding]:
     )]
 
 
+def h_moe_routing(s: Session) -> list[Finding]:
+    """Per MoE layer: the engine's chosen experts vs the reference's (`ffn_moe_topk-{i}`), against the
+    flips the engine's own arithmetic explains (the emulated run's). A missing score-correction bias,
+    a wrong grouped top-k or a wrong gating function shows here before anywhere else."""
+    from .checks.layers import routing_disagreement, routing_limit
+
+    if s.config().moe is None:
+        raise Skip(f"{s.config().arch} has no MoE layers")
+    _, engine_caps, _ = s.engine_run()
+    _, ref_caps, _ = s.reference("float32")
+    _, emu_caps, _ = s.budget_reference()
+    rows = []
+    for il in range(s.config().n_layer):
+        name = f"ffn_moe_topk-{il}"
+        if name in ref_caps and name in engine_caps and name in emu_caps:
+            n = int(ref_caps[name].shape[0])
+            got, noise = routing_disagreement(ref_caps[name], engine_caps[name]), \
+                routing_disagreement(ref_caps[name], emu_caps[name])
+            rows.append({"layer": il, "disagreement": got, "noise": noise, "limit": routing_limit(noise, n)})
+    if not rows:
+        raise Skip("the engine exposed no routing decisions (ffn_moe_topk)")
+    bad = [r for r in rows if r["disagreement"] > r["limit"]]
+    if not bad:
+        return [_finding("moe-routing", s.inputs.engine, f"{len(rows)} MoE layers", "pass", confidence="high",
+                         hypothesis="the engine routes tokens to the reference's experts",
+                         metrics={"layers": len(rows), "max_disagreement": max(r["disagreement"] for r in rows)},
+                         evidence=rows, explanation=f"expert choices agree in {len(rows)} MoE layers "
+                                                    f"(max disagreement {max(r['disagreement'] for r in rows):.0%})")]
+    first = bad[0]
+    return [_finding("moe-routing", s.inputs.engine, f"layer {first['layer']}", "fail", confidence="high",
+                     hypothesis="the engine routes tokens to the reference's experts",
+                     metrics={"first_layer": first["layer"], **first}, evidence=rows,
+                     explanation=f"MoE routing differs from layer {first['layer']}: {first['disagreement']:.0%} of "
+                                 f"positions chose other experts (its arithmetic explains {first['limit']:.0%}): "
+                                 f"check the score-correction bias, grouped top-k and gating function")]
+
+
 def h_layer_localization(s: Session) -> list[Finding]:
     """Where the engine's activations leave the reference (noise-aware, layer by layer)."""
     from .checks.layers import error_curve, first_divergent_layer
@@ -543,6 +584,7 @@ def plan(inputs: Inputs) -> list[Hypothesis]:
         Hypothesis("fp16-overflow", "Does the model overflow in float16?", h_fp16_overflow),
         Hypothesis("attention", "Are the attention kernels right?",
                    _not_requested("no attention kernel given (--attention-impl)")),
+        Hypothesis("moe-routing", "Does the engine route tokens to the reference's experts?", h_moe_routing),
         Hypothesis("engine-vs-reference", "Does the engine compute the model's distribution?",
                    h_engine_vs_reference),
         Hypothesis("symptom-bisection", "Which symptom class does the endpoint show?", h_symptom_bisection),

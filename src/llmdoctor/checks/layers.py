@@ -87,3 +87,23 @@ def first_divergent_layer(curve: list[PointError]) -> tuple[int | None, PointErr
         if il in bad and (i + 1 == len(layers) or layers[i + 1] in bad):
             return il, next(p for p in curve if p.layer == il and p.divergent)
     return None, None
+
+
+def routing_disagreement(want: Any, got: Any) -> float:
+    """Fraction of positions whose chosen expert SET differs (order within top-k is irrelevant).
+    want, got: int [T, k]."""
+    import numpy as np
+
+    a = np.sort(np.asarray(want, dtype=np.int64), -1)
+    b = np.sort(np.asarray(got, dtype=np.int64), -1)
+    if a.shape != b.shape:
+        return 1.0
+    return float((a != b).any(-1).mean()) if a.size else 0.0
+
+
+def routing_limit(noise: float, n_positions: int) -> float:
+    """Most disagreement a healthy engine shows: its own arithmetic flips near-tied routing decisions
+    as often as the emulated run does (`noise`), give or take three binomial standard errors (with
+    at least one flip's worth of rate, so a noiseless emulation does not demand perfection)."""
+    p = max(noise, 1.0 / max(n_positions, 1))
+    return noise + 3 * math.sqrt(p * (1 - p) / max(n_positions, 1))

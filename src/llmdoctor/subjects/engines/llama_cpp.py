@@ -4,7 +4,8 @@ every graph node, captured through the context's eval callback (`cb_eval`).
 Node names are the ones llama.cpp's graph builders give through `cb(cur, "name", il)`:
 `attn_norm-3`, `Qcur-3`, `kqv_out-3`, `ffn_inp-3`, `l_out-3`, `result_norm`, ... A name can be used
 by several nodes of one layer (e.g. `Qcur-3` before and after RoPE): the last one evaluated wins,
-which is the final value under that name, as the reference defines its capture points.
+which is the final value under that name, as the reference defines its capture points. F32/F16
+nodes come back as float32, I32 nodes (the experts chosen, `ffn_moe_topk-3`) as int64.
 
 The `ggml_tensor` struct is not exposed by llama-cpp-python; it is declared here from ggml.h and
 checked at run time against ggml's own accessors (`ggml_get_name`, `ggml_nelements`) before any
@@ -25,7 +26,7 @@ GGML_MAX_DIMS = 4
 GGML_MAX_OP_PARAMS = 64  # bytes
 GGML_MAX_SRC = 10
 GGML_MAX_NAME = 64
-GGML_TYPE_F32, GGML_TYPE_F16 = 0, 1
+GGML_TYPE_F32, GGML_TYPE_F16, GGML_TYPE_I32 = 0, 1, 26
 
 
 class EngineError(RuntimeError):
@@ -111,9 +112,9 @@ class _Capture:
         t = GGMLTensor.from_address(t_ptr)
         if t.name.decode("utf-8", "replace") != name or int(np.prod(list(t.ne))) != self.lib.ggml_nelements(t_ptr):
             raise EngineError("ggml_tensor layout mismatch between ggml.h and the loaded libggml")
-        dtype = {GGML_TYPE_F32: np.float32, GGML_TYPE_F16: np.float16}.get(t.type)
+        dtype = {GGML_TYPE_F32: np.float32, GGML_TYPE_F16: np.float16, GGML_TYPE_I32: np.int32}.get(t.type)
         if dtype is None:
-            raise EngineError(f"node {name} has ggml type {t.type}, not F32/F16")
+            raise EngineError(f"node {name} has ggml type {t.type}, not F32/F16/I32")
         span = self.lib.ggml_nbytes(t_ptr)
         raw = np.empty(span, dtype=np.uint8)
         self.lib.ggml_backend_tensor_get(t_ptr, raw.ctypes.data, 0, span)
@@ -124,7 +125,8 @@ class _Capture:
             nb.pop()
         view = np.lib.stride_tricks.as_strided(raw.view(dtype), shape=tuple(reversed(ne)),
                                                strides=tuple(reversed(nb)))
-        return view.astype(np.float32)  # row-major, slowest first: ne reversed
+        # row-major, slowest first (ne reversed); indices (I32, e.g. ffn_moe_topk) stay integers
+        return view.astype(np.int64 if dtype is np.int32 else np.float32)
 
 
 def _eval_callback_type():

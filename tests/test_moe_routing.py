@@ -1,0 +1,61 @@
+"""MoE routing agreement on a real engine: llama.cpp runs a tiny DeepSeek-V3 GGUF (random weights,
+written like convert_hf_to_gguf.py); its experts match the reference's, and a file whose
+gating function is changed is caught in the first MoE layer."""
+
+from __future__ import annotations
+
+import shutil
+import struct
+
+import numpy as np
+import pytest
+
+import fixtures_mla
+from llmdoctor import diagnose as dg
+from llmdoctor.checks.layers import routing_disagreement, routing_limit
+from llmdoctor.gguf import open_gguf
+
+IDS = [int(i) for i in np.random.default_rng(0).integers(1, 90, size=40)]
+
+
+@pytest.fixture(scope="module")
+def deepseek(tmp_path_factory):
+    return fixtures_mla.build("deepseek", tmp_path_factory.mktemp("moe")).gguf_path
+
+
+def _routing(findings):
+    return next(f for f in findings if f.check == "moe-routing")
+
+
+def test_routing_metric():
+    a = np.array([[1, 2], [3, 4], [5, 6]])
+    assert routing_disagreement(a, a[:, ::-1]) == 0.0  # order within top-k does not matter
+    assert routing_disagreement(a, np.array([[1, 2], [3, 5], [5, 6]])) == pytest.approx(1 / 3)
+    assert routing_limit(0.0, 100) == pytest.approx(0.03, abs=1e-3)
+
+
+def test_llama_cpp_routes_like_the_reference(deepseek):
+    res = dg.run(dg.Inputs(gguf=deepseek, engine="llama.cpp", token_ids=IDS, threads=2))
+    f = _routing(res.findings)
+    assert f.status == "pass", f
+    assert f.metrics["layers"] >= 1 and f.metrics["max_disagreement"] == 0.0
+
+
+def test_softmax_gating_instead_of_sigmoid_is_caught(deepseek, tmp_path):
+    """The engine's copy says softmax gating (what llama.cpp falls back to when a DeepSeek-V3
+    file lacks expert_gating_func): the correction bias then outweighs the scores."""
+    bad = tmp_path / "softmax.gguf"
+    shutil.copyfile(deepseek, bad)
+    with open_gguf(deepseek) as g:
+        key = "deepseek2.expert_gating_func"
+        f = g.fields[key]
+        assert f.value == 2  # LLAMA_EXPERT_GATING_FUNC_TYPE_SIGMOID
+        value_at = f.offset + 8 + len(key) + 4  # key length, key, value type, value
+        first_moe = min(int(t.name.split(".")[1]) for t in g.tensors if "ffn_gate_inp" in t.name)
+    with open(bad, "r+b") as fh:
+        fh.seek(value_at)
+        fh.write(struct.pack("<I", 1))  # SOFTMAX
+    res = dg.run(dg.Inputs(gguf=deepseek, engine="llama.cpp", engine_gguf=bad, token_ids=IDS, threads=2))
+    f = _routing(res.findings)
+    assert f.status == "fail" and f.metrics["first_layer"] == first_moe, f
+    assert "routing differs" in f.explanation and res.exit_code == 1
