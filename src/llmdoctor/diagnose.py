@@ -548,6 +548,33 @@ def substitutions(s: Session, point) -> list[dict[str, Any]]:
     return out
 
 
+def h_attention(s: Session) -> list[Finding]:
+    """`check attention` of the given kernel on this model's attention shape (checks/attention.py)."""
+    if not s.inputs.attention_impl:
+        raise Skip("no attention kernel given (--attention-impl)")
+    from .checks import attention
+
+    shape = attention.shape_from_config(s.config(), Path(s.inputs.gguf).name)
+    dtype = _torch_dtype_name(s.inputs.engine_dtype) if s.inputs.engine_dtype else "float32"
+    res = attention.run(shape, [(s.inputs.attention_impl, s.inputs.attention_contract)],
+                        dtypes=(dtype,), explicit=(s.inputs.attention_impl,), seed=s.inputs.seed,
+                        on_step=s.progress)
+    out = [f for f in res.findings if f.status == "fail"]
+    if out:
+        for f in out:
+            f.check, f.confidence = "attention", "high"
+        return out[:8]
+    compared = [f for f in res.findings if f.status == "pass"]
+    if not compared:
+        reasons = sorted({f.reason for f in res.findings if f.status == "skip"})
+        raise Skip(f"the attention kernel compared no case: " + "; ".join(reasons[:2]))
+    return [_finding("attention", s.inputs.attention_impl, f"{len(compared)} cases", "pass", confidence="high",
+                     hypothesis="the attention kernel computes the reference's attention",
+                     metrics={"cases_passed": len(compared),
+                              "cases_skipped": sum(f.status == "skip" for f in res.findings), "dtype": dtype},
+                     explanation=f"{len(compared)} cases within 4x the {dtype} noise floor")]
+
+
 def h_symptom_bisection(s: Session) -> list[Finding]:
     """Black-box probes of the endpoint (checks/probes.py), against the reference when --gguf is given."""
     if not s.inputs.endpoint:
@@ -582,8 +609,7 @@ def plan(inputs: Inputs) -> list[Hypothesis]:
         Hypothesis("mapping", "Are the GGUF<->HF names and layouts right?", h_mapping),
         Hypothesis("dequant", "Is the engine's dequant kernel right?", h_dequant),
         Hypothesis("fp16-overflow", "Does the model overflow in float16?", h_fp16_overflow),
-        Hypothesis("attention", "Are the attention kernels right?",
-                   _not_requested("no attention kernel given (--attention-impl)")),
+        Hypothesis("attention", "Are the attention kernels right?", h_attention),
         Hypothesis("moe-routing", "Does the engine route tokens to the reference's experts?", h_moe_routing),
         Hypothesis("engine-vs-reference", "Does the engine compute the model's distribution?",
                    h_engine_vs_reference),

@@ -61,6 +61,13 @@ def engine_dequant_scale_min_swap(inputs, tmp: Path) -> None:
     inputs.dequant_kernel = get("scale_min_swap").build()
 
 
+@_demo("attention-top-left", "the deployment's prefill attention kernel aligns the causal mask top-left "
+       "(SDPA's is_causal) instead of bottom-right", Expect("attention", "top-left causal alignment"))
+def attention_top_left(inputs, tmp: Path) -> None:
+    kernel = get("attn-top-left").build()
+    inputs.attention_impl, inputs.attention_contract = kernel["impl"], kernel["contract"]
+
+
 def all_demo_faults() -> list[Fault]:
     return all_faults("demo")
 
