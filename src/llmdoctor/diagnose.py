@@ -333,6 +333,20 @@ def h_mapping(s: Session) -> list[Finding]:
     return out
 
 
+def _fold(findings: list[Finding], check: str, hypothesis: str, none_compared: str,
+          most: int = 8) -> tuple[list[Finding], list[Finding]]:
+    """A sub-check's findings as diagnose sees them: (its first `most` failures relabelled as `check`,
+    the passes). Nothing compared at all is a Skip with the sub-check's reasons."""
+    failed = [f for f in findings if f.status == "fail"][:most]
+    for f in failed:
+        f.check, f.confidence, f.hypothesis = check, "high", hypothesis
+    compared = [f for f in findings if f.status == "pass"]
+    if not failed and not compared:
+        reasons = sorted({f.reason for f in findings if f.status == "skip"})
+        raise Skip(f"{none_compared}: " + "; ".join(reasons[:2]))
+    return failed, compared
+
+
 DEQUANT_BLOCKS = 32  # blocks compared per tensor: first, last and 30 seeded ones
 
 
@@ -345,16 +359,10 @@ def h_dequant(s: Session) -> list[Finding]:
         raise Skip("no dequant kernel to check (--dequant-kernel, or an engine whose kernel is built in)")
     s.progress(f"dequant kernel {kernel!r} vs the reference")
     res = dequant.run(s.inputs.gguf, kernel=kernel, blocks=DEQUANT_BLOCKS, seed=s.inputs.seed)
-    failed = [f for f in res.findings if f.status == "fail"]
-    compared = [f for f in res.findings if f.status == "pass"]
+    failed, compared = _fold(res.findings, "dequant", f"the dequant kernel {kernel!r} is right",
+                             f"kernel {kernel!r} compared no tensor")
     if failed:
-        for f in failed:
-            f.check, f.confidence = "dequant", "high"
-            f.hypothesis = f"the dequant kernel {kernel!r} is right"
-        return failed[:8]
-    if not compared:
-        reasons = sorted({f.reason for f in res.findings if f.status == "skip"})
-        raise Skip(f"kernel {kernel!r} compared no tensor: " + "; ".join(reasons[:2]))
+        return failed
     g = s.gguf()
     types = sorted({g.tensor(f.target).type.name for f in compared if f.target in g._tensor_index})
     return [_finding("dequant", kernel, f"{len(compared)} tensors", "pass", confidence="high",
@@ -559,15 +567,10 @@ def h_attention(s: Session) -> list[Finding]:
     res = attention.run(shape, [(s.inputs.attention_impl, s.inputs.attention_contract)],
                         dtypes=(dtype,), explicit=(s.inputs.attention_impl,), seed=s.inputs.seed,
                         on_step=s.progress)
-    out = [f for f in res.findings if f.status == "fail"]
-    if out:
-        for f in out:
-            f.check, f.confidence = "attention", "high"
-        return out[:8]
-    compared = [f for f in res.findings if f.status == "pass"]
-    if not compared:
-        reasons = sorted({f.reason for f in res.findings if f.status == "skip"})
-        raise Skip(f"the attention kernel compared no case: " + "; ".join(reasons[:2]))
+    failed, compared = _fold(res.findings, "attention", "the attention kernel computes the reference's attention",
+                             "the attention kernel compared no case")
+    if failed:
+        return failed
     return [_finding("attention", s.inputs.attention_impl, f"{len(compared)} cases", "pass", confidence="high",
                      hypothesis="the attention kernel computes the reference's attention",
                      metrics={"cases_passed": len(compared),
@@ -591,13 +594,6 @@ def h_symptom_bisection(s: Session) -> list[Finding]:
         f.confidence = f.confidence or "medium"
         out.append(f)
     return out
-
-
-def _not_requested(what: str) -> Callable[[Session], list[Finding]]:
-    def run(s: Session) -> list[Finding]:
-        raise Skip(what)
-
-    return run
 
 
 def plan(inputs: Inputs) -> list[Hypothesis]:
