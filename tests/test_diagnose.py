@@ -110,3 +110,16 @@ def test_named_subject_that_cannot_run_is_exit_2(tmp_path):
     bad.write_text("raise ImportError('this kernel module cannot load')\n")
     doc = _diagnose("--dequant-kernel", f"{bad}:fn")
     assert doc["exit_code"] == 2 and "dequant could not run" in doc["verdict"], doc["verdict"]
+
+
+def test_endpoint_symptom_bisection_on_a_real_server(demo_path, tmp_path):
+    """`diagnose --endpoint URL --gguf FILE`: the probes (and the reference comparison) of a real
+    llama.cpp server become the symptom-bisection findings; a healthy server is healthy."""
+    from test_probe import llama_server
+
+    with llama_server(demo_path, tmp_path / "server.log") as url:
+        doc = _diagnose("--endpoint", url, "--gguf", str(demo_path))
+    bisection = [f for f in doc["findings"] if f["check"] == "symptom-bisection"]
+    assert len(bisection) >= 5 and all(f["status"] in ("pass", "skip") for f in bisection), bisection
+    assert any(f["status"] == "pass" and "reference" in f["target"] for f in bisection), bisection
+    assert doc["exit_code"] == 0 and doc["verdict"] == "healthy", doc["verdict"]

@@ -663,7 +663,8 @@ def _run(s: Session, inputs: Inputs, progress: Callable[[str], None]) -> Diagnos
         layer = next((f for f in suspects if f.check == "layer-localization"), None)
         if layer is not None and suspects[0] is not layer:
             verdict += f" (first divergent layer: {layer.metrics['first_divergent_layer']})"
-    elif missing := [f for f in findings if f.status == "skip" and f.check in _named_subjects(inputs)]:
+    elif missing := [f for f in findings if f.status == "skip" and f.check in _named_subjects(inputs)
+                     and not any(g.check == f.check and g.status != "skip" for g in findings)]:
         verdict, code = f"could not diagnose: {missing[0].check} could not run: {missing[0].reason}", 2
     elif c["passed"] == 0 or not any(f.check in ("engine-vs-reference", "layer-localization")
                                      and f.status == "pass" for f in findings) and inputs.engine:
