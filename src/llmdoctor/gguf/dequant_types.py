@@ -133,15 +133,27 @@ def _legacy_q(blocks: torch.Tensor, qs_start: int) -> torch.Tensor:
     return q
 
 
-def _q5_high_bits(q: torch.Tensor, blocks: torch.Tensor, qh_start: int) -> torch.Tensor:
-    """q[:, j] |= 16 * (bit j of the little-endian uint32 qh at byte `qh_start`). q: uint8 [n, 32]."""
-    halves = _view(blocks[:, qh_start : qh_start + 4], torch.int16)  # [n, 2]
-    qh = (halves[:, 0].int() & 0xFFFF) | (halves[:, 1].int() << 16)  # [n]
-    bits = _scratch("bits", tuple(q.shape), torch.int32, q.device)
-    torch.bitwise_right_shift(qh.unsqueeze(1), _const(tuple(range(32)), torch.int32, qh.device), out=bits)
-    high = _scratch("high", tuple(q.shape), torch.uint8, q.device)
-    high.copy_(bits.bitwise_and_(1))
-    return q.bitwise_or_(high.bitwise_left_shift_(4))
+@functools.lru_cache(maxsize=None)
+def _bit_bytes_table(set_: int, clear: int, device: torch.device) -> torch.Tensor:
+    """int64 [256]: entry b holds 8 bytes, byte k = `set_` if bit k of b is set else `clear`."""
+    bits = (torch.arange(256).unsqueeze(1) >> torch.arange(8)) & 1  # [256, 8]
+    table = torch.where(bits == 1, set_, clear).to(torch.uint8)
+    return table.view(torch.int64).view(256).to(device)
+
+
+def _q5_high_bits(q: torch.Tensor, blocks: torch.Tensor, qh_start: int, offset: int) -> torch.Tensor:
+    """q[:, j] += 16 * (bit j of the little-endian uint32 qh at byte `qh_start`) - offset, mod 256.
+
+    q: uint8 [n, 32]. Bit j is bit j % 8 of qh byte j // 8, so a 256-entry table spreads each qh
+    byte into the 8 bytes of q it covers, with `offset` (0 or 16) folded in: one gather, one add.
+    """
+    n = q.shape[0]
+    idx = _scratch("idx", (n, 4), torch.int32, q.device)
+    idx.copy_(blocks[:, qh_start : qh_start + 4])
+    table = _bit_bytes_table(16 - offset, (-offset) % 256, q.device)
+    high = _scratch("high", (n * 4,), torch.int64, q.device)
+    torch.index_select(table, 0, idx.view(-1), out=high)
+    return q.add_(high.view(torch.uint8).view(n, 32))
 
 
 @register(T.Q8_0)
@@ -172,15 +184,15 @@ def q4_1(blocks: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
 def q5_0(blocks: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     # block: d f16 | qh[4] | qs[16]; value d * (q - 16), q = nibble + 16 * bit
     out = _out(blocks, 32, out)
-    q = _q5_high_bits(_legacy_q(blocks, 6), blocks, 2)
-    return _scaled(out, q, 16, _f16(blocks, 0), 32)
+    q = _q5_high_bits(_legacy_q(blocks, 6), blocks, 2, 16)  # q - 16, as int8
+    return _scaled(out, q, 0, _f16(blocks, 0), 32)
 
 
 @register(T.Q5_1)
 def q5_1(blocks: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     # block: d f16 | m f16 | qh[4] | qs[16]; value d * q + m
     out = _out(blocks, 32, out)
-    q = _q5_high_bits(_legacy_q(blocks, 8), blocks, 4)
+    q = _q5_high_bits(_legacy_q(blocks, 8), blocks, 4, 0)
     _scaled(out, q, 0, _f16(blocks, 0), 32)
     return out.add_(_f16(blocks, 2))
 
