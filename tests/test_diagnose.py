@@ -3,6 +3,7 @@ top-ranked cause and, where it is a layer, the right layer; the reports render."
 
 from __future__ import annotations
 
+import html
 import json
 import shutil
 import subprocess
@@ -12,6 +13,7 @@ from typer.testing import CliRunner
 
 from llmdoctor.cli import app
 from llmdoctor.faults.demo import all_demo_faults
+from llmdoctor.report.html import render
 
 runner = CliRunner()
 
@@ -77,6 +79,12 @@ def test_demo_fault_is_diagnosed(fault):
         assert confirmed and all(fault.expect.swap in w for w in confirmed), loc["metrics"]["substitutions"]
     if fault.expect.check == "fp16-overflow":
         assert top["metrics"]["first_overflow_layer"] == fault.expect.layer
+    page = render(doc)  # the report shows the evidence that fits the fault
+    assert html.escape(doc["verdict"]) in page
+    if fault.expect.layer is not None:
+        assert "Per-layer error" in page and "#c62828" in page  # a red (divergent) dot
+    if fault.expect.check == "dequant":
+        assert "Dequant error by type" in page and "Q4_K" in page
 
 
 def test_unknown_demo_fault_and_engine_are_input_errors():
@@ -87,8 +95,6 @@ def test_unknown_demo_fault_and_engine_are_input_errors():
 
 
 def test_html_report_renders_in_chromium(healthy, tmp_path):
-    from llmdoctor.report.html import render
-
     doc = dict(healthy)
     page = tmp_path / "report.html"
     page.write_text(render(doc))
@@ -123,3 +129,4 @@ def test_endpoint_symptom_bisection_on_a_real_server(demo_path, tmp_path):
     assert len(bisection) >= 5 and all(f["status"] in ("pass", "skip") for f in bisection), bisection
     assert any(f["status"] == "pass" and "reference" in f["target"] for f in bisection), bisection
     assert doc["exit_code"] == 0 and doc["verdict"] == "healthy", doc["verdict"]
+    assert "Probe logprobs of the expected continuation" in render(doc)

@@ -136,12 +136,16 @@ def render(doc: dict[str, Any]) -> str:
                   "<p class='small'>Dots: relative L2 error of the engine's layer output against the float32 "
                   "reference (red: divergent). Dashed: the limit, K x the error of the reference run with the "
                   "engine's arithmetic emulated.</p>", layer_curve_svg(curve)]
-    dq = [(f"{f['target']}", f["metrics"].get("rel_l2")) for f in fs if f["check"] == "dequant"
-          and f["status"] == "fail" and isinstance(f.get("metrics"), dict)]
-    if dq:
-        parts += ["<h2>Dequant error by tensor</h2>", bars_svg(dq, label="relative L2 error vs the reference")]
-    probes = [(f["target"], f["metrics"].get("logprob")) for f in fs if f["check"].startswith("probe")
-              and isinstance(f.get("metrics"), dict) and "logprob" in f["metrics"]]
+    by_type: dict[str, float] = {}
+    for f in fs:
+        m = f.get("metrics") or {}
+        if f["check"] == "dequant" and f["status"] == "fail" and "type" in m and "rel_l2" in m:
+            by_type[m["type"]] = max(by_type.get(m["type"], 0.0), m["rel_l2"])
+    if by_type:
+        parts += ["<h2>Dequant error by type (worst tensor)</h2>",
+                  bars_svg(sorted(by_type.items()), label="relative L2 error vs the reference")]
+    probes = [(f["target"], f["metrics"]["expected_logprob"]) for f in fs
+              if isinstance(f.get("metrics"), dict) and isinstance(f["metrics"].get("expected_logprob"), (int, float))]
     if probes:
         parts += ["<h2>Probe logprobs of the expected continuation</h2>",
                   bars_svg(probes, label="logprob (0 is certain)", log=False)]
