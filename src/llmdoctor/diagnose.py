@@ -518,9 +518,10 @@ def h_layer_localization(s: Session) -> list[Finding]:
 
 
 def substitutions(s: Session, point) -> list[dict[str, Any]]:
-    """Op substitution: rerun the reference with one suspect component swapped in and ask whether that
-    swap alone reproduces the engine's divergence at its first divergent point (error at least half
-    the engine's, or non-finite like it)."""
+    """Op substitution: rerun the reference with one suspect component swapped in (the engine's
+    precision; the --dequant-kernel; the --attention-impl under the prefill contract, dense models)
+    and ask whether that swap alone reproduces the engine's divergence at its first divergent point
+    (error at least half the engine's, or non-finite like it)."""
     from .checks import metrics as M
 
     name = f"{point.point}-{point.layer}"
@@ -552,6 +553,18 @@ def substitutions(s: Session, point) -> list[dict[str, Any]]:
             out.append({"swap": f"the dequant kernel {s.inputs.dequant_kernel!r}", "reproduces": ok, "error": err})
         except Exception as e:  # the suspect kernel may crash: that is evidence too, not our failure
             out.append({"swap": f"the dequant kernel {s.inputs.dequant_kernel!r}", "reproduces": None,
+                        "error": None, "could_not_run": f"{type(e).__name__}: {e}"})
+    if s.inputs.attention_impl and (s.inputs.attention_contract or "prefill") == "prefill" and s.config().mla is None:
+        from .subjects.substitution import PrefillAttention
+
+        s.progress(f"reference with the attention kernel {s.inputs.attention_impl!r} swapped in")
+        try:
+            with PrefillAttention(s.inputs.attention_impl) as swapped:
+                _, caps = s.model().forward(s.tokens(), capture={name}, attention=swapped)
+            ok, err = reproduces(caps)
+            out.append({"swap": f"the attention kernel {s.inputs.attention_impl!r}", "reproduces": ok, "error": err})
+        except Exception as e:
+            out.append({"swap": f"the attention kernel {s.inputs.attention_impl!r}", "reproduces": None,
                         "error": None, "could_not_run": f"{type(e).__name__}: {e}"})
     return out
 

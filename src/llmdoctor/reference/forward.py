@@ -244,6 +244,8 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 _DEFAULT = object()  # "the model's own setting" for per-call options
+# A suspect dense attention kernel swapped in for a run (subjects/substitution.py PrefillAttention).
+_ATTENTION: ContextVar["Callable[..., torch.Tensor] | None"] = ContextVar("llmdoctor_attention", default=None)
 # (engine arithmetic, weights) of the run in progress when it emulates an engine (see Weights).
 _EMULATING: ContextVar["tuple[EnginePrecision, Weights] | None"] = ContextVar("llmdoctor_emulating", default=None)
 
@@ -301,8 +303,12 @@ def dense_attention(st: Step, h: torch.Tensor) -> torch.Tensor:
     kv_dtype = em[0].kv_dtype if em is not None else None
     if kv_dtype is not None:  # the engine's KV cache (and the matmuls against it) in kv_dtype
         q, k, v = (t.to(kv_dtype).to(t.dtype) for t in (q, k, v))
-    o = attn.attention(q, k, v, scale=cfg.attn_scale, window=cfg.layer_window(st.il), q_chunk=st.kv_chunk,
-                       softcap=cfg.attn_softcap, kv_chunk=st.kv_chunk, p_dtype=kv_dtype)  # [T, H, Dv]
+    swapped = _ATTENTION.get()
+    if swapped is not None:  # op substitution: a suspect attention kernel in place of ours
+        o = swapped(q, k, v, scale=cfg.attn_scale, window=cfg.layer_window(st.il), softcap=cfg.attn_softcap)
+    else:
+        o = attn.attention(q, k, v, scale=cfg.attn_scale, window=cfg.layer_window(st.il), q_chunk=st.kv_chunk,
+                           softcap=cfg.attn_softcap, kv_chunk=st.kv_chunk, p_dtype=kv_dtype)  # [T, H, Dv]
     o = st.cap("kqv_out", o.reshape(T, cfg.n_head * cfg.head_dim_v))
     return st.cap("attn_out", linear(o, st.w(MODEL_TENSOR.ATTN_OUT)))
 
@@ -333,10 +339,16 @@ def dense_block(st: Step, x: torch.Tensor) -> torch.Tensor:
 # ---- the model ----------------------------------------------------------------------------------
 
 class ReferenceModel:
-    """A GGUF model run layer by layer from its mmap. `forward(ids, capture) -> (logits, captured)`."""
+    """A GGUF model run layer by layer from its mmap. `forward(ids, capture) -> (logits, captured)`.
+
+    `vocab_chunk` rows of the output matrix are dequantized and multiplied at a time: 2048 rows of the
+    demo's 640 columns (5 MB in float32) stay in cache between the dequantization and the matmul and
+    reuse the allocator's memory, where 32768-row slices (84 MB) page-faulted fresh memory each time:
+    the demo's output projection took 0.21 s with 32768 and 0.07 s with 2048 (bench_reference.py).
+    """
 
     def __init__(self, path, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-                 cache: bool = False, vocab_chunk: int = 32768, kv_chunk: int | None = 4096,
+                 cache: bool = False, vocab_chunk: int = 2048, kv_chunk: int | None = 4096,
                  emulate: EnginePrecision | None = None, dequantizer: Callable[..., torch.Tensor] | None = None):
         if dtype not in (torch.float64, torch.float32, torch.bfloat16, torch.float16):
             raise InputError(f"dtype {dtype} not supported (float64, float32, bfloat16, float16)")
@@ -369,15 +381,19 @@ class ReferenceModel:
     @torch.no_grad()  # not inference_mode: its tensors break in-place ops of dequant kernels run later
     def forward(self, token_ids, capture: Iterable[str] | None = None, *, all_logits: bool = True,
                 emulate: "EnginePrecision | None | object" = _DEFAULT,
+                attention: "Callable[..., torch.Tensor] | None" = None,
                 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """logits [T, n_vocab] (or [1, n_vocab] for the last position with all_logits=False) in the
         run dtype, and {capture name: tensor}. Positions are 0..T-1 (one sequence). `emulate`
-        (default: the model's) reproduces an engine's arithmetic for this run (reference/emulate.py)."""
+        (default: the model's) reproduces an engine's arithmetic for this run (reference/emulate.py);
+        `attention` swaps a suspect dense attention kernel in for every layer (op substitution)."""
         emulate = self.emulate if emulate is _DEFAULT else emulate
         token = _EMULATING.set((emulate, self.weights) if emulate is not None else None)
+        swap = _ATTENTION.set(attention)
         try:
             return self._forward(token_ids, capture, all_logits)
         finally:
+            _ATTENTION.reset(swap)
             _EMULATING.reset(token)
 
     def _forward(self, token_ids, capture: Iterable[str] | None,

@@ -1,7 +1,8 @@
 """Op substitution: a suspect component swapped into the reference, to confirm which swap alone
 reproduces an engine's divergence. `KernelDequantizer` makes a dequant kernel spec (the one kernel
-loader, subjects/kernels.py) the reference's dequantizer; the kernel runs isolated in a child
-process (subjects/isolation.py) and returns whole tensors.
+loader, subjects/kernels.py) the reference's dequantizer; `PrefillAttention` makes an attention
+subject under the `prefill` contract (subjects/attention.py) the reference's attention. Both run
+isolated in a child process (subjects/isolation.py).
 """
 
 from __future__ import annotations
@@ -41,3 +42,40 @@ class KernelDequantizer:
         dtype = getattr(torch, out.header["dtype"])
         values = torch.frombuffer(out.payload, dtype=dtype)  # [n]
         return values.reshape(shape).to(device=device, dtype=torch.float32)
+
+
+class PrefillAttention:
+    """`(q [T, H, D], k [S, Hk, D], v [S, Hk, Dv], *, scale, window, softcap) -> [T, H, Dv]` through an
+    attention subject's `prefill` contract (one sequence, bottom-right causal). Context manager."""
+
+    def __init__(self, spec: str, *, device: str = "cpu", call_timeout: float = 300.0):
+        self.spec = spec
+        self._iso = Isolated("llmdoctor.subjects.attention:serve", (spec, device, "prefill"),
+                             call_timeout=call_timeout)
+
+    def __enter__(self) -> "PrefillAttention":
+        self._iso.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._iso.close()
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float,
+                 window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+        from . import attention as subj
+
+        t, h, _ = q.shape
+        s = k.shape[0]
+        cu_q = torch.tensor([0, t], dtype=torch.int32)
+        cu_k = torch.tensor([0, s], dtype=torch.int32)
+        kwargs = {}
+        if window and s > window:  # only when the window cuts: a kernel without window support still runs
+            kwargs["window_left"] = window - 1  # the contract's window_left counts keys before the query
+        if softcap:
+            kwargs["softcap"] = softcap
+        args = [q.cpu(), k.cpu(), v.cpu(), cu_q, cu_k, t, s, scale, True]
+        out = self._iso.call({"contract": "prefill", "out_shape": [t, h, v.shape[-1]], "lse_shape": [h, t]},
+                             subj.pack({"args": args, "kwargs": kwargs}))
+        if out.status != "ok":
+            raise EngineError(f"attention {self.spec!r} (prefill, T={t}): {out.status}: {out.message}")
+        return subj.unpack(out.payload)["out"].to(device=q.device, dtype=q.dtype)
