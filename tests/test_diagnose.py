@@ -130,3 +130,10 @@ def test_endpoint_symptom_bisection_on_a_real_server(demo_path, tmp_path):
     assert any(f["status"] == "pass" and "reference" in f["target"] for f in bisection), bisection
     assert doc["exit_code"] == 0 and doc["verdict"] == "healthy", doc["verdict"]
     assert "Probe logprobs of the expected continuation" in render(doc)
+
+
+def test_terminal_groups_suspects_by_check():
+    from llmdoctor.report.diagnosis import group_by_check
+
+    fs = [{"check": "dequant", "id": str(i)} for i in range(3)] + [{"check": "layer-localization", "id": "x"}]
+    assert [(f["id"], more) for f, more in group_by_check(fs)] == [("0", 2), ("x", 0)]

@@ -16,6 +16,20 @@ def _metrics_line(m: dict[str, Any], n: int = 4) -> str:
     return ", ".join(f"{k}={fmt(v)}" for k, v in list(m.items())[:n])
 
 
+def group_by_check(findings: list[dict[str, Any]]) -> list[tuple[dict[str, Any], int]]:
+    """One row per check, in rank order: (its first finding, how many more of the same check)."""
+    out: list[tuple[dict[str, Any], int]] = []
+    index: dict[str, int] = {}
+    for f in findings:
+        if f["check"] in index:
+            first, more = out[index[f["check"]]]
+            out[index[f["check"]]] = (first, more + 1)
+        else:
+            index[f["check"]] = len(out)
+            out.append((f, 0))
+    return out
+
+
 def render(doc: dict[str, Any], console: Console) -> None:
     code = doc["exit_code"]
     style = {0: "bold green", 1: "bold red"}.get(code, "bold yellow")
@@ -23,13 +37,14 @@ def render(doc: dict[str, Any], console: Console) -> None:
     c = doc["counts"]
     console.print(f"{c['passed']} passed, {c['failed']} failed, {c['skipped']} skipped")
     by_id = {f["id"]: f for f in doc["findings"]}
-    suspects = [by_id[i] for i in doc.get("suspects", []) if i in by_id]
+    suspects = group_by_check([by_id[i] for i in doc.get("suspects", []) if i in by_id])
     if suspects:
         t = Table(title="Suspects, most likely first", title_justify="left")
         for col in ("#", "check", "target", "evidence", "confidence"):
             t.add_column(col)
-        for i, f in enumerate(suspects, 1):
-            t.add_row(str(i), f["check"], f["target"], f["explanation"] or f["reason"], f.get("confidence", ""))
+        for i, (f, more) in enumerate(suspects, 1):
+            target = f["target"] + (f" (+{more} more)" if more else "")
+            t.add_row(str(i), f["check"], target, f["explanation"] or f["reason"], f.get("confidence", ""))
         console.print(t)
     ruled = [f for f in doc["findings"] if f["status"] == "pass"]
     if ruled:

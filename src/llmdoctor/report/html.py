@@ -114,7 +114,7 @@ def render(doc: dict[str, Any]) -> str:
     code = doc["exit_code"]
     cls = {0: "ok", 1: "bad"}.get(code, "unk")
     by_id = {f["id"]: f for f in fs}
-    suspects = [by_id[i] for i in doc.get("suspects", []) if i in by_id]
+    suspects = [by_id[i] for i in doc.get("suspects", []) if i in by_id]  # every one, in rank order
     ruled = [f for f in fs if f["status"] == "pass"]
     skipped = [f for f in fs if f["status"] == "skip"]
     env = doc.get("env", {})
