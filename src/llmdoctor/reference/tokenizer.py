@@ -323,7 +323,8 @@ class Tokenizer:
             raise InputError(f"{f.path}: tokenizer model {model!r} is not supported (llama, gpt2)")
         tokens = f.fields[_K.LIST].value.decode_all(errors="surrogateescape")
         n = len(tokens)
-        tokens = [t or f"[EMPTY_{i}]" for i, t in enumerate(tokens)]  # as llama.cpp names them
+        if "" in tokens:
+            tokens = [t or f"[EMPTY_{i}]" for i, t in enumerate(tokens)]  # as llama.cpp names them
         vocab = dict(zip(tokens, range(n)))
         if len(vocab) != n:
             dup = next(t for i, t in enumerate(tokens) if vocab[t] != i)
