@@ -114,7 +114,7 @@ def render(doc: dict[str, Any]) -> str:
     code = doc["exit_code"]
     cls = {0: "ok", 1: "bad"}.get(code, "unk")
     by_id = {f["id"]: f for f in fs}
-    suspects = [by_id[i] for i in doc.get("suspects", []) if i in by_id]  # every one, in rank order
+    suspects = [by_id[i] for i in doc.get("suspects", []) if i in by_id]
     ruled = [f for f in fs if f["status"] == "pass"]
     skipped = [f for f in fs if f["status"] == "skip"]
     env = doc.get("env", {})
@@ -129,7 +129,15 @@ def render(doc: dict[str, Any]) -> str:
         f"{doc['counts']['skipped']} skipped</div>",
     ]
     if suspects:
-        parts += ["<h2>Suspects, most likely first</h2>", _findings_table(suspects)]
+        from .diagnosis import group_by_check
+
+        firsts = []
+        for f, more in group_by_check(suspects):
+            firsts.append({**f, "target": f["target"] + (f" (+{more} more)" if more else "")})
+        parts += ["<h2>Suspects, most likely first</h2>", _findings_table(firsts)]
+        if len(firsts) < len(suspects):
+            parts += [f"<details><summary>all {len(suspects)} failed findings</summary>",
+                      _findings_table(suspects), "</details>"]
     curve = doc.get("layer_curve") or []
     if curve:
         parts += ["<h2>Per-layer error vs the engine's noise budget</h2>",
