@@ -127,22 +127,53 @@ def _as_uint8_tensor(raw: torch.Tensor | np.ndarray, device: torch.device | str 
     return raw
 
 
-_POOL: tuple[int, int, ThreadPoolExecutor] | None = None  # (pid, workers, pool)
+_POOL: tuple[int, int, ThreadPoolExecutor] | None = None  # (pid, helpers, pool)
 
 
-def _cpu_pool(workers: int) -> ThreadPoolExecutor:
-    """Chunk workers, each running torch single-threaded (torch's thread count is per thread).
+def _cpu_pool(helpers: int) -> ThreadPoolExecutor:
+    """Chunk workers that help the calling thread, each running torch single-threaded (torch's
+    thread count is per thread).
 
     One chunk per worker beats splitting every op over torch's intra-op threads: there, each of the
     dozen ops per chunk waits for all threads, and on a busy machine one descheduled thread stalls
     every op (measured 10x slower under load in bench/bench_dequant_cpu.py). Re-created after a fork.
     """
     global _POOL
-    if _POOL is None or _POOL[:2] != (os.getpid(), workers):
+    if _POOL is None or _POOL[:2] != (os.getpid(), helpers):
         if _POOL is not None and _POOL[0] == os.getpid():
             _POOL[2].shutdown(wait=False)  # the thread count changed: retire the old workers
-        _POOL = (os.getpid(), workers, ThreadPoolExecutor(workers, "dequant", torch.set_num_threads, (1,)))
+        _POOL = (os.getpid(), helpers, ThreadPoolExecutor(helpers, "dequant", torch.set_num_threads, (1,)))
     return _POOL[2]
+
+
+def _share(task: Callable[[int], None], starts: range, workers: int) -> None:
+    """Run task(start) for every start on the calling thread and `workers - 1` pool threads.
+
+    Each thread takes the next chunk when it is done with one (no fixed split), so a descheduled
+    thread delays no more than its own chunk; the caller works too rather than waiting for a
+    hand-off, and runs torch single-threaded meanwhile so that the threads do not oversubscribe.
+    """
+    chunks = iter(starts)
+    lock = threading.Lock()
+    inference = torch.is_inference_mode_enabled()  # pool threads do not inherit inference mode
+
+    def drain() -> None:
+        with torch.inference_mode(inference):
+            while True:
+                with lock:
+                    start = next(chunks, None)
+                if start is None:
+                    return
+                task(start)
+
+    helpers = [_cpu_pool(workers - 1).submit(drain) for _ in range(min(workers, len(starts)) - 1)]
+    torch.set_num_threads(1)
+    try:
+        drain()
+    finally:
+        torch.set_num_threads(workers)
+        for h in helpers:
+            h.result()
 
 
 def _run(kernel: BlockKernel, blocks: torch.Tensor, block_size: int, result: torch.Tensor) -> None:
@@ -171,16 +202,7 @@ def _run(kernel: BlockKernel, blocks: torch.Tensor, block_size: int, result: tor
 
     starts = range(0, n_blocks, step)
     if workers > 1 and len(starts) > 1:
-        # worker threads do not inherit the caller's inference mode; an inference-mode `result`
-        # may only be written from inside inference mode
-        inference = torch.is_inference_mode_enabled()
-
-        def one_in_mode(start: int) -> None:
-            with torch.inference_mode(inference):
-                one(start)
-
-        for _ in _cpu_pool(workers).map(one_in_mode, starts):
-            pass
+        _share(one, starts, workers)
     else:
         for start in starts:
             one(start)
