@@ -292,6 +292,12 @@ def test_glm_nextn_block(mla, tmp_path):
     res = mapping.run(path, d)
     assert failed(res) == [] and "numeric/blk.3.nextn.eh_proj.weight" in {f.target for f in res.findings}
     assert failed(mapping.run(path)) == []
+    # the reference forward pass skips the MTP block, as llama.cpp's graph does: same logits as without it
+    from llmdoctor.reference import load
+
+    ids = list(range(1, 24))
+    with load(gguf_path) as a, load(path) as b:
+        assert b.config.n_nextn == 1 and torch.equal(a.forward(ids)[0], b.forward(ids)[0])
 
 
 class StandInGGUFModelLoader:

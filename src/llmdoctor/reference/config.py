@@ -67,6 +67,10 @@ class ModelConfig:
     mla: object | None = None  # filled by MLA architectures (reference/mla.py)
     moe: object | None = None  # filled by MoE architectures
     source: str = field(default="", compare=False)  # "gguf" or "hf"
+    # trailing NextN/MTP blocks stored after the main layers (GLM-4.5/GLM-5 GGUFs: block_count counts
+    # them, `<arch>.nextn_predict_layers` says how many); the forward pass skips them, as llama.cpp's
+    # graphs do (they only serve speculative decoding). Not compared: config.json counts them apart.
+    n_nextn: int = field(default=0, compare=False)
 
     def diff(self, other: "ModelConfig") -> dict[str, tuple[Any, Any]]:
         """{field: (self's, other's)} for every compared field that differs (floats to 1e-6 rel)."""
@@ -157,7 +161,9 @@ def from_gguf(g: Any) -> ModelConfig:
     parser = _GGUF_PARSERS.get(arch)
     if parser is None:
         raise InputError(f"{g.path}: architecture {arch!r} not supported (known: {', '.join(sorted(_GGUF_PARSERS))})")
-    return parser(g)
+    cfg = parser(g)
+    cfg.n_nextn = int(g.get(f"{arch}.nextn_predict_layers") or 0)
+    return cfg
 
 
 def from_hf(config: dict | str | os.PathLike | Any) -> ModelConfig:

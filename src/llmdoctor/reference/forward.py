@@ -411,7 +411,7 @@ class ReferenceModel:
             rec("inp_scaled", x)
         positions = torch.arange(ids.numel(), device=self.device)
         extra: dict = {}
-        for il in range(cfg.n_layer):
+        for il in range(cfg.n_layer - cfg.n_nextn):  # NextN/MTP blocks are not part of the forward pass
             st = Step(cfg, il, positions, self.weights, rec, self.kv_chunk, extra)
             x = self.block(st, x)
         if not all_logits:
