@@ -119,9 +119,9 @@ class Weights:
     def slab(self, name: str, i: int) -> torch.Tensor:
         """Slab i along the slowest dim (one expert of a merged [E, out, in] expert tensor), dequantizing
         only that slab's bytes: an MoE layer never holds all its experts at once."""
-        if name in self._cached:
-            return self._cached[name][i]
         t = self.g.tensor(name)
+        if name in self._cached:
+            return self._remember(self._cached[name][i], t.type)
         raw = t.data.reshape(t.shape[0], -1)[i]
         w = self.dequantize(raw, t.type, tuple(t.shape[1:]), device=self.device).to(self.dtype)
         return self._remember(w, t.type)
