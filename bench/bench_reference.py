@@ -15,6 +15,7 @@
 3. Peak RSS of a process that runs the forward with layer streaming vs with every block cached.
 Each measurement runs in its own process so that RSS and cold-start times do not leak between them;
 wall time and CPU time (user + system) are both reported, since other processes may share the cores.
+`--threads N` sets OMP_NUM_THREADS=N in every child (both sides; llama.cpp gets N threads too).
 """
 
 from __future__ import annotations
@@ -107,6 +108,7 @@ def child_throughput(n: int, threads: int) -> dict:
     from llmdoctor.reference import load
     from llmdoctor.reference.tokenizer import Tokenizer
 
+    torch.set_num_threads(threads)
     path = model_path()
     with open_gguf(path) as g:
         ids = _prompt_ids(Tokenizer.from_gguf(g), n)
@@ -126,11 +128,14 @@ def child_throughput(n: int, threads: int) -> dict:
             "ours_tok_s": len(ids) / ours_s, "llama_cpp_tok_s": len(ids) / llama_s}
 
 
+_THREADS_ENV: dict[str, str] = {}  # --threads N: OMP_NUM_THREADS=N in every child, ours and transformers alike
+
+
 def run_child(*args: str) -> dict:
     # The dev VM's 2 cores are shared with other processes: OpenMP workers that spin while waiting
     # stall every small parallel region there. Every child (ours and transformers alike) therefore
     # waits passively; an explicit OMP_WAIT_POLICY in the environment wins.
-    env = {"OMP_WAIT_POLICY": "PASSIVE", **os.environ}
+    env = {"OMP_WAIT_POLICY": "PASSIVE", **os.environ, **_THREADS_ENV}
     out = subprocess.run([sys.executable, __file__, "--child", *args], capture_output=True, text=True, env=env)
     if out.returncode:
         raise SystemExit(f"child {args} failed:\n{out.stderr[-3000:]}")
@@ -142,6 +147,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--throughput-tokens", type=int, default=512)
     ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--threads", type=int, help="torch/OpenMP threads of every child (default: torch's)")
     ap.add_argument("--child", nargs="+")
     a = ap.parse_args()
     if a.child:
@@ -151,8 +157,10 @@ def main() -> None:
                "throughput": lambda: child_throughput(int(rest[0]), int(rest[1]))}[kind]()
         print(json.dumps(res))
         return
+    if a.threads:
+        _THREADS_ENV["OMP_NUM_THREADS"] = str(a.threads)
     print(f"# {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {platform.machine()}, {os.cpu_count()} cores, "
-          f"load average {os.getloadavg()[0]:.1f} at start")
+          f"threads {a.threads or 'default'}, load average {os.getloadavg()[0]:.1f} at start")
     ours = run_child("ours", str(a.tokens), "stream")
     with open(IDS_FILE, "w") as f:
         json.dump(ours["ids"], f)
@@ -171,7 +179,7 @@ def main() -> None:
               f"transformers {hf['cpu_s']:.1f} s: {hf['cpu_s'] / cpu:.1f}x")
     cached = run_child("ours", str(a.tokens), "cache")
     print(f"peak RSS: streaming {ours['peak_rss_mb']:.0f} MB, all blocks cached {cached['peak_rss_mb']:.0f} MB")
-    tp = run_child("throughput", str(a.throughput_tokens), "2")
+    tp = run_child("throughput", str(a.throughput_tokens), str(a.threads or 2))
     print(f"prompt throughput ({tp['tokens']} tokens, {tp['threads']} threads): ours {tp['ours_tok_s']:.0f} tok/s, "
           f"llama.cpp {tp['llama_cpp_tok_s']:.0f} tok/s (ratio {tp['llama_cpp_tok_s'] / tp['ours_tok_s']:.1f}x)")
     print(f"# load average {os.getloadavg()[0]:.1f} at the end")
