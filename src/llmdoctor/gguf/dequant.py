@@ -12,12 +12,14 @@ The entry point `dequantize(raw, qtype, shape, ...)` follows the kernel contract
 `qtype` the GGML type number, `shape` the row-major logical shape (GGUF dims reversed).
 
 The work is streamed in chunks of whole blocks: on CPU a chunk's temporaries (a few MiB) stay in
-cache and its result is written once, straight into the output buffer; chunks run on a pool of
-`torch.get_num_threads()` single-threaded workers.
+cache and its result is written once, straight into the output buffer; the chunks of a tensor of
+several chunks are shared by the calling thread and `torch.get_num_threads() - 1` pool threads, each
+running torch single-threaded.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 
 import inspect
@@ -25,7 +27,7 @@ import os
 import threading
 import warnings
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, Iterator
 
 import numpy as np
 import torch
@@ -42,11 +44,18 @@ _KERNELS: dict[GGMLQuantizationType, BlockKernel] = {}
 _CUDA_KERNELS: dict[GGMLQuantizationType, BlockKernel] = {}
 _WRITES_OUT: set[BlockKernel] = set()  # kernels that accept `out=`
 
-# Output elements per chunk. CPU: 1M float32 (4 MiB) keeps a chunk's temporaries in the L2/L3 caches
-# while amortizing the few-us overhead of each of a kernel's 5-30 ops (2^19..2^21 measured: 2^20 best
-# for Q8_0, Q5_0, Q4_K, Q6_K). CUDA: large, only to bound the temporaries of the torch kernels.
-_CHUNK_ELEMENTS = {"cpu": 1 << 20, "cuda": 1 << 27}
-_MIN_PARALLEL_CHUNK = 1 << 16
+# Output elements per chunk. CPU: 2M float32 (8 MiB) keeps a chunk's temporaries in the L3 cache
+# while amortizing the few-us overhead of each of a kernel's 10-30 ops, and the Python (GIL) time
+# each op costs the other chunk workers. Measured on the demo file, one thread, 2^19..2^22: 2^21
+# best for Q5_0, Q4_K, Q6_K (5-14% over 2^20), Q8_0 within 2% of 2^20 (2^22: 25% slower, past L3).
+# CUDA: large, only to bound the temporaries of the torch kernels.
+_CHUNK_ELEMENTS = {"cpu": 1 << 21, "cuda": 1 << 27}
+# Smallest chunk a tensor is cut into so that every worker gets one. Cutting the demo file's ~1M-value
+# tensors in two for 2 workers was slower than one thread (bench/bench_dequant_cpu.py, 2026-12-01:
+# 0.087 s vs 0.086 s wall, 40% more CPU): each of a chunk's ops spends a few us in Python holding the
+# GIL, so short chunks on two threads mostly wait for each other. So tensors of one chunk run on the
+# calling thread alone, and only larger ones (the Q8_0 token embedding) are shared.
+_MIN_PARALLEL_CHUNK = _CHUNK_ELEMENTS["cpu"]
 
 
 def register(*qtypes: GGMLQuantizationType, cuda: bool = False) -> Callable[[BlockKernel], BlockKernel]:
@@ -167,13 +176,24 @@ def _share(task: Callable[[int], None], starts: range, workers: int) -> None:
                 task(start)
 
     helpers = [_cpu_pool(workers - 1).submit(drain) for _ in range(min(workers, len(starts)) - 1)]
-    torch.set_num_threads(1)
     try:
-        drain()
+        with _single_threaded():
+            drain()
     finally:
-        torch.set_num_threads(workers)
         for h in helpers:
             h.result()
+
+
+@contextlib.contextmanager
+def _single_threaded() -> Iterator[None]:
+    """torch single-threaded on the calling thread meanwhile (no intra-op threads: one descheduled
+    thread would stall every op on a busy machine)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def _run(kernel: BlockKernel, blocks: torch.Tensor, block_size: int, result: torch.Tensor) -> None:
@@ -204,8 +224,9 @@ def _run(kernel: BlockKernel, blocks: torch.Tensor, block_size: int, result: tor
     if workers > 1 and len(starts) > 1:
         _share(one, starts, workers)
     else:
-        for start in starts:
-            one(start)
+        with _single_threaded() if workers > 1 else contextlib.nullcontext():
+            for start in starts:
+                one(start)
 
 
 def dequantize(
