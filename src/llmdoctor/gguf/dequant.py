@@ -84,6 +84,11 @@ def scratch(slot: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch
     """
     if device.type != "cpu":
         return torch.empty(shape, dtype=dtype, device=device)
+    views = _ARENA.__dict__.setdefault("views", {})  # (slot, shape, dtype) -> view: ~1 us per view saved
+    key = (slot, shape, dtype)
+    view = views.get(key)
+    if view is not None:
+        return view
     n = dtype.itemsize
     for d in shape:
         n *= d
@@ -91,7 +96,11 @@ def scratch(slot: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch
     buf = bufs.get(slot)
     if buf is None or buf.numel() < n:
         buf = bufs[slot] = torch.empty(n, dtype=torch.uint8)
-    return buf[:n].view(dtype).view(shape)
+        views.clear()  # views of a replaced buffer would keep it alive
+    if len(views) >= 1024:  # bounded: chunk shapes vary with tensor sizes
+        views.clear()
+    view = views[key] = buf[:n].view(dtype).view(shape)
+    return view
 
 
 def supported_types() -> list[GGMLQuantizationType]:
