@@ -60,12 +60,11 @@ LLAMA_TYPES = {"attn_q": QT.Q4_0, "attn_v": QT.Q8_0, "ffn_gate": QT.Q5_0, "ffn_u
                "attn_output": QT.Q4_1, "output": QT.F16}
 
 
-@pytest.fixture(scope="module")
-def llama(tmp_path_factory):
+def _tiny_llama(out, *, vocab: int, hidden: int, ffn: int, std: float) -> None:
+    """A 3-layer random llama (GQA 4/2, norms near 1) saved as out/hf and converted to out/f32.gguf."""
     import transformers
 
-    out = tmp_path_factory.mktemp("llama")
-    cfg = transformers.LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+    cfg = transformers.LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=ffn, num_hidden_layers=3,
                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
                                    rms_norm_eps=1e-6, rope_parameters={"rope_type": "default", "rope_theta": 5000.0},
                                    tie_word_embeddings=False)
@@ -73,12 +72,17 @@ def llama(tmp_path_factory):
     model = transformers.AutoModelForCausalLM.from_config(cfg)
     with torch.no_grad():
         for n, p in model.named_parameters():
-            p.copy_(1 + 0.2 * torch.randn_like(p) if n.endswith("norm.weight") else torch.randn_like(p) / 8)
+            p.copy_(1 + 0.2 * torch.randn_like(p) if n.endswith("norm.weight") else torch.randn_like(p) * std)
     model.save_pretrained(out / "hf")
     d = json.loads((out / "hf" / "config.json").read_text())
-    sd = {k: v for k, v in model.state_dict().items()}
-    p = layout.plan("llama", list(sd), d)
-    write_gguf(out / "f32.gguf", "llama", d, layout.to_gguf(p, sd))
+    sd = dict(model.state_dict())
+    write_gguf(out / "f32.gguf", "llama", d, layout.to_gguf(layout.plan("llama", list(sd), d), sd))
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    out = tmp_path_factory.mktemp("llama")
+    _tiny_llama(out, vocab=96, hidden=64, ffn=96, std=1 / 8)
 
     def quantize(name, data, qt):
         kind = name.split(".")[-2]
@@ -137,23 +141,9 @@ def kquant(tmp_path_factory):
     llama_model_quantize, no importance matrix) to K- and IQ-quant mixes gguf-py cannot produce."""
     import ctypes
 
-    import transformers
-
     llama_cpp = pytest.importorskip("llama_cpp")
     out = tmp_path_factory.mktemp("kquant")
-    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=256, intermediate_size=512, num_hidden_layers=3,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                                   rms_norm_eps=1e-6, rope_parameters={"rope_type": "default", "rope_theta": 5000.0},
-                                   tie_word_embeddings=False)
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(cfg)
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            p.copy_(1 + 0.2 * torch.randn_like(p) if n.endswith("norm.weight") else torch.randn_like(p) / 16)
-    model.save_pretrained(out / "hf")
-    d = json.loads((out / "hf" / "config.json").read_text())
-    sd = dict(model.state_dict())
-    write_gguf(out / "f32.gguf", "llama", d, layout.to_gguf(layout.plan("llama", list(sd), d), sd))
+    _tiny_llama(out, vocab=256, hidden=256, ffn=512, std=1 / 16)
     files = {}
     for ftype in ("Q4_K_M", "Q2_K", "IQ4_XS"):
         params = llama_cpp.llama_model_quantize_default_params()
