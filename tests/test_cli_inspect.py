@@ -56,3 +56,19 @@ def test_nonfinite_numbers_are_strings():
 
     doc = json.loads(dumps({"a": float("nan"), "b": [float("inf"), -float("inf")], "c": 1.5}))
     assert doc == {"a": "nan", "b": ["inf", "-inf"], "c": 1.5}
+
+
+def test_report_write_failure_is_an_input_error(tmp_path):
+    import pytest
+
+    from llmdoctor.errors import InputError
+    from llmdoctor.report.envelope import check_writable, write_atomic
+
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with pytest.raises(InputError, match="cannot write the report"):
+        write_atomic(blocker / "r.json", "{}")
+    with pytest.raises(InputError, match="not a writable folder"):
+        check_writable(blocker / "r.json")
+    write_atomic(tmp_path / "r.json", "{}")
+    assert (tmp_path / "r.json").read_text() == "{}" and not list(tmp_path.glob(".*.tmp"))

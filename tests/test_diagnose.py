@@ -137,3 +137,18 @@ def test_terminal_groups_suspects_by_check():
 
     fs = [{"check": "dequant", "id": str(i)} for i in range(3)] + [{"check": "layer-localization", "id": "x"}]
     assert [(f["id"], more) for f, more in group_by_check(fs)] == [("0", 2), ("x", 0)]
+
+
+def test_broken_file_is_the_diagnosis_and_bad_paths_are_one_line_errors(tmp_path):
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGML" + bytes(60))
+    doc = _diagnose("--gguf", str(bad))
+    top = _top(doc)
+    assert doc["exit_code"] == 1 and top["check"] == "file-integrity" and "bad magic" in top["explanation"]
+    assert all(f["status"] == "skip" for f in doc["findings"] if f["check"] != "file-integrity")
+    for args, says in ((["--gguf", str(tmp_path / "missing.gguf")], "no such file"),
+                       (["--json-out", str(tmp_path / "no" / "x.json")], "cannot write the report"),
+                       (["--html", str(tmp_path / "no" / "x.html")], "cannot write the report"),
+                       (["--dequant-kernel", "nope"], "--dequant-kernel 'nope'")):
+        r = runner.invoke(app, ["diagnose", *args])
+        assert r.exit_code == 2 and says in r.stderr and r.stderr.count("\n") == 1, r.stderr

@@ -14,7 +14,7 @@ from typing import Any, Callable, Optional
 
 import typer
 
-from .errors import LLMDoctorError
+from .errors import InputError, LLMDoctorError
 from .report import terminal
 from .report.envelope import dumps, envelope
 
@@ -107,7 +107,6 @@ def check_dequant(
 
     from .checks import dequant
     from .checks.base import exit_code
-    from .errors import InputError
 
     if blocks is not None and all_blocks:
         raise InputError("--blocks and --all exclude each other")
@@ -190,7 +189,6 @@ def probe(
     """Black-box checks of a live OpenAI-compatible endpoint: healthy, degraded, garbage or inconclusive."""
     from .checks.probes import DEFAULT_STEPS
     from .checks.probes import probe as run_probe
-    from .errors import InputError
 
     if gguf is not None and not gguf.is_file():
         raise InputError(f"{gguf}: no such file")
@@ -262,8 +260,18 @@ def diagnose(
     from .faults import demo as demo_faults
     from .report import diagnosis as diag_report
     from .report import html as html_report
-    from .report.envelope import write_atomic
+    from .report.envelope import check_writable, write_atomic
+    from .subjects.kernels import validate_spec
 
+    for out_path in (json_path, html_path):
+        check_writable(out_path)
+    if gguf is not None and not gguf.is_file():
+        raise InputError(f"{gguf}: no such file")
+    if dequant_kernel:
+        try:
+            validate_spec(dequant_kernel)
+        except LLMDoctorError as e:
+            raise InputError(str(e).replace("--kernel", "--dequant-kernel", 1)) from None
     if demo_fault == "list":
         for f in demo_faults.all_demo_faults():
             print(f"{f.name}\t{f.description}")
@@ -314,7 +322,6 @@ def logits(
     """Top-K next-token logprobs of a prompt from the reference forward pass (and greedy steps)."""
     import torch
 
-    from .errors import InputError
     from .reference import load
     from .reference.logits import render_text, report
     from .reference.tokenizer import Tokenizer
@@ -359,7 +366,6 @@ def check_attention(
 
     from .checks import attention as ca
     from .checks.base import exit_code
-    from .errors import InputError
 
     shape = ca.load_shape(preset, config, gguf_file)
     if impl is not None and contract not in ca.subj.CONTRACTS:

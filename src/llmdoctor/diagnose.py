@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from .checks.base import Finding, count
-from .errors import InputError
+from .errors import GGUFError, InputError
 
 # A fixed, varied English prompt (counting included: the seed's first symptom).
 DEFAULT_PROMPT = (
@@ -214,9 +214,11 @@ def h_file_integrity(s: Session) -> list[Finding]:
     try:
         g = s.gguf()
     except GGUFError as e:
+        at = f" at offset {e.offset}" if e.offset is not None else ""
         return [_finding("file-integrity", "gguf", str(s.inputs.gguf), "fail", reason=str(e),
                          hypothesis="the model file is intact", confidence="high",
-                         explanation="the file violates the GGUF format; no engine can load it correctly")]
+                         metrics={"problem": e.problem, "offset": e.offset},
+                         explanation=f"the model file is broken: {e.problem}{at} (no engine can load it correctly)")]
     s.progress(f"decoding all {len(g.tensors)} tensors")
     bad = []
     n_values = 0
@@ -256,7 +258,7 @@ def h_engine_file(s: Session) -> list[Finding]:
             if ef is None or _meta_value(ef.value) != _meta_value(f.value):
                 diffs.append({"key": key, "reference": _meta_value(f.value), "engine": None if ef is None
                               else _meta_value(ef.value)})
-        changed = [t.name for t in g.tensors if t.name not in e._tensor_index
+        changed = [t.name for t in g.tensors if not e.has_tensor(t.name)
                    or bytes(e.tensor(t.name).data) != bytes(t.data)]
     status = "fail" if diffs or changed else "pass"
     what = [f"metadata {d['key']}: {d['reference']} -> {d['engine']}" for d in diffs[:3]]
@@ -286,7 +288,7 @@ def h_metadata(s: Session) -> list[Finding]:
 
     def shape(kind: MODEL_TENSOR, il: int | None = None) -> tuple[int, ...] | None:
         name = TENSOR_NAMES[kind].format(bid=il) + ".weight"
-        return g.tensor(name).shape if name in g._tensor_index else None
+        return g.tensor(name).shape if g.has_tensor(name) else None
 
     emb = shape(MODEL_TENSOR.TOKEN_EMBD)
     if emb and emb != (cfg.n_vocab, cfg.n_embd):
@@ -364,7 +366,7 @@ def h_dequant(s: Session) -> list[Finding]:
     if failed:
         return failed
     g = s.gguf()
-    types = sorted({g.tensor(f.target).type.name for f in compared if f.target in g._tensor_index})
+    types = sorted({g.tensor(f.target).type.name for f in compared if g.has_tensor(f.target)})
     return [_finding("dequant", kernel, f"{len(compared)} tensors", "pass", confidence="high",
                      hypothesis=f"the dequant kernel {kernel!r} is right",
                      metrics={"tensors_compared": len(compared), "types": types,
@@ -405,7 +407,8 @@ def h_fp16_overflow(s: Session) -> list[Finding]:
                                             if nonfinite else "") +
                          ". Run the model in bfloat16 (same range as float32) instead of float16.")]
     return [_finding("fp16-overflow", "reference", "activations", "pass", confidence="high",
-                     hypothesis="activations fit in float16", metrics={**metrics, "advisory": True},
+                     hypothesis="the deployment's arithmetic does not overflow (it does not run in float16)",
+                     metrics={**metrics, "advisory": True},
                      evidence=margins,
                      explanation=f"advisory: {msg}. Harmless unless the deployment runs in float16 "
                                  f"(deployment precision: {dtype or 'unknown'}); use bfloat16 there.")]
@@ -662,6 +665,9 @@ def _run(s: Session, inputs: Inputs, progress: Callable[[str], None]) -> Diagnos
             fs = h.run(s)
         except Skip as e:
             fs = [_finding(h.key, inputs.engine or "-", "-", "skip", reason=str(e), hypothesis=h.question)]
+        except GGUFError as e:  # the file-integrity finding already names the problem
+            fs = [_finding(h.key, inputs.engine or "-", "-", "skip", hypothesis=h.question,
+                           reason=f"the model file cannot be read: {e.problem}")]
         timings[h.key] = round(time.perf_counter() - t0, 2)
         for f in fs:
             f.hypothesis = f.hypothesis or h.question

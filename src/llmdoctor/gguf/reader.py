@@ -299,6 +299,9 @@ class GGUFFile:
         f = self.fields.get(key)
         return default if f is None else f.value
 
+    def has_tensor(self, name: str) -> bool:
+        return name in self._tensor_index
+
     def tensor(self, name: str) -> TensorInfo:
         try:
             return self.tensors[self._tensor_index[name]]

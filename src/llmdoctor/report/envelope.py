@@ -18,6 +18,7 @@ from typing import Any, Iterable
 
 from .. import __version__
 from ..checks.base import Finding, count
+from ..errors import InputError
 
 # Environment variables that change which kernels an engine picks or how it computes.
 BACKEND_ENV_VARS = (
@@ -131,5 +132,18 @@ def write_atomic(path: str | os.PathLike, text: str) -> None:
     """Write a report via temp file + rename, so a reader never sees half a file."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise InputError(f"{path}: cannot write the report: {e.strerror}") from None
+
+
+def check_writable(path: str | os.PathLike | None) -> None:
+    """Fail before the work, not after it: the report's folder must exist and be writable."""
+    if path is None:
+        return
+    parent = Path(path).resolve().parent
+    if not parent.is_dir() or not os.access(parent, os.W_OK):
+        raise InputError(f"{path}: cannot write the report: {parent} is not a writable folder")
