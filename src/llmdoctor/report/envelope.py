@@ -136,7 +136,10 @@ def write_atomic(path: str | os.PathLike, text: str) -> None:
         tmp.write_text(text, encoding="utf-8")
         os.replace(tmp, path)
     except OSError as e:
-        tmp.unlink(missing_ok=True)
+        try:
+            tmp.unlink()
+        except OSError:
+            pass  # never created
         raise InputError(f"{path}: cannot write the report: {e.strerror}") from None
 
 
