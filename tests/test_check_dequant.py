@@ -76,6 +76,29 @@ def test_torch_kernel_never_fails_silently(demo):
     res = dequant.run(demo, kernel="torch", only="blk.0.*")
     assert not [f for f in res.findings if f.status == "fail"], [f.reason for f in res.findings]
     assert all(f.reason for f in res.findings if f.status == "skip")
+    passed = [f for f in res.findings if f.status == "pass"]
+    assert len(passed) == len(res.findings) and all(f.reason == "bit-exact" for f in passed)
+
+
+LOSSY_F16 = """
+import torch
+
+def fn(raw, qtype, shape):
+    # an F16 'kernel' that goes through bfloat16: float32 out, every value on the bfloat16 grid
+    return raw.view(torch.float16).to(torch.bfloat16).to(torch.float32).reshape(shape)
+"""
+
+
+def test_lossy_conversion_is_not_excused_as_reduced_precision(tmp_path):
+    from gguf import GGMLQuantizationType as Q
+    from gguf_builders import write_file
+
+    k = tmp_path / "lossy.py"
+    k.write_text(LOSSY_F16)
+    path = write_file(tmp_path / "f16.gguf", metadata=False,
+                      tensors={"w": (Q.F16, (256,), np.random.default_rng(0).standard_normal(256).astype(np.float16))})
+    res = dequant.run(path, kernel=f"{k}:fn", blocks=256)
+    assert [f.status for f in res.findings] == ["fail"], [(f.status, f.reason) for f in res.findings]
 
 
 def test_ggml_agrees_with_gguf_py_on_the_demo_file(demo):
@@ -84,6 +107,7 @@ def test_ggml_agrees_with_gguf_py_on_the_demo_file(demo):
     by_status = {s: [f for f in res.findings if f.status == s] for s in ("pass", "fail", "skip")}
     assert not by_status["fail"]
     assert len(by_status["pass"]) == 127  # every quantized tensor
+    assert all(f.reason == "bit-exact" for f in by_status["pass"])
     assert all("f32 has no to_float" in f.reason for f in by_status["skip"])  # the 109 F32 norms
 
 
@@ -159,6 +183,8 @@ def test_cli_fail_names_the_bug_and_exits_1():
     (["--blocks", "4", "--all"], "exclude each other"),
     (["--blocks", "0"], "at least 1"),
     (["--only", "no.such.tensor"], "matches no tensor"),
+    (["--seed", "-1"], "must be >= 0"),
+    (["--timeout", "0"], "must be > 0"),
 ])
 def test_cli_bad_input_is_one_line_and_exit_2(args, message):
     if "cuda" in args and torch.cuda.is_available():

@@ -249,8 +249,10 @@ def half_precision(raw, qtype, shape, dtype=None):
 
 
 def half_precision_f32_out(raw, qtype, shape, dtype=None):
-    """Correct, computes in float16, returns float32."""
-    out = _decode(raw, qtype, shape, ct=torch.float16).float()
+    """Correct, computes d*q+m in float16, returns float32; plain float types have no arithmetic to
+    do in float16 and are converted exactly (rounding them would be a loss, not reduced precision)."""
+    plain = T(qtype) in (T.F32, T.F16, T.BF16)
+    out = _decode(raw, qtype, shape, ct=torch.float32 if plain else torch.float16).float()
     return out if dtype is None else out.to(dtype)
 
 
