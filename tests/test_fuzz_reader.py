@@ -23,6 +23,14 @@ mutation = st.tuples(st.integers(0, 10_000), st.integers(0, 255))
 u64_patch = st.tuples(st.integers(0, 10_000), st.sampled_from([0, 1, 2**31, 2**32 - 1, 2**40, 2**63, 2**64 - 1]))
 
 
+def test_unmutated_seeds_parse(tmp_path, seeds):
+    """The fuzz below starts from files the reader accepts (else rejecting everything would pass)."""
+    for i, data in enumerate(seeds):
+        path = tmp_path / f"seed{i}.gguf"
+        path.write_bytes(data)
+        assert exercise(path) is True
+
+
 @settings(max_examples=10000, deadline=2000, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     which=st.integers(0, 2),

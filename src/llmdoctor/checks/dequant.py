@@ -43,7 +43,8 @@ ROUNDINGS = 4
 # Roundings in the float32 reference itself (gguf-py: d·sc, ·q, - dmin·m).
 REFERENCE_ROUNDINGS = 3
 _DIAGNOSE_MAX_BLOCKS = 512  # blocks used to name a layout bug (the candidates decode them ~30 times)
-_CHUNK_ELEMENTS = 1 << 21  # compared in chunks: --all on a 168M-element tensor stays within ~100 MB
+_CHUNK_ELEMENTS = 1 << 21  # compared in chunks (bounds the comparison temporaries; with --all the
+                           # kernel's whole output still comes back and is held once)
 _EVIDENCE = 8  # differing elements shown when no layout bug explains them
 
 

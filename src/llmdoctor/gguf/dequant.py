@@ -46,13 +46,13 @@ _WRITES_OUT: set[BlockKernel] = set()  # kernels that accept `out=`
 
 # Output elements per chunk. CPU: 2M float32 (8 MiB) keeps a chunk's temporaries in the L3 cache
 # while amortizing the few-us overhead of each of a kernel's 10-30 ops, and the Python (GIL) time
-# each op costs the other chunk workers. Measured on the demo file, one thread, 2^19..2^22: 2^21
-# best for Q5_0, Q4_K, Q6_K (5-14% over 2^20), Q8_0 within 2% of 2^20 (2^22: 25% slower, past L3).
+# each op costs the other chunk workers. Chosen from an ad hoc sweep on the demo file (one thread,
+# 2^19..2^22; not a recorded benchmark: bench/bench_dequant_cpu.py measures the chosen setting).
 # CUDA: large, only to bound the temporaries of the torch kernels.
 _CHUNK_ELEMENTS = {"cpu": 1 << 21, "cuda": 1 << 27}
 # Smallest chunk a tensor is cut into so that every worker gets one. Cutting the demo file's ~1M-value
-# tensors in two for 2 workers was slower than one thread (bench/bench_dequant_cpu.py, 2026-12-01:
-# 0.087 s vs 0.086 s wall, 40% more CPU): each of a chunk's ops spends a few us in Python holding the
+# tensors in two for 2 workers was no faster than one thread and cost 40% more CPU (an ad hoc run of
+# bench/bench_dequant_cpu.py, 2026-12-01, not recorded): each of a chunk's ops spends a few us in Python holding the
 # GIL, so short chunks on two threads mostly wait for each other. So tensors of one chunk run on the
 # calling thread alone, and only larger ones (the Q8_0 token embedding) are shared.
 _MIN_PARALLEL_CHUNK = _CHUNK_ELEMENTS["cpu"]

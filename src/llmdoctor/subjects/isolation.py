@@ -9,8 +9,8 @@ requests one by one over a socket pair (multiprocessing.connection framing):
     reply    = handler(header, payload) -> (header: dict, payload: bytes-like)
 
 Bulk bytes cross through a shared file both processes map (an unlinked file in /dev/shm, reached by
-the child as /proc/<parent>/fd/<fd>: one memcpy each way, against ~100 MB/s through a socket on a
-busy sandbox; the socket is the fallback). The child copies the request payload into a fresh
+the child as /proc/<parent>/fd/<fd>: one memcpy each way instead of a socket's buffered copies; the
+socket is the fallback; no benchmark of the two is recorded). The child copies the request payload into a fresh
 bytearray, so the subject only ever sees its own writable copy of the bytes, never a view of the
 parent's read-only mmap (../shared/DESIGN.md, "Subjects are isolated").
 If the child dies (segfault, abort, CUDA illegal address) or a call exceeds its timeout, the call's
