@@ -387,6 +387,17 @@ def test_cli_exit_codes(mla, tmp_path):
     assert r.exit_code == 1 and "attn_k_b" in r.stdout and "inconsistent:" in r.stdout
     r = CliRunner().invoke(app, ["check", "mapping", str(gguf_path), "--hf", str(hf), "--engine", "vllm", "--json"])
     [v] = [f for f in json.loads(r.stdout)["findings"] if f["subject"] == "vllm"]
-    assert r.exit_code == 0 and v["status"] == "skip" and "GGUF loader is not importable" in v["reason"]
+    # the named engine could not run: its map was not compared, so nothing healthy is concluded (exit 2)
+    assert r.exit_code == 2 and v["status"] == "skip" and "GGUF loader is not importable" in v["reason"]
+    for bad_config, says in (("[1, 2]", "not a JSON object"), ('{"model_type": "llama"}', "lacks"),
+                             ('{"model_type": "llama", "num_hidden_layers": 2, "rope_parameters": 5}', "")):
+        (tmp_path / "bad.json").write_text(bad_config)
+        r = CliRunner().invoke(app, ["check", "mapping", str(gguf_path), "--hf", str(tmp_path / "bad.json")])
+        assert r.exit_code == 2 and r.stderr.startswith("error: ") and says in r.stderr, r.stderr
+    (tmp_path / "ck").mkdir()
+    (tmp_path / "ck" / "config.json").write_text((hf / "config.json").read_text())
+    (tmp_path / "ck" / "model.safetensors").write_bytes(b"not safetensors")
+    r = CliRunner().invoke(app, ["check", "mapping", str(gguf_path), "--hf", str(tmp_path / "ck")])
+    assert r.exit_code == 2 and "not a readable safetensors file" in r.stderr, r.stderr
     r = CliRunner().invoke(app, ["check", "mapping", str(gguf_path), "--hf", str(tmp_path / "none")])
     assert r.exit_code == 2

@@ -153,7 +153,9 @@ def check_mapping(
 
     path = model_file(file)
     res = mapping.run(path, hf, arch=arch, engine=engine)
-    code = exit_code(res.findings)
+    # an engine named with --engine that could not run means its map was not compared: exit 2
+    engine_ran = engine is None or any(f.subject == engine and f.status != "skip" for f in res.findings)
+    code = exit_code(res.findings, required_ran=engine_ran)
     verdict = {0: "consistent", 1: "inconsistent", 2: "skipped"}[code]
     if json_out:
         print(dumps(envelope("check.mapping", argv=sys.argv[1:], verdict=verdict, exit_code=code,
@@ -328,6 +330,8 @@ def logits(
 
     if dtype not in _DTYPES:
         raise InputError(f"--dtype must be one of {', '.join(_DTYPES)}, got {dtype!r}")
+    if device != "cpu" and not device.split(":")[0] == "cuda":
+        raise InputError(f"--device {device!r}: expected cpu or cuda[:N]")
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise InputError(f"--device {device}: CUDA is not available")
     path = model_file(gguf)

@@ -119,8 +119,11 @@ def _safetensors_files(d: Path) -> dict[str, Path]:
 
     out: dict[str, Path] = {}
     for p in sorted(d.glob("*.safetensors")):
-        with safe_open(str(p), framework="pt") as f:
-            out.update((k, p) for k in f.keys())
+        try:
+            with safe_open(str(p), framework="pt") as f:
+                out.update((k, p) for k in f.keys())
+        except Exception as e:  # safetensors raises its own SafetensorError (an Exception) on a bad file
+            raise InputError(f"{p}: not a readable safetensors file ({e})") from None
     return out
 
 
@@ -133,7 +136,7 @@ def config_object(config: dict) -> Any:
     try:
         return CONFIG_MAPPING[config["model_type"]].from_dict(
             {k: v for k, v in config.items() if k != "transformers_version"})
-    except (TypeError, ValueError, KeyError) as e:  # includes huggingface_hub's validation errors
+    except Exception as e:  # TypeError/ValueError/KeyError and huggingface_hub's validation errors
         raise InputError(f"transformers rejects this {config['model_type']} config: {e}") from None
 
 
@@ -148,7 +151,7 @@ def meta_shapes(config: dict) -> dict[str, tuple[int, ...]] | None:
     try:
         with torch.device("meta"):
             model = transformers.AutoModelForCausalLM.from_config(cfg)
-    except (TypeError, ValueError, KeyError) as e:  # includes huggingface_hub's validation errors
+    except Exception as e:  # TypeError/ValueError/KeyError and huggingface_hub's validation errors
         raise InputError(f"transformers cannot build a {config['model_type']} model from this config: {e}") from None
     runtime = {n: tuple(t.shape) for n, t in model.state_dict().items() if not n.endswith("inv_freq")}
     return layout.checkpoint_shapes(runtime, int(config.get("n_routed_experts") or config.get("num_experts") or 0))
@@ -168,6 +171,8 @@ def load_hf(hf: Path | None, g: Any, cfg: ModelConfig) -> HFSide:
             config = json.loads(cj.read_text())
         except (OSError, ValueError) as e:
             raise InputError(f"{cj}: not a JSON config ({e})") from None
+        if not isinstance(config, dict):
+            raise InputError(f"{cj}: not a JSON object")
         origin = str(cj)
         if path.is_dir():
             files = _safetensors_files(path)
@@ -783,14 +788,24 @@ def run(path: Path, hf: Path | None = None, *, arch: str | None = None, engine: 
     with open_gguf(path) as g:
         cfg = from_gguf(g)
         arch = arch or cfg.arch
-        side = load_hf(hf, g, cfg)
-        gg = {t.name: t for t in g.tensors}
-        # files converted before llama.cpp's MLA split (PR 12801) keep kv_b_proj whole as attn_kv_b
-        legacy_mla = any(n.endswith(".attn_kv_b.weight") for n in gg)
-        p = layout.plan(arch, list(side.shapes), side.config, split_kv_b=not legacy_mla)
-        findings = (_names(p, side, gg) + _collisions(p) + _shapes(p, side, gg) + _types(gg)
-                    + _metadata(cfg, g, side))
-        if numeric:
-            findings += _numeric(p, side, gg, cfg)
-        findings += _engine(engine, p, gg, side)
+        try:
+            return _run(g, cfg, arch, hf, engine, numeric, t0)
+        except KeyError as e:  # a config.json without a field the architecture needs
+            raise InputError(f"{hf or path}: the HF config lacks {e} (needed for {arch})") from None
+
+
+def _run(g: Any, cfg: ModelConfig, arch: str, hf: Path | None, engine: str | None, numeric: bool,
+         t0: float) -> Result:
+    import time
+
+    side = load_hf(hf, g, cfg)
+    gg = {t.name: t for t in g.tensors}
+    # files converted before llama.cpp's MLA split (PR 12801) keep kv_b_proj whole as attn_kv_b
+    legacy_mla = any(n.endswith(".attn_kv_b.weight") for n in gg)
+    p = layout.plan(arch, list(side.shapes), side.config, split_kv_b=not legacy_mla)
+    findings = (_names(p, side, gg) + _collisions(p) + _shapes(p, side, gg) + _types(gg)
+                + _metadata(cfg, g, side))
+    if numeric:
+        findings += _numeric(p, side, gg, cfg)
+    findings += _engine(engine, p, gg, side)
     return Result(findings, arch, side.source, time.perf_counter() - t0)

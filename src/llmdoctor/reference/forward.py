@@ -344,7 +344,8 @@ class ReferenceModel:
     `vocab_chunk` rows of the output matrix are dequantized and multiplied at a time: 2048 rows of the
     demo's 640 columns (5 MB in float32) stay in cache between the dequantization and the matmul and
     reuse the allocator's memory, where 32768-row slices (84 MB) page-faulted fresh memory each time:
-    the demo's output projection took 0.21 s with 32768 and 0.07 s with 2048 (bench_reference.py).
+    the demo's output projection took 0.21 s with 32768 and 0.07 s with 2048 (an ad hoc timing while
+    profiling bench_reference.py; the bench itself does not time the projection alone).
     """
 
     def __init__(self, path, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
