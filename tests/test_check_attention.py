@@ -219,3 +219,27 @@ def test_a_kernel_that_raises_crashes_or_breaks_the_contract_is_reported_per_cas
     assert why["batch1"].startswith("kernel raised: RuntimeError: boom")
     assert why["ragged"].startswith("kernel crashed: killed by SIGABRT")
     assert why["decode-batch"].startswith("contract violation: out: returned shape")
+
+
+NOT_IMPLEMENTED = """
+def f(*args, **kwargs):
+    raise NotImplementedError("not for these shapes")
+"""
+
+
+def test_named_subject_that_skips_every_case_is_exit_2(tmp_path):
+    from typer.testing import CliRunner
+
+    from llmdoctor.cli import app
+
+    k = tmp_path / "ni.py"
+    k.write_text(NOT_IMPLEMENTED)
+    r = CliRunner().invoke(app, ["check", "attention", "--preset", "gemma3-270m", "--impl", f"{k}:f",
+                                 "--contract", "prefill", "--subjects", "sdpa-math", "--dtype", "float32",
+                                 "--cases", "batch1", "--json"])
+    doc = json.loads(r.stdout)
+    assert r.exit_code == 2 and doc["counts"]["passed"] >= 1, doc["counts"]  # sdpa-math passed, the impl never ran
+    for args, says in ((["--subjects", ","], "names no subject"), (["--timeout", "0"], "must be > 0"),
+                       (["--preset", "llama-3-8b", "--impl", f"{k}:f", "--contract", "mla-decode"], "no mla-decode cases")):
+        r = CliRunner().invoke(app, ["check", "attention", *args])
+        assert r.exit_code == 2 and says in r.stderr, r.stderr

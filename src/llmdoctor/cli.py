@@ -192,8 +192,20 @@ def probe(
     from .checks.probes import DEFAULT_STEPS
     from .checks.probes import probe as run_probe
 
-    if gguf is not None and not gguf.is_file():
-        raise InputError(f"{gguf}: no such file")
+    import httpx
+
+    if gguf is not None:
+        from .gguf import open_gguf
+
+        open_gguf(gguf).close()  # a broken --gguf is bad input, found before any request
+    if timeout <= 0:
+        raise InputError(f"--timeout {timeout:g}: must be > 0")
+    try:
+        scheme = httpx.URL(url).scheme
+    except (httpx.InvalidURL, ValueError) as e:
+        raise InputError(f"{url}: not a URL ({e})") from None
+    if scheme not in ("http", "https"):
+        raise InputError(f"{url}: expected an http:// or https:// URL")
     rep = run_probe(url, model=model, gguf=gguf, api_key_env=api_key_env, concurrency=concurrency,
                     timeout=timeout, seed=seed, progress=lambda msg: terminal.stderr.print(msg),
                     steps=[*DEFAULT_STEPS, "echo"] if echo else None)
@@ -221,7 +233,7 @@ def _render_probe(rep: Any) -> None:
             detail = f"expected logprob {m['expected_logprob']:.3f}, rank {m['expected_rank']}, tail {m['tail_mass']:.3f}"
         elif "kl_max" in m:
             detail = f"KL max {m['kl_max']:.2e}, top-1 agreement {m['top1_agreement']:.2f} over {m['positions']} positions"
-        elif "kl" in m:
+        elif "kl" in m and "top1_agree" in m:
             detail = f"KL {m['kl']:.2e}, top-1 {'same' if m['top1_agree'] else 'differs'}"
         elif "max_abs_dlogprob" in m:
             detail = f"max |dlogprob| {m['max_abs_dlogprob']:.2e}, same text {m['same_text']}"
@@ -376,9 +388,16 @@ def check_attention(
         raise InputError(f"--impl needs --contract, one of {', '.join(ca.subj.CONTRACTS)}")
     if impl is None and contract is not None:
         raise InputError("--contract applies to --impl only")
+    if timeout <= 0:
+        raise InputError(f"--timeout {timeout:g}: must be > 0")
     picked = [(impl, contract)] if impl else []
     if subjects is not None or impl is None:
         picked += ca.builtin_subjects(subjects or "all", device)
+    if not picked:
+        raise InputError(f"--subjects {subjects!r}: names no subject")
+    if impl and not any(c.contract == contract for c in ca.cases(shape)):
+        raise InputError(f"--contract {contract}: the {shape.name} shape has no {contract} cases "
+                         f"(an MLA contract needs an MLA shape)")
     explicit = {f"{impl} ({contract})"} if impl else set()
     if subjects not in (None, "all"):
         explicit |= {s for s, _ in picked if s != impl}
@@ -390,7 +409,10 @@ def check_attention(
             raise InputError(f"--cases: unknown {sorted(unknown)}; known: {', '.join(c.name for c in ca.cases(shape))}")
     res = ca.run(shape, picked, device=device, dtypes=dtypes, timeout=timeout, seed=seed, only=only,
                  on_step=lambda s: terminal.stderr.print(s, style="dim"))
-    loaded = all(res.subjects.get(s, {}).get("loaded", False) for s in explicit)
+    # every subject the user named must have been compared on at least one case (pass or fail):
+    # one that loaded but skipped everything (e.g. NotImplementedError) did not run
+    compared = {f.subject for f in res.findings if f.status != "skip"}
+    loaded = all(res.subjects.get(s, {}).get("loaded", False) and s in compared for s in explicit)
     code = exit_code(res.findings, required_ran=loaded)
     verdict = {0: "passed", 1: "failed", 2: "skipped"}[code]
     engine = ca.engine_explainer(shape, dtypes[0] if dtypes[0] != "float32" else "bfloat16")

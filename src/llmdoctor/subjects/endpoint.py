@@ -255,7 +255,10 @@ def _completion(url: str, data: Any, chat: bool = False) -> Completion:
     if not isinstance(text, str) and not (chat and text is None):
         raise EndpointError("malformed", url, "choices[0] has no text")
     out = Completion(text=text or "", finish_reason=choice.get("finish_reason"), usage=data.get("usage") or {})
-    lp = _logprobs(choice.get("logprobs"))
+    try:
+        lp = _logprobs(choice.get("logprobs"))
+    except (TypeError, KeyError, ValueError, AttributeError) as e:
+        raise EndpointError("malformed", url, f"choices[0].logprobs is malformed ({type(e).__name__}: {e})") from None
     if lp is not None:
         out.tokens, out.token_logprobs, out.top_logprobs = lp
     return out
