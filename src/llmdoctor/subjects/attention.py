@@ -445,5 +445,7 @@ def vllm_backends(head_size: int, dtype: str, *, use_mla: bool, use_sparse: bool
                 info[flag] = fn() if callable(fn) else "not in this vLLM"
         except Exception as e:  # noqa: BLE001
             info["mla_prefill"] = f"unknown ({type(e).__name__}: {e})"
-        info["sparse_bypasses_prefill_backend"] = use_sparse  # sparse MLA runs every token through the latent MQA
+        if use_sparse:  # llmdoctor's reading of vLLM's source, not an output of its selection code
+            info["note"] = ("from vLLM's source, not its selection code: sparse MLA sends every token through "
+                            "the latent MQA path, bypassing the MLA prefill backends above")
     return info
