@@ -72,12 +72,20 @@ def test_reference_kernel_passes_bit_exact(demo):
     assert res.findings and all(f.status == "pass" and f.reason == "bit-exact" for f in res.findings)
 
 
-def test_torch_kernel_never_fails_silently(demo):
-    res = dequant.run(demo, kernel="torch", only="blk.0.*")
+@pytest.mark.parametrize("kernel", ["torch", "native"])
+def test_our_kernels_pass_bit_exact(demo, kernel):
+    res = dequant.run(demo, kernel=kernel, only="blk.0.*")
     assert not [f for f in res.findings if f.status == "fail"], [f.reason for f in res.findings]
     assert all(f.reason for f in res.findings if f.status == "skip")
     passed = [f for f in res.findings if f.status == "pass"]
     assert len(passed) == len(res.findings) and all(f.reason == "bit-exact" for f in passed)
+
+
+def test_native_kernel_on_cuda_is_skipped_with_the_reason():
+    from llmdoctor.subjects.kernels import KernelUnavailable, load
+
+    with pytest.raises(KernelUnavailable, match="CPU only"):
+        load("native", "cuda")
 
 
 LOSSY_F16 = """

@@ -1,6 +1,8 @@
-"""Our torch dequantizer against gguf-py's numpy `gguf.quants.dequantize`: float32 bit for bit.
+"""Our dequantizer against gguf-py's numpy `gguf.quants.dequantize`: float32 bit for bit.
 
 Scope: the float, legacy, K, ternary and FP4 types (the IQ types are tested in test_dequant_iq.py).
+Tests marked with the `native` parameter run twice: with the fused C kernels where a type has one
+(the default on the CPU) and with the torch kernels (`native=False`).
 Equality is on the float32 bit patterns; two NaNs count as equal whatever their payloads (see
 `assert_bits_equal`).
 """
@@ -81,23 +83,30 @@ def test_supported_types_cover_every_non_iq_type_gguf_py_can_dequantize():
     assert T.Q1_0 not in gq._type_traits  # gguf 0.19 cannot dequantize Q1_0: nothing to be exact with
 
 
+NATIVE = pytest.mark.parametrize("native", [True, False], ids=["native", "torch"])
+
+
+@NATIVE
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda q: q.name)
-def test_random_blocks_bit_exact(qtype):
+def test_random_blocks_bit_exact(qtype, native):
     rng = np.random.default_rng(int(qtype))
     blocks = random_blocks(qtype, 3000, rng)
     block_size, _ = GGML_QUANT_SIZES[qtype]
     want = reference(blocks, qtype)
-    got = dequantize(blocks.reshape(-1), qtype, (blocks.shape[0] * block_size,))
+    got = dequantize(blocks.reshape(-1), qtype, (blocks.shape[0] * block_size,), native=native)
     assert_bits_equal(got.view(blocks.shape[0], block_size), want, qtype.name)
-    assert_bits_equal(dequantize_blocks(blocks, qtype), want, qtype.name + " (dequantize_blocks)")
+    if native:
+        assert_bits_equal(dequantize_blocks(blocks, qtype), want, qtype.name + " (dequantize_blocks)")
 
 
+@NATIVE
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda q: q.name)
-def test_non_finite_scales_match_up_to_nan_payloads(qtype):
+def test_non_finite_scales_match_up_to_nan_payloads(qtype, native):
     """Unforced random bytes (inf/NaN/subnormal float16 scales included): same bits, NaN for NaN."""
-    _, type_size = GGML_QUANT_SIZES[qtype]
+    block_size, type_size = GGML_QUANT_SIZES[qtype]
     blocks = np.random.default_rng(100 + int(qtype)).integers(0, 256, size=(2000, type_size), dtype=np.uint8)
-    assert_bits_equal(dequantize_blocks(blocks, qtype), reference(blocks, qtype), qtype.name)
+    got = dequantize(blocks.reshape(-1), qtype, (2000, block_size), native=native)
+    assert_bits_equal(got, reference(blocks, qtype), qtype.name)
 
 
 @pytest.mark.parametrize("qtype", [T.F16, T.BF16, T.F32], ids=lambda q: q.name)
@@ -116,31 +125,35 @@ def test_float_types_every_bit_pattern_including_nan_payloads(qtype):
     assert np.array_equal(got.numpy().view(np.uint32), want.view(np.uint32))
 
 
-def test_demo_file_every_tensor_bit_exact(demo_path):
+@NATIVE
+def test_demo_file_every_tensor_bit_exact(demo_path, native):
     f = open_gguf(demo_path)
     buf = torch.empty(max(t.n_elements for t in f.tensors))
     for t in f.tensors:
-        got = dequantize_tensor(t, out=buf[: t.n_elements].view(t.shape))
+        out = buf[: t.n_elements].view(t.shape)
+        got = dequantize_tensor(t, out=out) if native else dequantize(t.data, t.type, t.shape, out=out, native=False)
         want = gq.dequantize(t.data.reshape(t.shape[:-1] + (-1,)), t.type)
         assert_bits_equal(got, want.reshape(t.shape), t.name)
 
 
+@NATIVE
 @pytest.mark.parametrize("threads", [1, 2])
-def test_chunked_output_matches_one_piece(monkeypatch, threads):
+def test_chunked_output_matches_one_piece(monkeypatch, threads, native):
     """Several chunks with a short last one, run inline (1 thread) or on the chunk workers (2),
     give the same bits as gguf-py, for float32 and a reduced dtype."""
     from llmdoctor.gguf import dequant
 
     monkeypatch.setitem(dequant._CHUNK_ELEMENTS, "cpu", 1000)  # 3 blocks of 256 per chunk
     monkeypatch.setattr(dequant, "_MIN_PARALLEL_CHUNK", 1000)
+    monkeypatch.setattr(dequant, "_GIL_FREE_CHUNK", 1000)  # the native kernels' chunks
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         blocks = random_blocks(T.Q4_K, 10, np.random.default_rng(1))
         raw = torch.from_numpy(blocks.reshape(-1))
         want = reference(blocks, T.Q4_K).reshape(5, 512)
-        assert_bits_equal(dequantize(raw, T.Q4_K, (5, 512)), want, "Q4_K chunked")
-        half = dequantize(raw, T.Q4_K, (5, 512), dtype=torch.bfloat16)
+        assert_bits_equal(dequantize(raw, T.Q4_K, (5, 512), native=native), want, "Q4_K chunked")
+        half = dequantize(raw, T.Q4_K, (5, 512), dtype=torch.bfloat16, native=native)
         assert torch.equal(half, torch.from_numpy(want).to(torch.bfloat16))
     finally:
         torch.set_num_threads(before)
@@ -164,24 +177,25 @@ def test_inference_mode_out_written_from_the_chunk_workers(monkeypatch):
         torch.set_num_threads(before)
 
 
-def test_out_and_dtype():
+@NATIVE
+def test_out_and_dtype(native):
     blocks = random_blocks(T.Q6_K, 8, np.random.default_rng(2))
     raw = torch.from_numpy(blocks.reshape(-1))
     want = torch.from_numpy(reference(blocks, T.Q6_K).reshape(4, 512))
 
     out = torch.full((4, 512), 7.0)
-    assert dequantize(raw, T.Q6_K, (4, 512), out=out) is out
+    assert dequantize(raw, T.Q6_K, (4, 512), out=out, native=native) is out
     assert torch.equal(out, want)
 
     for dtype in (torch.float16, torch.bfloat16, torch.float64):
-        got = dequantize(raw, T.Q6_K, (4, 512), dtype=dtype)
+        got = dequantize(raw, T.Q6_K, (4, 512), dtype=dtype, native=native)
         assert got.dtype == dtype and torch.equal(got, want.to(dtype))
         out = torch.empty(4, 512, dtype=dtype)
-        assert dequantize(raw, T.Q6_K, (4, 512), dtype=dtype, out=out) is out
+        assert dequantize(raw, T.Q6_K, (4, 512), dtype=dtype, out=out, native=native) is out
         assert torch.equal(out, want.to(dtype))
 
     strided = torch.empty(512, 4).t()  # a non-contiguous out is filled too
-    assert dequantize(raw, T.Q6_K, (4, 512), out=strided) is strided
+    assert dequantize(raw, T.Q6_K, (4, 512), out=strided, native=native) is strided
     assert torch.equal(strided, want)
 
     with pytest.raises(InputError, match="out must be"):

@@ -56,12 +56,18 @@ def assert_bit_exact(got: np.ndarray, ref: np.ndarray) -> None:
 
 
 def _ours_and_ref(qtype: T, blocks: np.ndarray, rows: int = 1) -> tuple[np.ndarray, np.ndarray]:
+    """(ours, gguf-py). For the IQ4 types, which also have fused C kernels, ours runs both the C
+    and the torch kernel, which must agree bit for bit (NaNs included)."""
     block_size = GGML_QUANT_SIZES[qtype][0]
     shape = (rows, blocks.shape[0] * block_size // rows)
     with np.errstate(invalid="ignore", over="ignore"):
         ref = gguf_dequantize(blocks.reshape(rows, -1), qtype)
-    got = dequantize(torch.from_numpy(blocks.reshape(-1).copy()), qtype, shape)
+    raw = torch.from_numpy(blocks.reshape(-1).copy())
+    got = dequantize(raw, qtype, shape)
     assert got.dtype == torch.float32 and tuple(got.shape) == shape
+    if qtype in (T.IQ4_NL, T.IQ4_XS):
+        torch_kernels = dequantize(raw, qtype, shape, native=False).numpy()
+        assert_bit_exact(torch_kernels, got.numpy())
     return got.numpy(), ref
 
 

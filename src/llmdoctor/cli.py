@@ -92,7 +92,7 @@ def inspect(
 @guarded("check.dequant")
 def check_dequant(
     file: Optional[Path] = typer.Argument(None, help="GGUF file (default: the demo model)."),
-    kernel: str = typer.Option("torch", "--kernel", help="reference | torch | ggml | vllm | module:function."),
+    kernel: str = typer.Option("torch", "--kernel", help="reference | torch | native | ggml | vllm | module:function."),
     device: str = typer.Option("cpu", "--device", help="cpu or cuda: where the kernel's input lives."),
     dtype: Optional[str] = typer.Option(None, "--dtype", help="float32 | float16 | bfloat16, passed as dtype=."),
     only: Optional[str] = typer.Option(None, "--only", help="Check only tensors whose name matches this glob."),

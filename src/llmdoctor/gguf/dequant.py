@@ -1,11 +1,12 @@
-"""Reference GGUF dequantization in torch, bit-exact with gguf-py (`gguf.quants.dequantize`).
+"""Reference GGUF dequantization, bit-exact with gguf-py (`gguf.quants.dequantize`).
 
 Block kernels are registered per GGML type. A block kernel maps
     blocks: uint8 [n_blocks, type_size]  ->  float32 [n_blocks, block_size]
-and is written with device-agnostic torch ops, so the same code runs on CPU and CUDA. Faster CUDA
-kernels (Triton) may register for the CUDA device in `dequant_cuda.py`. A kernel that also takes an
-`out=` float32 [n_blocks, block_size] argument writes its result there (no extra temporary). Kernels
-must not write to `blocks`: it may be a read-only view of the file mapping.
+and is written with device-agnostic torch ops, so the same code runs on CPU and CUDA. Faster kernels
+may register for one device: Triton kernels for CUDA (`dequant_cuda.py`), fused C kernels for the
+CPU (`dequant_native.py`, when the extension was built; `native=False` uses the torch kernels). A
+kernel that also takes an `out=` float32 [n_blocks, block_size] argument writes its result there (no
+extra temporary). Kernels must not write to `blocks`: it may be a read-only view of the file mapping.
 
 The entry point `dequantize(raw, qtype, shape, ...)` follows the kernel contract of
 `llmdoctor check dequant`: `raw` is the whole tensor's bytes exactly as stored in the file (1-D uint8),
@@ -14,7 +15,8 @@ The entry point `dequantize(raw, qtype, shape, ...)` follows the kernel contract
 The work is streamed in chunks of whole blocks: on CPU a chunk's temporaries (a few MiB) stay in
 cache and its result is written once, straight into the output buffer; the chunks of a tensor of
 several chunks are shared by the calling thread and `torch.get_num_threads() - 1` pool threads, each
-running torch single-threaded.
+running torch single-threaded (the C kernels run outside the GIL, so their chunks are shared
+whatever the tensor's size).
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ BlockKernel = Callable[..., torch.Tensor]
 
 _KERNELS: dict[GGMLQuantizationType, BlockKernel] = {}
 _CUDA_KERNELS: dict[GGMLQuantizationType, BlockKernel] = {}
+_NATIVE_KERNELS: dict[GGMLQuantizationType, BlockKernel] = {}  # CPU only
 _WRITES_OUT: set[BlockKernel] = set()  # kernels that accept `out=`
 
 # Output elements per chunk. CPU: 2M float32 (8 MiB) keeps a chunk's temporaries in the L3 cache
@@ -56,13 +59,20 @@ _CHUNK_ELEMENTS = {"cpu": 1 << 21, "cuda": 1 << 27}
 # GIL, so short chunks on two threads mostly wait for each other. So tensors of one chunk run on the
 # calling thread alone, and only larger ones (the Q8_0 token embedding) are shared.
 _MIN_PARALLEL_CHUNK = _CHUNK_ELEMENTS["cpu"]
+# Native kernels (called on addresses, outside the GIL) share any tensor: chunks of 256K values (1 MiB
+# of output, within L2) cost one ~2 us call each, and several per worker let a busy core hand work to
+# a free one.
+_GIL_FREE_CHUNK = 1 << 18
 
 
-def register(*qtypes: GGMLQuantizationType, cuda: bool = False) -> Callable[[BlockKernel], BlockKernel]:
-    """Register a block kernel for `qtypes` (for the CUDA device only when `cuda=True`)."""
+def register(*qtypes: GGMLQuantizationType, device: str | None = None) -> Callable[[BlockKernel], BlockKernel]:
+    """Register a block kernel for `qtypes`: for every device (torch ops), or only for `device`
+    "cuda" or "native" (CPU, preferred over the torch kernel unless `native=False`). A kernel with an
+    `on_pointers(src_address, dst_address, n_blocks)` attribute is called that way on contiguous
+    blocks with float32 output (one call per chunk, no tensors)."""
+    table = {None: _KERNELS, "cuda": _CUDA_KERNELS, "native": _NATIVE_KERNELS}[device]
 
     def deco(fn: BlockKernel) -> BlockKernel:
-        table = _CUDA_KERNELS if cuda else _KERNELS
         for q in qtypes:
             table[GGMLQuantizationType(q)] = fn
         if "out" in inspect.signature(fn).parameters:
@@ -110,13 +120,13 @@ def supported_types() -> list[GGMLQuantizationType]:
 
 def _load_kernels() -> None:
     """Import the modules that register block kernels (once; imports are cached)."""
-    from . import dequant_iq, dequant_types  # noqa: F401
+    from . import dequant_iq, dequant_native, dequant_types  # noqa: F401
 
     if torch.cuda.is_available() and importlib.util.find_spec("triton") is not None:
         from . import dequant_cuda  # noqa: F401  (without Triton the torch kernels run on CUDA)
 
 
-def _kernel(qtype: int, device: torch.device) -> tuple[GGMLQuantizationType, BlockKernel]:
+def _kernel(qtype: int, device: torch.device, native: bool = True) -> tuple[GGMLQuantizationType, BlockKernel]:
     _load_kernels()
     try:
         q = GGMLQuantizationType(qtype)
@@ -127,6 +137,8 @@ def _kernel(qtype: int, device: torch.device) -> tuple[GGMLQuantizationType, Blo
         raise InputError(f"no dequantizer for {q.name} (gguf-py cannot dequantize it either)")
     if device.type == "cuda":
         kernel = _CUDA_KERNELS.get(q, kernel)
+    elif device.type == "cpu" and native:
+        kernel = _NATIVE_KERNELS.get(q, kernel)
     return q, kernel
 
 
@@ -211,6 +223,9 @@ def _run(kernel: BlockKernel, blocks: torch.Tensor, block_size: int, result: tor
     n_blocks = blocks.shape[0]
     device = blocks.device.type
     workers = torch.get_num_threads() if device == "cpu" else 1
+    on_pointers = getattr(kernel, "on_pointers", None)
+    if on_pointers is not None and result.dtype == torch.float32 and blocks.is_contiguous():
+        return _run_on_pointers(on_pointers, blocks, block_size, result, workers)
     chunk = _CHUNK_ELEMENTS.get(device, _CHUNK_ELEMENTS["cuda"])
     if workers > 1:  # at least one chunk per worker, but not so small that op overheads dominate
         chunk = max(min(chunk, -(-n_blocks * block_size // workers)), _MIN_PARALLEL_CHUNK)
@@ -238,6 +253,28 @@ def _run(kernel: BlockKernel, blocks: torch.Tensor, block_size: int, result: tor
                 one(start)
 
 
+def _run_on_pointers(
+    on_pointers: Callable[[int, int, int], None], blocks: torch.Tensor, block_size: int, result: torch.Tensor,
+    workers: int,
+) -> None:
+    """A native kernel over contiguous CPU blocks [n_blocks, type_size] into float32 `result`: each
+    chunk is one call on addresses (no tensor views per chunk), outside the GIL, so chunks are small
+    and shared between the calling thread and the pool."""
+    n_blocks, type_size = blocks.shape
+    step = max(1, _GIL_FREE_CHUNK // block_size)
+    src, dst, out_bytes = blocks.data_ptr(), result.data_ptr(), block_size * 4
+
+    def one(start: int) -> None:
+        on_pointers(src + start * type_size, dst + start * out_bytes, min(step, n_blocks - start))
+
+    starts = range(0, n_blocks, step)
+    if workers > 1 and len(starts) > 1:
+        _share(one, starts, workers)
+    else:
+        for start in starts:
+            one(start)
+
+
 def dequantize(
     raw: torch.Tensor | np.ndarray,
     qtype: int,
@@ -246,17 +283,19 @@ def dequantize(
     device: torch.device | str | None = None,
     dtype: torch.dtype = torch.float32,
     out: torch.Tensor | None = None,
+    native: bool = True,
 ) -> torch.Tensor:
     """Dequantize a whole tensor. Returns `dtype` [*shape] on `device`.
 
     `device` defaults to out's device when `out` is given, else raw's. Computed in float32 (bit-exact
     with gguf-py) and cast to `dtype` chunk by chunk. With `out`, the result is written there (it must
-    have `shape` and `dtype` and be on `device`) and `out` is returned.
+    have `shape` and `dtype` and be on `device`) and `out` is returned. On the CPU the fused C kernels
+    run where a type has one (`native=False`: the torch kernels; both are bit-exact).
     """
     if device is None and out is not None:
         device = out.device
     raw = _as_uint8_tensor(raw, device)
-    q, kernel = _kernel(qtype, raw.device)
+    q, kernel = _kernel(qtype, raw.device, native)
     if not dtype.is_floating_point:
         raise InputError(f"dtype must be a floating type, got {dtype}")
     block_size, type_size = GGML_QUANT_SIZES[q]
@@ -278,7 +317,7 @@ def dequantize(
     if out.is_contiguous():
         _run(kernel, raw.view(n_blocks, type_size), block_size, out)
     else:
-        out.copy_(dequantize(raw, q, shape, dtype=dtype))
+        out.copy_(dequantize(raw, q, shape, dtype=dtype, native=native))
     return out
 
 

@@ -318,7 +318,7 @@ def _register(qtype: GGMLQuantizationType) -> None:
         return launch(blocks, qtype, out=out)
 
     kernel.__name__ = kernel.__qualname__ = f"triton_{qtype.name.lower()}"
-    register(qtype, cuda=True)(kernel)
+    register(qtype, device="cuda")(kernel)
 
 
 for _q in _SPECS:

@@ -7,7 +7,9 @@ writable, 1-D contiguous uint8 copy of the whole tensor's bytes as stored in the
 GGML type number; `shape` the row-major logical shape (GGUF `ne` reversed). A kernel that does not
 handle a type raises NotImplementedError (`Unsupported`): that tensor is skipped, not failed.
 
-Built-ins: `reference` (gguf-py, the oracle), `torch` (llmdoctor.gguf.dequantize), `ggml` (the C
+Built-ins: `reference` (gguf-py, the oracle), `torch` (llmdoctor.gguf.dequantize with its torch
+kernels), `native` (llmdoctor.gguf.dequantize as it runs on the CPU by default: the fused C kernels
+where a type has one, the torch kernels elsewhere; CPU only), `ggml` (the C
 `to_float` of the libggml shipped with llama-cpp-python, through ctypes, CPU only), `vllm`
 (`vllm._custom_ops.ggml_dequantize`, CUDA only).
 """
@@ -27,7 +29,7 @@ import torch
 from ..errors import InputError
 
 Kernel = Callable[..., torch.Tensor]
-BUILTINS = ("reference", "torch", "ggml", "vllm")
+BUILTINS = ("reference", "torch", "native", "ggml", "vllm")
 
 
 class Unsupported(NotImplementedError):
@@ -87,18 +89,33 @@ def _reference(device: str) -> Kernel:
     return reference
 
 
-def _torch(device: str) -> Kernel:
+def _ours(native: bool) -> Kernel:
     from ..gguf import dequantize
 
     def ours(raw: torch.Tensor, qtype: int, shape: tuple[int, ...], dtype: Optional[torch.dtype] = None):
         try:
-            return dequantize(raw, qtype, shape, dtype=dtype or torch.float32)
+            return dequantize(raw, qtype, shape, dtype=dtype or torch.float32, native=native)
         except InputError as e:
             if str(e).startswith("no dequantizer"):
                 raise Unsupported(str(e)) from None
             raise
 
     return ours
+
+
+def _torch(device: str) -> Kernel:
+    return _ours(native=False)
+
+
+def _native(device: str) -> Kernel:
+    from ..gguf.dequant_native import available
+
+    if device != "cpu":
+        raise KernelUnavailable("native: the fused C kernels run on the CPU only")
+    ok, why = available()
+    if not ok:
+        raise KernelUnavailable(f"native: {why}")
+    return _ours(native=True)
 
 
 class _GGMLTypeTraits(ctypes.Structure):
@@ -178,7 +195,7 @@ def _vllm(device: str) -> Kernel:
 
 
 _BUILTIN_LOADERS: dict[str, Callable[[str], Kernel]] = {
-    "reference": _reference, "torch": _torch, "ggml": _ggml, "vllm": _vllm,
+    "reference": _reference, "torch": _torch, "native": _native, "ggml": _ggml, "vllm": _vllm,
 }
 
 

@@ -1,0 +1,98 @@
+"""The fused C block kernels of `_dequant_native.c` (CPU), registered in dequant.py when built.
+
+`pip install` compiles the C file as an optional extension (setup.py); without a compiler the
+package installs anyway and the torch kernels do the work. `available()` says whether the library
+loaded and, if not, why. Each C kernel is one pass over a chunk of whole blocks, bit-exact with
+gguf-py like the torch kernels it stands in for (tests/test_dequant_native.py checks both against
+gguf-py). ctypes releases the GIL during a call, so the chunk workers of dequant.py run in parallel.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.util
+from typing import Callable
+
+import gguf.quants as gq
+import numpy as np
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
+
+from .dequant import register
+
+_MODULE = "llmdoctor.gguf._dequant_native"
+# GGML type -> (C function, whether it takes the IQ4 non-linear table)
+_FUNCTIONS = {
+    T.Q8_0: ("llmd_dq_q8_0", False), T.Q4_0: ("llmd_dq_q4_0", False), T.Q4_1: ("llmd_dq_q4_1", False),
+    T.Q5_0: ("llmd_dq_q5_0", False), T.Q5_1: ("llmd_dq_q5_1", False), T.IQ4_NL: ("llmd_dq_iq4_nl", True),
+    T.Q2_K: ("llmd_dq_q2_k", False), T.Q3_K: ("llmd_dq_q3_k", False), T.Q4_K: ("llmd_dq_q4_k", False),
+    T.Q5_K: ("llmd_dq_q5_k", False), T.Q6_K: ("llmd_dq_q6_k", False), T.IQ4_XS: ("llmd_dq_iq4_xs", True),
+}
+# The IQ4 non-linear values, from gguf-py (a format constant, not copied into the C code).
+_IQ4_KVALUES = np.array(gq.IQ4_NL.kvalues, dtype=np.int8)
+
+
+def _load() -> tuple[ctypes.CDLL | None, str]:
+    """(library, "") or (None, why not)."""
+    spec = importlib.util.find_spec(_MODULE)
+    if spec is None or not spec.origin:
+        return None, "the native kernels were not built (no C compiler at install time?)"
+    try:
+        lib = ctypes.CDLL(spec.origin)
+    except OSError as e:
+        return None, f"cannot load {spec.origin} ({e})"
+    lib.llmd_dq_layout.restype = ctypes.c_char_p
+    layout = {}
+    for item in lib.llmd_dq_layout().decode().split():
+        name, block_size, type_size = item.split(":")
+        layout[T[name]] = (int(block_size), int(type_size))
+    for q in _FUNCTIONS:
+        if layout.get(q) != GGML_QUANT_SIZES[q]:
+            return None, (f"{spec.origin} assumes {q.name} blocks of {layout.get(q)} (values, bytes); "
+                          f"gguf says {GGML_QUANT_SIZES[q]}: rebuild it")
+    return lib, ""
+
+
+_LIB, _WHY_NOT = _load()
+
+
+def available() -> tuple[bool, str]:
+    """(True, "") when the native kernels are loaded, else (False, the reason)."""
+    return _LIB is not None, _WHY_NOT
+
+
+def _make(qtype: T, name: str, takes_table: bool) -> Callable[..., torch.Tensor]:
+    fn = getattr(_LIB, name)
+    fn.restype = None
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
+    table = _IQ4_KVALUES.ctypes.data if takes_table else None
+    block_size, type_size = GGML_QUANT_SIZES[qtype]
+
+    def kernel(blocks: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """uint8 blocks [n, type_size] (CPU) -> float32 [n, block_size], written into `out` if given."""
+        if blocks.device.type != "cpu" or blocks.dtype != torch.uint8 or blocks.shape[-1] != type_size:
+            raise ValueError(f"{qtype.name}: expected CPU uint8 blocks [n, {type_size}], got "
+                             f"{blocks.dtype} {tuple(blocks.shape)} on {blocks.device}")
+        blocks = blocks.contiguous()
+        n = blocks.shape[0]
+        dst = out if out is not None and out.is_contiguous() and out.dtype == torch.float32 else None
+        if dst is None:
+            dst = torch.empty((n, block_size), dtype=torch.float32)
+        if n:
+            fn(blocks.data_ptr(), dst.data_ptr(), n, table)
+        if out is not None and dst is not out:
+            out.copy_(dst)
+        return out if out is not None else dst
+
+    def on_pointers(src: int, dst: int, n_blocks: int) -> None:
+        """n_blocks blocks at address src -> float32 at address dst (both valid for that many)."""
+        fn(src, dst, n_blocks, table)
+
+    kernel.on_pointers = on_pointers  # type: ignore[attr-defined]
+    kernel.__name__ = kernel.__qualname__ = f"native_{qtype.name.lower()}"
+    return kernel
+
+
+if _LIB is not None:
+    for _q, (_name, _table) in _FUNCTIONS.items():
+        register(_q, device="native")(_make(_q, _name, _table))

@@ -1,0 +1,78 @@
+"""The fused C kernels (gguf/_dequant_native.c through gguf/dequant_native.py).
+
+Their bit-exactness with gguf-py is tested with the torch kernels' tests (test_dequant.py and
+test_dequant_iq.py run both); here: that the README's install built them, that they are the ones the
+CPU path picks, edge scales, the layout guard, and the fallback when they cannot load.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
+
+from llmdoctor.gguf import dequant, dequant_native
+from llmdoctor.gguf.dequant import dequantize
+
+NATIVE_TYPES = list(dequant_native._FUNCTIONS)
+# Byte offsets of the float16 fields of each block (d, and dmin or m where the type has one).
+F16_FIELDS = {T.Q8_0: (0,), T.Q4_0: (0,), T.Q4_1: (0, 2), T.Q5_0: (0,), T.Q5_1: (0, 2), T.IQ4_NL: (0,),
+              T.Q2_K: (80, 82), T.Q3_K: (108,), T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,), T.IQ4_XS: (0,)}
+# +-0, smallest and largest subnormal, 1, -2, largest finite, +-inf, quiet and signalling NaN.
+EDGE_F16 = np.array([0x0000, 0x8000, 0x0001, 0x03FF, 0x3C00, 0xC000, 0x7BFF, 0x7C00, 0xFC00, 0x7E00, 0x7C01],
+                    dtype=np.uint16)
+
+
+def test_the_install_built_the_native_kernels():
+    ok, why = dequant_native.available()
+    assert ok, why
+
+
+def test_the_cpu_path_picks_the_native_kernel_for_each_type_it_has():
+    assert set(NATIVE_TYPES) == set(F16_FIELDS)
+    cpu = torch.device("cpu")
+    for q in NATIVE_TYPES:
+        assert dequant._kernel(q, cpu)[1].__name__ == f"native_{q.name.lower()}"
+        assert dequant._kernel(q, cpu, native=False)[1].__name__ != f"native_{q.name.lower()}"
+    assert not dequant._kernel(T.IQ2_XXS, cpu)[1].__name__.startswith("native")
+
+
+@pytest.mark.parametrize("qtype", NATIVE_TYPES, ids=lambda q: q.name)
+def test_edge_scales_bit_exact_with_the_torch_kernels(qtype):
+    """Every edge float16 in every float16 field, against the torch kernels (themselves tested
+    against gguf-py); NaN payloads included, since both follow numpy's conversion."""
+    block_size, type_size = GGML_QUANT_SIZES[qtype]
+    rng = np.random.default_rng(int(qtype))
+    n = len(EDGE_F16) ** len(F16_FIELDS[qtype])
+    blocks = rng.integers(0, 256, size=(n, type_size), dtype=np.uint8)
+    grids = np.meshgrid(*[EDGE_F16] * len(F16_FIELDS[qtype]), indexing="ij")
+    for off, bits in zip(F16_FIELDS[qtype], grids):
+        blocks[:, off : off + 2] = bits.reshape(-1).view(np.uint8).reshape(n, 2)
+    raw = torch.from_numpy(blocks.reshape(-1))
+    ours = dequantize(raw, qtype, (n, block_size)).numpy()
+    torch_kernels = dequantize(raw, qtype, (n, block_size), native=False).numpy()
+    both_nan = np.isnan(ours) & np.isnan(torch_kernels)
+    differ = (ours.view(np.uint32) != torch_kernels.view(np.uint32)) & ~both_nan
+    assert not differ.any(), f"{qtype.name}: {int(differ.sum())} values differ"
+
+
+def test_a_layout_mismatch_disables_the_native_kernels(monkeypatch):
+    """If gguf ever changed a block size, the C kernels (written for today's) must not run."""
+    monkeypatch.setitem(dequant_native.GGML_QUANT_SIZES, T.Q4_K, (256, 146))
+    lib, why = dequant_native._load()
+    assert lib is None and "Q4_K" in why and "rebuild" in why
+
+
+def test_without_the_library_the_reason_is_given(monkeypatch):
+    monkeypatch.setattr(dequant_native.importlib.util, "find_spec", lambda name: None)
+    lib, why = dequant_native._load()
+    assert lib is None and "not built" in why
+
+
+def test_non_contiguous_or_wrong_blocks_are_refused_by_the_block_kernel():
+    kernel = dequant._kernel(T.Q8_0, torch.device("cpu"))[1]
+    with pytest.raises(ValueError, match="expected CPU uint8 blocks"):
+        kernel(torch.zeros(4, 33, dtype=torch.uint8))
+    blocks = torch.zeros(4, 68, dtype=torch.uint8)[:, :34]  # strided rows: copied, then decoded
+    assert torch.equal(kernel(blocks), torch.zeros(4, 32))
