@@ -10,7 +10,7 @@ setup(
     ext_modules=[
         Extension(
             "llmdoctor.gguf._dequant_native",
-            sources=["src/llmdoctor/gguf/_dequant_native.c"],
+            sources=["src/llmdoctor/gguf/_dequant_native.c", "src/llmdoctor/gguf/_dequant_pool.c"],
             # Bit-exactness with gguf-py needs each product and sum rounded on its own: no FMA
             # contraction, no fast-math reassociation.
             extra_compile_args=["-O2", "-ffp-contract=off", "-fno-fast-math"],

@@ -145,7 +145,7 @@ def test_chunked_output_matches_one_piece(monkeypatch, threads, native):
 
     monkeypatch.setitem(dequant._CHUNK_ELEMENTS, "cpu", 1000)  # 3 blocks of 256 per chunk
     monkeypatch.setattr(dequant, "_MIN_PARALLEL_CHUNK", 1000)
-    monkeypatch.setattr(dequant, "_GIL_FREE_CHUNK", 1000)  # the native kernels' chunks
+    monkeypatch.setattr(dequant, "_NATIVE_CHUNK", 1000)  # the native kernels' chunks
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:

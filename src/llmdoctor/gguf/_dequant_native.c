@@ -258,8 +258,8 @@ static inline void blk_iq4_xs(const uint8_t *restrict src, float *restrict dst, 
 /* ------------------------------------------------------------------ drivers */
 
 /* llmd_dq_<name>(src, dst, n_blocks, kvalues): n_blocks blocks of TS bytes -> n_blocks * BS floats.
- * kvalues: the 16 IQ4 values (int8) for the IQ4 types, else NULL. (Non-temporal stores were tried
- * for the output and measured no faster here, bench/RESULTS.md.) */
+ * kvalues: the 16 IQ4 values (int8) for the IQ4 types, else NULL. (Non-temporal stores for large
+ * outputs were tried, and measured no faster on the demo file, bench/RESULTS.md.) */
 #define LLMD_DRIVER(name, TS, BS)                                                                   \
     LLMD_CLONES void llmd_dq_##name(const uint8_t *src, float *dst, int64_t n_blocks,             \
                                     const int8_t *kvalues) {                                      \

@@ -59,17 +59,17 @@ _CHUNK_ELEMENTS = {"cpu": 1 << 21, "cuda": 1 << 27}
 # GIL, so short chunks on two threads mostly wait for each other. So tensors of one chunk run on the
 # calling thread alone, and only larger ones (the Q8_0 token embedding) are shared.
 _MIN_PARALLEL_CHUNK = _CHUNK_ELEMENTS["cpu"]
-# Native kernels (called on addresses, outside the GIL) share any tensor: chunks of 256K values (1 MiB
-# of output, within L2) cost one ~2 us call each, and several per worker let a busy core hand work to
-# a free one.
-_GIL_FREE_CHUNK = 1 << 18
+# Native kernels (one call per tensor, outside the GIL) share any tensor in chunks of this many values
+# among the threads of their C pool: 64K values (256 KiB of output, within L2) cost ~0.1 us to claim,
+# and many per thread let a busy core hand work to a free one.
+_NATIVE_CHUNK = 1 << 16
 
 
 def register(*qtypes: GGMLQuantizationType, device: str | None = None) -> Callable[[BlockKernel], BlockKernel]:
     """Register a block kernel for `qtypes`: for every device (torch ops), or only for `device`
     "cuda" or "native" (CPU, preferred over the torch kernel unless `native=False`). A kernel with an
-    `on_pointers(src_address, dst_address, n_blocks)` attribute is called that way on contiguous
-    blocks with float32 output (one call per chunk, no tensors)."""
+    `on_pointers(src_address, dst_address, n_blocks, chunk_blocks=, threads=)` attribute is called
+    that way on contiguous blocks with float32 output (one call per tensor, no tensors)."""
     table = {None: _KERNELS, "cuda": _CUDA_KERNELS, "native": _NATIVE_KERNELS}[device]
 
     def deco(fn: BlockKernel) -> BlockKernel:
@@ -254,25 +254,12 @@ def _run(kernel: BlockKernel, blocks: torch.Tensor, block_size: int, result: tor
 
 
 def _run_on_pointers(
-    on_pointers: Callable[[int, int, int], None], blocks: torch.Tensor, block_size: int, result: torch.Tensor,
-    workers: int,
+    on_pointers: Callable[..., None], blocks: torch.Tensor, block_size: int, result: torch.Tensor, workers: int
 ) -> None:
-    """A native kernel over contiguous CPU blocks [n_blocks, type_size] into float32 `result`: each
-    chunk is one call on addresses (no tensor views per chunk), outside the GIL, so chunks are small
-    and shared between the calling thread and the pool."""
-    n_blocks, type_size = blocks.shape
-    step = max(1, _GIL_FREE_CHUNK // block_size)
-    src, dst, out_bytes = blocks.data_ptr(), result.data_ptr(), block_size * 4
-
-    def one(start: int) -> None:
-        on_pointers(src + start * type_size, dst + start * out_bytes, min(step, n_blocks - start))
-
-    starts = range(0, n_blocks, step)
-    if workers > 1 and len(starts) > 1:
-        _share(one, starts, workers)
-    else:
-        for start in starts:
-            one(start)
+    """A native kernel over contiguous CPU blocks [n_blocks, type_size] into float32 `result`: one call
+    on addresses, outside the GIL; the C pool shares its chunks among `workers` threads."""
+    on_pointers(blocks.data_ptr(), result.data_ptr(), blocks.shape[0],
+                chunk_blocks=max(1, _NATIVE_CHUNK // block_size), threads=workers)
 
 
 def dequantize(

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import importlib.util
+import threading
 from typing import Callable
 
 import gguf.quants as gq
@@ -61,10 +62,16 @@ def available() -> tuple[bool, str]:
     return _LIB is not None, _WHY_NOT
 
 
+# One caller at a time may use the C pool (it holds one job); a concurrent caller runs its tensor on
+# its own thread instead of waiting.
+_POOL_LOCK = threading.Lock()
+
+
 def _make(qtype: T, name: str, takes_table: bool) -> Callable[..., torch.Tensor]:
     fn = getattr(_LIB, name)
     fn.restype = None
     fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
+    fn_address = ctypes.cast(fn, ctypes.c_void_p).value
     table = _IQ4_KVALUES.ctypes.data if takes_table else None
     block_size, type_size = GGML_QUANT_SIZES[qtype]
 
@@ -84,9 +91,17 @@ def _make(qtype: T, name: str, takes_table: bool) -> Callable[..., torch.Tensor]
             out.copy_(dst)
         return out if out is not None else dst
 
-    def on_pointers(src: int, dst: int, n_blocks: int) -> None:
-        """n_blocks blocks at address src -> float32 at address dst (both valid for that many)."""
-        fn(src, dst, n_blocks, table)
+    def on_pointers(src: int, dst: int, n_blocks: int, *, chunk_blocks: int, threads: int) -> None:
+        """n_blocks blocks at address src -> float32 at address dst (both valid for that many), in
+        chunks of chunk_blocks shared by up to `threads` threads of the C pool."""
+        if threads > 1 and _POOL_LOCK.acquire(blocking=False):
+            try:
+                _LIB.llmd_dq_parallel(fn_address, src, dst, n_blocks, type_size, block_size, table, chunk_blocks,
+                                      threads)
+            finally:
+                _POOL_LOCK.release()
+        else:
+            fn(src, dst, n_blocks, table)
 
     kernel.on_pointers = on_pointers  # type: ignore[attr-defined]
     kernel.__name__ = kernel.__qualname__ = f"native_{qtype.name.lower()}"
@@ -94,5 +109,10 @@ def _make(qtype: T, name: str, takes_table: bool) -> Callable[..., torch.Tensor]
 
 
 if _LIB is not None:
+    _LIB.llmd_dq_parallel.restype = None
+    _LIB.llmd_dq_parallel.argtypes = [
+        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
+        ctypes.c_void_p, ctypes.c_int64, ctypes.c_int,
+    ]  # fn, src, dst, n_blocks, type_size, block_size, kvalues, chunk_blocks, n_threads
     for _q, (_name, _table) in _FUNCTIONS.items():
         register(_q, device="native")(_make(_q, _name, _table))
