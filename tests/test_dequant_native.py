@@ -76,3 +76,76 @@ def test_non_contiguous_or_wrong_blocks_are_refused_by_the_block_kernel():
         kernel(torch.zeros(4, 33, dtype=torch.uint8))
     blocks = torch.zeros(4, 68, dtype=torch.uint8)[:, :34]  # strided rows: copied, then decoded
     assert torch.equal(kernel(blocks), torch.zeros(4, 32))
+
+
+def _q4k_case(seed: int, n_blocks: int) -> tuple[torch.Tensor, np.ndarray]:
+    """(raw bytes, gguf-py's float32 values) for random Q4_K blocks with finite scales."""
+    import gguf.quants as gq
+
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, size=(n_blocks, 144), dtype=np.uint8)
+    for off in (0, 2):
+        blocks[:, off : off + 2] = rng.uniform(-1, 1, n_blocks).astype(np.float16).view(np.uint8).reshape(-1, 2)
+    return torch.from_numpy(blocks.reshape(-1)), gq.dequantize(blocks, T.Q4_K).reshape(-1)
+
+
+def test_the_c_pool_gives_exact_results_to_concurrent_callers(monkeypatch):
+    """Two Python threads at once: one gets the pool, the other runs on its own thread; both exact,
+    over many calls (each a new pool job) with a short last chunk."""
+    import threading
+
+    monkeypatch.setattr(dequant, "_NATIVE_CHUNK", 256 * 7)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    cases = [_q4k_case(seed, 50 + seed) for seed in range(2)]
+    errors: list[str] = []
+
+    def work(raw: torch.Tensor, want: np.ndarray) -> None:
+        for _ in range(200):
+            got = dequantize(raw, T.Q4_K, (want.size,)).numpy()
+            if not np.array_equal(got.view(np.uint32), want.view(np.uint32)):
+                errors.append("differs")
+                return
+
+    try:
+        threads = [threading.Thread(target=work, args=case) for case in cases]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        assert not any(t.is_alive() for t in threads), "a dequantize call hung"
+    finally:
+        torch.set_num_threads(before)
+    assert not errors
+
+
+def _dequantize_in_child(conn) -> None:  # runs in a forked child
+    torch.set_num_threads(2)
+    raw, want = _q4k_case(3, 400)
+    got = dequantize(raw, T.Q4_K, (want.size,)).numpy()
+    conn.send(bool(np.array_equal(got.view(np.uint32), want.view(np.uint32))))
+
+
+def test_a_forked_child_can_use_the_c_pool(monkeypatch):
+    """The parent's helper threads do not exist in a fork: the child's calls must still complete
+    (its caller claims every chunk no helper takes), exactly."""
+    import multiprocessing as mp
+
+    monkeypatch.setattr(dequant, "_NATIVE_CHUNK", 256 * 7)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        raw, want = _q4k_case(4, 400)
+        dequantize(raw, T.Q4_K, (want.size,))  # the parent's pool is running now
+        ctx = mp.get_context("fork")
+        parent, child = ctx.Pipe()
+        proc = ctx.Process(target=_dequantize_in_child, args=(child,))
+        proc.start()
+        proc.join(timeout=60)
+        hung = proc.is_alive()
+        if hung:
+            proc.kill()
+        assert not hung, "the forked child hung in the C pool"
+        assert proc.exitcode == 0 and parent.recv() is True
+    finally:
+        torch.set_num_threads(before)
