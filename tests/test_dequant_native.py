@@ -149,3 +149,27 @@ def test_a_forked_child_can_use_the_c_pool(monkeypatch):
         assert proc.exitcode == 0 and parent.recv() is True
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("qtype", NATIVE_TYPES, ids=lambda q: q.name)
+def test_streamed_output_is_the_same(monkeypatch, qtype):
+    """Non-temporal stores (used for huge outputs; here forced for every size) write the same bits,
+    into an aligned buffer and into one that starts 4 bytes off alignment (regular stores then)."""
+    block_size, type_size = GGML_QUANT_SIZES[qtype]
+    blocks = np.random.default_rng(int(qtype) + 7).integers(0, 256, size=(300, type_size), dtype=np.uint8)
+    for off in F16_FIELDS[qtype]:
+        blocks[:, off : off + 2] = np.array([0.25], dtype=np.float16).view(np.uint8)
+    raw = torch.from_numpy(blocks.reshape(-1))
+    want = dequantize(raw, qtype, (300, block_size)).numpy()
+    monkeypatch.setattr(dequant, "_STREAM_BYTES", 0)
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            buf = torch.empty(300 * block_size + 1)
+            for start in (0, 1):
+                out = buf[start : start + 300 * block_size].view(300, block_size)
+                got = dequantize(raw, qtype, (300, block_size), out=out).numpy()
+                assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), (threads, start)
+    finally:
+        torch.set_num_threads(before)

@@ -20,6 +20,9 @@
 #include <Python.h>
 #include <stdint.h>
 #include <string.h>
+#if defined(__SSE2__)
+#include <emmintrin.h> /* every x86-64: non-temporal stores */
+#endif
 
 #if defined(__GNUC__) && defined(__x86_64__) && !defined(__clang__)
 /* One clone per ISA level, picked at load time (the default clone runs on any x86-64). */
@@ -257,16 +260,43 @@ static inline void blk_iq4_xs(const uint8_t *restrict src, float *restrict dst, 
 
 /* ------------------------------------------------------------------ drivers */
 
-/* llmd_dq_<name>(src, dst, n_blocks, kvalues): n_blocks blocks of TS bytes -> n_blocks * BS floats.
- * kvalues: the 16 IQ4 values (int8) for the IQ4 types, else NULL. (Non-temporal stores for large
- * outputs were tried, and measured no faster on the demo file, bench/RESULTS.md.) */
+/* Copy n floats (a multiple of 4) from the aligned tmp to the 16-byte aligned dst with
+ * non-temporal stores: the written lines go to memory without first being read into the cache. */
+static inline void stream_copy(float *restrict dst, const float *restrict tmp, int n) {
+#if defined(__SSE2__)
+    for (int i = 0; i < n; i += 4) _mm_stream_ps(dst + i, _mm_load_ps(tmp + i));
+#else
+    memcpy(dst, tmp, (size_t)n * sizeof(float));
+#endif
+}
+
+static inline void stream_fence(void) {
+#if defined(__SSE2__)
+    _mm_sfence();
+#endif
+}
+
+/* llmd_dq_<name>(src, dst, n_blocks, kvalues, stream): n_blocks blocks of TS bytes -> n_blocks * BS
+ * floats. kvalues: the 16 IQ4 values (int8) for the IQ4 types, else NULL. stream != 0 (asked for
+ * outputs far larger than the cache, which no reader would find there anyway): each block is decoded
+ * into an L1 buffer and streamed out with non-temporal stores, saving the read-for-ownership of
+ * every output line. */
 #define LLMD_DRIVER(name, TS, BS)                                                                   \
     LLMD_CLONES void llmd_dq_##name(const uint8_t *src, float *dst, int64_t n_blocks,             \
-                                    const int8_t *kvalues) {                                      \
+                                    const int8_t *kvalues, int stream) {                          \
         float kv[16] = {0};                                                                       \
         if (kvalues)                                                                              \
             for (int i = 0; i < 16; i++) kv[i] = (float)kvalues[i];                               \
-        for (int64_t b = 0; b < n_blocks; b++) blk_##name(src + b * TS, dst + b * BS, kv);        \
+        if (!stream || ((uintptr_t)dst & 15u)) {                                                  \
+            for (int64_t b = 0; b < n_blocks; b++) blk_##name(src + b * TS, dst + b * BS, kv);    \
+            return;                                                                               \
+        }                                                                                         \
+        float tmp[BS] __attribute__((aligned(64)));                                               \
+        for (int64_t b = 0; b < n_blocks; b++) {                                                  \
+            blk_##name(src + b * TS, tmp, kv);                                                    \
+            stream_copy(dst + b * BS, tmp, BS);                                                   \
+        }                                                                                         \
+        stream_fence();                                                                           \
     }
 
 LLMD_DRIVER(q8_0, 34, 32)

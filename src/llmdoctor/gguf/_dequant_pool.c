@@ -27,7 +27,7 @@
 #define CPU_RELAX() ((void)0)
 #endif
 
-typedef void (*llmd_driver)(const uint8_t *, float *, int64_t, const int8_t *);
+typedef void (*llmd_driver)(const uint8_t *, float *, int64_t, const int8_t *, int);
 
 #define MAX_HELPERS 63
 #define GEN_SHIFT 40 /* ticket: generation in the high 24 bits, chunk index in the low 40 */
@@ -46,7 +46,7 @@ static struct {
     /* the job */
     _Atomic uintptr_t fn, src, dst, kv;
     _Atomic int64_t n_blocks, type_size, block_size, chunk_blocks, n_chunks;
-    _Atomic int helpers_wanted;
+    _Atomic int stream, helpers_wanted;
 } P = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER};
 
 static pthread_once_t atfork_once = PTHREAD_ONCE_INIT;
@@ -62,6 +62,7 @@ static void run_chunks(uint64_t g) {
     const int8_t *kv = (const int8_t *)LOAD(kv);
     const int64_t n_blocks = LOAD(n_blocks), ts = LOAD(type_size), bs = LOAD(block_size);
     const int64_t chunk = LOAD(chunk_blocks), n_chunks = LOAD(n_chunks);
+    const int stream = LOAD(stream);
     const uint64_t tag = (g << GEN_SHIFT) & ~IDX_MASK;
     uint64_t t = atomic_load(&P.ticket);
     for (;;) {
@@ -69,7 +70,7 @@ static void run_chunks(uint64_t g) {
         if (!atomic_compare_exchange_weak(&P.ticket, &t, t + 1)) continue; /* t reloaded */
         const int64_t b0 = (int64_t)(t & IDX_MASK) * chunk;
         const int64_t nb = n_blocks - b0 < chunk ? n_blocks - b0 : chunk;
-        fn(src + b0 * ts, dst + b0 * bs, nb, kv);
+        fn(src + b0 * ts, dst + b0 * bs, nb, kv, stream);
         atomic_fetch_add(&P.done, 1);
         t = atomic_load(&P.ticket);
     }
@@ -108,14 +109,14 @@ static void install_atfork(void) { pthread_atfork(NULL, NULL, after_fork_in_chil
 
 /* Not reentrant: one caller at a time (dequant.py holds a lock around it). */
 void llmd_dq_parallel(llmd_driver fn, const uint8_t *src, float *dst, int64_t n_blocks, int64_t type_size,
-                      int64_t block_size, const int8_t *kv, int64_t chunk_blocks, int n_threads) {
+                      int64_t block_size, const int8_t *kv, int stream, int64_t chunk_blocks, int n_threads) {
     if (chunk_blocks < 1) chunk_blocks = 1;
     const int64_t n_chunks = (n_blocks + chunk_blocks - 1) / chunk_blocks;
     int helpers = n_threads - 1;
     if (helpers > MAX_HELPERS) helpers = MAX_HELPERS;
     if (helpers > n_chunks - 1) helpers = (int)(n_chunks - 1);
     if (helpers <= 0) {
-        fn(src, dst, n_blocks, kv);
+        fn(src, dst, n_blocks, kv, stream);
         return;
     }
     pthread_once(&atfork_once, install_atfork);
@@ -137,6 +138,7 @@ void llmd_dq_parallel(llmd_driver fn, const uint8_t *src, float *dst, int64_t n_
     STORE(block_size, block_size);
     STORE(chunk_blocks, chunk_blocks);
     STORE(n_chunks, n_chunks);
+    STORE(stream, stream);
     STORE(helpers_wanted, helpers < P.started ? helpers : P.started);
     STORE(gen, g);
     pthread_mutex_lock(&P.mu);

@@ -63,6 +63,11 @@ _MIN_PARALLEL_CHUNK = _CHUNK_ELEMENTS["cpu"]
 # among the threads of their C pool: 64K values (256 KiB of output, within L2) cost ~0.1 us to claim,
 # and many per thread let a busy core hand work to a free one.
 _NATIVE_CHUNK = 1 << 16
+# Outputs of at least this many bytes are written with non-temporal stores (twice this machine's
+# 32 MiB L3: no reader would find them in the cache anyway), in chunks of at least 1/8 of a thread's
+# share so that each thread streams long runs: the 671 MB Q8_0 embedding of the demo file took 19 ms
+# instead of 24 ms (bench/RESULTS.md).
+_STREAM_BYTES = 64 << 20
 
 
 def register(*qtypes: GGMLQuantizationType, device: str | None = None) -> Callable[[BlockKernel], BlockKernel]:
@@ -258,8 +263,13 @@ def _run_on_pointers(
 ) -> None:
     """A native kernel over contiguous CPU blocks [n_blocks, type_size] into float32 `result`: one call
     on addresses, outside the GIL; the C pool shares its chunks among `workers` threads."""
-    on_pointers(blocks.data_ptr(), result.data_ptr(), blocks.shape[0],
-                chunk_blocks=max(1, _NATIVE_CHUNK // block_size), threads=workers)
+    n_blocks = blocks.shape[0]
+    chunk_blocks = max(1, _NATIVE_CHUNK // block_size)
+    stream = n_blocks * block_size * 4 >= _STREAM_BYTES
+    if stream:
+        chunk_blocks = max(chunk_blocks, n_blocks // (8 * workers))
+    on_pointers(blocks.data_ptr(), result.data_ptr(), n_blocks, chunk_blocks=chunk_blocks, threads=workers,
+                stream=stream)
 
 
 def dequantize(

@@ -70,7 +70,7 @@ _POOL_LOCK = threading.Lock()
 def _make(qtype: T, name: str, takes_table: bool) -> Callable[..., torch.Tensor]:
     fn = getattr(_LIB, name)
     fn.restype = None
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
     fn_address = ctypes.cast(fn, ctypes.c_void_p).value
     table = _IQ4_KVALUES.ctypes.data if takes_table else None
     block_size, type_size = GGML_QUANT_SIZES[qtype]
@@ -86,22 +86,23 @@ def _make(qtype: T, name: str, takes_table: bool) -> Callable[..., torch.Tensor]
         if dst is None:
             dst = torch.empty((n, block_size), dtype=torch.float32)
         if n:
-            fn(blocks.data_ptr(), dst.data_ptr(), n, table)
+            fn(blocks.data_ptr(), dst.data_ptr(), n, table, 0)
         if out is not None and dst is not out:
             out.copy_(dst)
         return out if out is not None else dst
 
-    def on_pointers(src: int, dst: int, n_blocks: int, *, chunk_blocks: int, threads: int) -> None:
+    def on_pointers(src: int, dst: int, n_blocks: int, *, chunk_blocks: int, threads: int, stream: bool) -> None:
         """n_blocks blocks at address src -> float32 at address dst (both valid for that many), in
-        chunks of chunk_blocks shared by up to `threads` threads of the C pool."""
+        chunks of chunk_blocks shared by up to `threads` threads of the C pool; `stream`: write with
+        non-temporal stores (for outputs far larger than the cache)."""
         if threads > 1 and _POOL_LOCK.acquire(blocking=False):
             try:
-                _LIB.llmd_dq_parallel(fn_address, src, dst, n_blocks, type_size, block_size, table, chunk_blocks,
-                                      threads)
+                _LIB.llmd_dq_parallel(fn_address, src, dst, n_blocks, type_size, block_size, table, int(stream),
+                                      chunk_blocks, threads)
             finally:
                 _POOL_LOCK.release()
         else:
-            fn(src, dst, n_blocks, table)
+            fn(src, dst, n_blocks, table, int(stream))
 
     kernel.on_pointers = on_pointers  # type: ignore[attr-defined]
     kernel.__name__ = kernel.__qualname__ = f"native_{qtype.name.lower()}"
@@ -112,7 +113,7 @@ if _LIB is not None:
     _LIB.llmd_dq_parallel.restype = None
     _LIB.llmd_dq_parallel.argtypes = [
         ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
-        ctypes.c_void_p, ctypes.c_int64, ctypes.c_int,
-    ]  # fn, src, dst, n_blocks, type_size, block_size, kvalues, chunk_blocks, n_threads
+        ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_int,
+    ]  # fn, src, dst, n_blocks, type_size, block_size, kvalues, stream, chunk_blocks, n_threads
     for _q, (_name, _table) in _FUNCTIONS.items():
         register(_q, device="native")(_make(_q, _name, _table))
