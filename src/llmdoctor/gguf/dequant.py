@@ -87,6 +87,11 @@ def register(*qtypes: GGMLQuantizationType, device: str | None = None) -> Callab
     return deco
 
 
+# torch.from_numpy warns that it cannot protect read-only memory (the file mapping) from writes; we
+# never write it. Filtered for calls from this module only (a catch_warnings per call cost ~3 us).
+warnings.filterwarnings("ignore", message="The given NumPy array is not writable", category=UserWarning,
+                        module=__name__)
+
 _ARENA = threading.local()
 
 
@@ -123,12 +128,19 @@ def supported_types() -> list[GGMLQuantizationType]:
     return sorted(_KERNELS, key=int)
 
 
+_LOADED = False
+
+
 def _load_kernels() -> None:
-    """Import the modules that register block kernels (once; imports are cached)."""
+    """Import the modules that register block kernels (once)."""
+    global _LOADED
+    if _LOADED:
+        return
     from . import dequant_iq, dequant_native, dequant_types  # noqa: F401
 
     if torch.cuda.is_available() and importlib.util.find_spec("triton") is not None:
         from . import dequant_cuda  # noqa: F401  (without Triton the torch kernels run on CUDA)
+    _LOADED = True
 
 
 def _kernel(qtype: int, device: torch.device, native: bool = True) -> tuple[GGMLQuantizationType, BlockKernel]:
@@ -151,9 +163,7 @@ def _as_uint8_tensor(raw: torch.Tensor | np.ndarray, device: torch.device | str 
     """raw as a 1-D uint8 tensor, zero-copy on CPU (a read-only numpy view is wrapped, never written)."""
     if isinstance(raw, np.ndarray):
         raw = np.ascontiguousarray(raw).reshape(-1).view(np.uint8)
-        with warnings.catch_warnings():  # torch warns that it cannot protect read-only memory
-            warnings.simplefilter("ignore", UserWarning)
-            raw = torch.from_numpy(raw)
+        raw = torch.from_numpy(raw)  # read-only memory: its warning is filtered below
     if not isinstance(raw, torch.Tensor) or raw.dtype != torch.uint8:
         raise InputError(f"raw must be uint8 bytes, got {getattr(raw, 'dtype', type(raw).__name__)}")
     raw = raw.reshape(-1)
