@@ -87,11 +87,6 @@ def register(*qtypes: GGMLQuantizationType, device: str | None = None) -> Callab
     return deco
 
 
-# torch.from_numpy warns that it cannot protect read-only memory (the file mapping) from writes; we
-# never write it. Filtered for calls from this module only (a catch_warnings per call cost ~3 us).
-warnings.filterwarnings("ignore", message="The given NumPy array is not writable", category=UserWarning,
-                        module=__name__)
-
 _ARENA = threading.local()
 
 
@@ -159,11 +154,29 @@ def _kernel(qtype: int, device: torch.device, native: bool = True) -> tuple[GGML
     return q, kernel
 
 
+_FROM_NUMPY_QUIET = False
+
+
+def _from_numpy_first(array: np.ndarray) -> torch.Tensor:
+    """torch.from_numpy, silencing the warning torch gives (once per process) that it cannot protect
+    read-only memory such as the file mapping from writes: we never write it. Later calls skip the
+    catch_warnings (~3 us each)."""
+    global _FROM_NUMPY_QUIET
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        tensor = torch.from_numpy(array)
+    _FROM_NUMPY_QUIET = not array.flags.writeable  # torch has now given its one warning
+    return tensor
+
+
 def _as_uint8_tensor(raw: torch.Tensor | np.ndarray, device: torch.device | str | None) -> torch.Tensor:
     """raw as a 1-D uint8 tensor, zero-copy on CPU (a read-only numpy view is wrapped, never written)."""
     if isinstance(raw, np.ndarray):
         raw = np.ascontiguousarray(raw).reshape(-1).view(np.uint8)
-        raw = torch.from_numpy(raw)  # read-only memory: its warning is filtered below
+        if _FROM_NUMPY_QUIET:
+            raw = torch.from_numpy(raw)
+        else:
+            raw = _from_numpy_first(raw)
     if not isinstance(raw, torch.Tensor) or raw.dtype != torch.uint8:
         raise InputError(f"raw must be uint8 bytes, got {getattr(raw, 'dtype', type(raw).__name__)}")
     raw = raw.reshape(-1)
