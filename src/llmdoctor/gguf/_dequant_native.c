@@ -184,18 +184,27 @@ static inline void blk_q3_k(const uint8_t *restrict src, float *restrict dst, co
     }
 }
 
+/* Q4_K / Q5_K: the scale (d * sc) and min (dmin * m) of each of the 8 sub-blocks, as gguf-py
+ * rounds them. */
+static inline void k4_scales(const uint8_t *src, float dl[8], float ml[8]) {
+    const float d = f16_at(src), dmin = f16_at(src + 2);
+    for (int j = 0; j < 8; j++) {
+        uint8_t sc, m;
+        scale_min_k4(src + 4, j, &sc, &m);
+        dl[j] = d * (float)sc;
+        ml[j] = dmin * (float)m;
+    }
+}
+
 /* Q4_K: d f16 | dmin f16 | scales[12] | qs[128]. Sub-blocks 2c and 2c + 1 (32 values each) are the
  * low and high nibbles of qs[32c .. 32c + 31]; x = (d * sc) * q - (dmin * m). */
 static inline void blk_q4_k(const uint8_t *restrict src, float *restrict dst, const float *kv) {
-    const float d = f16_at(src), dmin = f16_at(src + 2);
-    const uint8_t *s = src + 4, *qs = src + 16;
+    float dl[8], ml[8];
+    k4_scales(src, dl, ml);
     for (int c = 0; c < 4; c++) {
-        uint8_t sc0, m0, sc1, m1;
-        scale_min_k4(s, 2 * c, &sc0, &m0);
-        scale_min_k4(s, 2 * c + 1, &sc1, &m1);
-        const float d0 = d * (float)sc0, n0 = dmin * (float)m0, d1 = d * (float)sc1, n1 = dmin * (float)m1;
-        const uint8_t *q = qs + 32 * c;
+        const uint8_t *q = src + 16 + 32 * c;
         float *o = dst + 64 * c;
+        const float d0 = dl[2 * c], n0 = ml[2 * c], d1 = dl[2 * c + 1], n1 = ml[2 * c + 1];
         for (int l = 0; l < 32; l++) o[l] = d0 * (float)(q[l] & 0x0f) - n0;
         for (int l = 0; l < 32; l++) o[32 + l] = d1 * (float)(q[l] >> 4) - n1;
     }
@@ -204,15 +213,13 @@ static inline void blk_q4_k(const uint8_t *restrict src, float *restrict dst, co
 /* Q5_K: d f16 | dmin f16 | scales[12] | qh[32] | qs[128]. As Q4_K, with bit j of qh[l] as the
  * fifth bit of value l of sub-block j. */
 static inline void blk_q5_k(const uint8_t *restrict src, float *restrict dst, const float *kv) {
-    const float d = f16_at(src), dmin = f16_at(src + 2);
-    const uint8_t *s = src + 4, *qh = src + 16, *qs = src + 48;
+    const uint8_t *qh = src + 16;
+    float dl[8], ml[8];
+    k4_scales(src, dl, ml);
     for (int c = 0; c < 4; c++) {
-        uint8_t sc0, m0, sc1, m1;
-        scale_min_k4(s, 2 * c, &sc0, &m0);
-        scale_min_k4(s, 2 * c + 1, &sc1, &m1);
-        const float d0 = d * (float)sc0, n0 = dmin * (float)m0, d1 = d * (float)sc1, n1 = dmin * (float)m1;
-        const uint8_t *q = qs + 32 * c;
+        const uint8_t *q = src + 48 + 32 * c;
         float *o = dst + 64 * c;
+        const float d0 = dl[2 * c], n0 = ml[2 * c], d1 = dl[2 * c + 1], n1 = ml[2 * c + 1];
         const int b0 = 2 * c, b1 = 2 * c + 1;
         for (int l = 0; l < 32; l++) o[l] = d0 * (float)((q[l] & 0x0f) | (((qh[l] >> b0) & 1) << 4)) - n0;
         for (int l = 0; l < 32; l++) o[32 + l] = d1 * (float)((q[l] >> 4) | (((qh[l] >> b1) & 1) << 4)) - n1;
