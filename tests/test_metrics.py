@@ -107,3 +107,24 @@ def test_budget_holds_for_real_half_arithmetic_and_catches_a_planted_error():
     planted = half.clone()
     planted[17] += 4 * float(bound[17])
     assert M.over_budget(planted, exact, bound).nonzero().flatten().tolist() == [17]
+
+
+def test_rel_l2_from_sums_matches_rel_l2_over_pieces():
+    from llmdoctor.checks.metrics import rel_l2, rel_l2_from_sums
+
+    want = torch.tensor([1.0, -2.0, 3.0, 0.5])
+    got = torch.tensor([1.5, -2.0, 2.0, 0.5])
+    pieces = [(got[:2], want[:2]), (got[2:], want[2:])]
+    err = sum(float(((g - w) ** 2).sum()) for g, w in pieces)
+    ref = sum(float((w ** 2).sum()) for _, w in pieces)
+    assert rel_l2_from_sums(err, ref) == pytest.approx(rel_l2(got, want), rel=1e-12)
+    assert rel_l2_from_sums(0.0, 0.0) == 0.0 and rel_l2_from_sums(1.0, 0.0) == float("inf")
+
+
+def test_spearman_ranks():
+    from llmdoctor.checks.metrics import spearman
+
+    assert spearman([1, 2, 3, 4], [10, 20, 30, 40]) == 1.0
+    assert spearman([1, 2, 3, 4], [4, 3, 2, 1]) == -1.0
+    assert spearman([1, 2, 3, 4, 5], [1, 3, 2, 5, 4]) == pytest.approx(0.8)
+    assert spearman([1, 2], [2, 1]) == 0.0

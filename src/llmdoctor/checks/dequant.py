@@ -337,7 +337,7 @@ class _Tally:
         self.bits["max_ulp"] = max(self.bits["max_ulp"], b["max_ulp"])
 
     def metrics(self, idx: np.ndarray, t: Any) -> dict[str, Any]:
-        rel = math.sqrt(self.sum_sq_err / self.sum_sq_ref) if self.sum_sq_ref else (0.0 if self.sum_sq_err == 0 else math.inf)
+        rel = metrics.rel_l2_from_sums(self.sum_sq_err, self.sum_sq_ref)
         m: dict[str, Any] = {
             "compared_blocks": len(idx), "compared_elements": self.n,
             "max_abs_diff": max(self.worst[0], 0.0), "rel_l2": rel,
@@ -430,7 +430,7 @@ def _add_to_summary(by_type: dict[str, dict[str, Any]], tname: str, f: Finding) 
     s["max_abs_diff"] = max(s["max_abs_diff"], mt["max_abs_diff"])
     s["_err"] += mt["sum_sq_err"]
     s["_ref"] += mt["sum_sq_ref"]
-    s["rel_l2"] = math.sqrt(s["_err"] / s["_ref"]) if s["_ref"] else (0.0 if s["_err"] == 0 else math.inf)
+    s["rel_l2"] = metrics.rel_l2_from_sums(s["_err"], s["_ref"])
     if "differing_bits" in mt:
         bits = s.setdefault("differing_bits", {"elements": 0, "sign": 0, "exponent": 0, "mantissa": 0, "max_ulp": 0})
         for k in ("elements", "sign", "exponent", "mantissa"):

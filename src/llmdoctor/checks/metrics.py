@@ -13,6 +13,7 @@ smallest subnormal, only when the result underflows), and n roundings compound t
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -58,9 +59,31 @@ def rel_l2(got: Any, want: Any) -> float:
     """||got - want||_2 / ||want||_2 (inf when want is all zeros and got is not, 0 when both are)."""
     g, w = _pair(got, want)
     num, den = torch.linalg.vector_norm(g - w), torch.linalg.vector_norm(w)
-    if den == 0:
-        return 0.0 if num == 0 else float("inf")
-    return float(num / den)
+    return rel_l2_from_sums(float(num) ** 2, float(den) ** 2)
+
+
+def rel_l2_from_sums(sum_sq_err: float, sum_sq_ref: float) -> float:
+    """rel_l2 accumulated over pieces: sqrt(sum |got - want|^2 / sum |want|^2), same conventions."""
+    if sum_sq_ref == 0:
+        return 0.0 if sum_sq_err == 0 else float("inf")
+    return math.sqrt(sum_sq_err / sum_sq_ref)
+
+
+def spearman(x: list[float], y: list[float]) -> float:
+    """Spearman's rank correlation (ties broken by order; 0 for fewer than 3 points)."""
+    n = len(x)
+    if n < 3:
+        return 0.0
+
+    def ranks(v: list[float]) -> list[int]:
+        order = sorted(range(n), key=lambda i: v[i])
+        r = [0] * n
+        for rank, i in enumerate(order):
+            r[i] = rank
+        return r
+
+    d2 = sum((a - b) ** 2 for a, b in zip(ranks(x), ranks(y)))
+    return 1.0 - 6.0 * d2 / (n * (n * n - 1))
 
 
 def nmse(got: Any, want: Any) -> float:

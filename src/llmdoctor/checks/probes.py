@@ -37,7 +37,7 @@ from typing import Any, Callable, Iterable
 from ..errors import InputError
 from ..subjects.endpoint import Completion, Endpoint, EndpointError
 from .base import Finding
-from .metrics import topk_tail
+from .metrics import spearman, topk_tail
 
 # ---------------------------------------------------------------------------------------------
 # thresholds, derived from what the healthy llama-cpp-python 0.3.36 server measures here with the
@@ -697,7 +697,7 @@ class Prober:
                          "string_collisions": collisions, "server_top": _top(top, 3), "reference_top": _top(want, 3)})
         rows.sort(key=lambda r: r["position"])
         bad = [r for r in rows if r["kl"] > _t("reference_kl_max") or not r["top1_agree"]]
-        rho = _spearman([r["position"] for r in rows], [r["kl"] for r in rows])
+        rho = spearman([r["position"] for r in rows], [r["kl"] for r in rows])
         position_dependent = bool(bad) and rows[0] not in bad and rho >= _t("position_trend_min")
         status = "fail" if bad else "pass"
         symptom = ("position-dependent" if position_dependent else "reference-mismatch") if bad else None
@@ -749,23 +749,6 @@ class Prober:
 
 def _top(d: dict[str, float], n: int) -> list[list[Any]]:
     return [[k, round(v, 4)] for k, v in sorted(d.items(), key=lambda kv: -kv[1])[:n]]
-
-
-def _spearman(x: list[float], y: list[float]) -> float:
-    """Spearman's rank correlation (ties broken by order; 0 for fewer than 3 points)."""
-    n = len(x)
-    if n < 3:
-        return 0.0
-
-    def ranks(v: list[float]) -> list[int]:
-        order = sorted(range(n), key=lambda i: v[i])
-        r = [0] * n
-        for rank, i in enumerate(order):
-            r[i] = rank
-        return r
-
-    d2 = sum((a - b) ** 2 for a, b in zip(ranks(x), ranks(y)))
-    return 1.0 - 6.0 * d2 / (n * (n * n - 1))
 
 
 def _leading(ids: list[int], bos: int | None):
