@@ -3,8 +3,8 @@
 Scope: the float, legacy, K, ternary and FP4 types (the IQ types are tested in test_dequant_iq.py).
 Tests marked with the `native` parameter run twice: with the fused C kernels where a type has one
 (the default on the CPU) and with the torch kernels (`native=False`).
-Equality is on the float32 bit patterns; two NaNs count as equal whatever their payloads (see
-`assert_bits_equal`).
+Equality is on the float32 bit patterns; two NaNs count as equal whatever their payloads
+(`bitcheck.assert_bits_equal`).
 """
 
 from __future__ import annotations
@@ -15,6 +15,8 @@ import pytest
 import torch
 from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as T
+
+from bitcheck import assert_bits_equal
 
 from llmdoctor.errors import InputError
 from llmdoctor.gguf import open_gguf
@@ -49,20 +51,6 @@ def reference(blocks: np.ndarray, qtype: T) -> np.ndarray:
         if qtype in (T.F32, T.F16):  # gguf-py's dequantize views these; give it one row of bytes
             return gq.dequantize(blocks.reshape(-1), qtype).reshape(blocks.shape[0], -1)
         return gq.dequantize(blocks, qtype)
-
-
-def assert_bits_equal(got: torch.Tensor, want: np.ndarray, what: str) -> None:
-    """float32 bit patterns equal, except that any NaN equals any NaN; on failure name the first block."""
-    assert got.dtype == torch.float32 and tuple(got.shape) == want.shape, (got.dtype, got.shape, want.shape)
-    g = got.numpy()
-    gb, wb = g.view(np.uint32), want.view(np.uint32)
-    bad = (gb != wb) & ~(np.isnan(g) & np.isnan(want))
-    if bad.any():
-        i = np.argwhere(bad)[0]
-        raise AssertionError(
-            f"{what}: {int(bad.sum())} elements differ; first at {tuple(i)}: "
-            f"got {g[tuple(i)]!r} ({gb[tuple(i)]:#010x}), want {want[tuple(i)]!r} ({wb[tuple(i)]:#010x})"
-        )
 
 
 def random_blocks(qtype: T, n: int, rng: np.random.Generator) -> np.ndarray:

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from bitcheck import assert_bits_equal
 from gguf.quants import dequantize as gguf_dequantize
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -51,17 +52,9 @@ def random_blocks(qtype: Q, n_blocks: int, seed: int) -> np.ndarray:
     return blocks
 
 
-def assert_bit_exact(got: torch.Tensor, want: np.ndarray, what: str) -> None:
-    got_bits = got.cpu().numpy().view(np.uint32).reshape(-1)
-    want_bits = want.astype(np.float32).view(np.uint32).reshape(-1)
-    assert got_bits.shape == want_bits.shape, what
-    bad = np.flatnonzero(got_bits != want_bits)
-    if bad.size:
-        i = bad[0]
-        pytest.fail(
-            f"{what}: {bad.size} of {want_bits.size} elements differ; first at {i}: "
-            f"got {got_bits[i]:#010x}, gguf-py {want_bits[i]:#010x}"
-        )
+def assert_flat_bits_equal(got: torch.Tensor, want: np.ndarray, what: str) -> None:
+    """Every bit equal, NaN payloads included, comparing the values in row-major order."""
+    assert_bits_equal(got.reshape(-1), np.asarray(want, dtype=np.float32).reshape(-1), what, nan_equal=False)
 
 
 @pytest.mark.parametrize("qtype", sorted(dequant_cuda._SPECS, key=int), ids=lambda q: q.name)
@@ -71,7 +64,7 @@ def test_random_blocks_bit_exact(qtype: Q) -> None:
     want = gguf_dequantize(blocks, qtype)
     out = torch.full((67, GGML_QUANT_SIZES[qtype][0]), float("nan"), device=DEVICE)  # poisoned
     got = dequant_cuda.launch(torch.from_numpy(blocks).to(DEVICE), qtype, out=out)
-    assert_bit_exact(got, want, qtype.name)
+    assert_flat_bits_equal(got, want, qtype.name)
 
 
 @pytest.mark.parametrize("bb", [1, 4, 16])
@@ -80,7 +73,7 @@ def test_program_sizes_agree(bb: int) -> None:
     for qtype in (Q.Q4_K, Q.Q6_K, Q.Q5_0):
         blocks = random_blocks(qtype, 2 * bb + 1, seed=bb)
         got = dequant_cuda.launch(torch.from_numpy(blocks).to(DEVICE), qtype, bb=bb)
-        assert_bit_exact(got, gguf_dequantize(blocks, qtype), f"{qtype.name} BB={bb}")
+        assert_flat_bits_equal(got, gguf_dequantize(blocks, qtype), f"{qtype.name} BB={bb}")
 
 
 def test_registered_for_cuda() -> None:
@@ -105,7 +98,7 @@ def test_entry_point_uses_kernels_on_demo_tensors() -> None:
         if t.type not in dequant_cuda._SPECS:
             continue
         got = dequant.dequantize(t.data, t.type, t.shape, device="cuda")
-        assert_bit_exact(got, gguf_dequantize(np.asarray(t.data), t.type), t.name)
+        assert_flat_bits_equal(got, gguf_dequantize(np.asarray(t.data), t.type), t.name)
         n += 1
     assert n > 0
 
@@ -118,7 +111,7 @@ def test_entry_point_on_cuda(qtype: Q) -> None:
     blocks = random_blocks(qtype, 3 * 41, seed=7)
     got = dequant.dequantize(blocks.reshape(-1), qtype, (3, 41 * block_size), device="cuda")
     assert got.is_cuda and tuple(got.shape) == (3, 41 * block_size)
-    assert_bit_exact(got, gguf_dequantize(blocks, qtype), qtype.name)
+    assert_flat_bits_equal(got, gguf_dequantize(blocks, qtype), qtype.name)
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="needs 11 GB of GPU memory")
@@ -136,8 +129,8 @@ def test_offsets_past_2_31() -> None:
     out = torch.full((n, 32), float("nan"), device="cuda")  # poisoned
     dequant_cuda.launch(raw, qtype, out=out)
     want = gguf_dequantize(ends, qtype)
-    assert_bit_exact(out[:64], want[:64], "first blocks")
-    assert_bit_exact(out[-64:], want[64:], "last blocks")
+    assert_flat_bits_equal(out[:64], want[:64], "first blocks")
+    assert_flat_bits_equal(out[-64:], want[64:], "last blocks")
 
 
 def assert_same_up_to_nan_bits(got: torch.Tensor, want: np.ndarray, what: str) -> None:
@@ -146,7 +139,7 @@ def assert_same_up_to_nan_bits(got: torch.Tensor, want: np.ndarray, what: str) -
     want = want.astype(np.float32).reshape(-1)
     nan = np.isnan(want)
     assert np.array_equal(np.isnan(got), nan), f"{what}: NaN at other positions"
-    assert_bit_exact(torch.from_numpy(got[~nan]), want[~nan], what)
+    assert_flat_bits_equal(torch.from_numpy(got[~nan]), want[~nan], what)
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="tests the torch kernels on CUDA")

@@ -8,6 +8,8 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 from gguf.quants import dequantize as gguf_dequantize
 
+from bitcheck import assert_bits_equal
+
 from llmdoctor.errors import InputError
 from llmdoctor.gguf import dequantize
 
@@ -42,19 +44,6 @@ def _random_blocks(qtype: T, n_blocks: int, seed: int, finite: bool = True) -> n
     return blocks
 
 
-def assert_bit_exact(got: np.ndarray, ref: np.ndarray) -> None:
-    """float32 bit patterns equal, except that any NaN equals any NaN; names the first difference."""
-    assert got.dtype == ref.dtype == np.float32 and got.shape == ref.shape
-    bad = (got.view(np.uint32) != ref.view(np.uint32)) & ~(np.isnan(got) & np.isnan(ref))
-    if bad.any():
-        i = np.flatnonzero(bad.reshape(-1))[0]
-        g, r = got.reshape(-1)[i], ref.reshape(-1)[i]
-        pytest.fail(
-            f"{bad.sum()} of {bad.size} elements differ; first at flat index {i}: "
-            f"got {g!r} ({g.view(np.uint32):#010x}), gguf-py {r!r} ({r.view(np.uint32):#010x})"
-        )
-
-
 def _ours_and_ref(qtype: T, blocks: np.ndarray, rows: int = 1) -> tuple[np.ndarray, np.ndarray]:
     """(ours, gguf-py). For the IQ4 types, which also have fused C kernels, ours runs both the C
     and the torch kernel, which must agree bit for bit (NaNs included)."""
@@ -67,7 +56,7 @@ def _ours_and_ref(qtype: T, blocks: np.ndarray, rows: int = 1) -> tuple[np.ndarr
     assert got.dtype == torch.float32 and tuple(got.shape) == shape
     if qtype in (T.IQ4_NL, T.IQ4_XS):
         torch_kernels = dequantize(raw, qtype, shape, native=False).numpy()
-        assert_bit_exact(torch_kernels, got.numpy())
+        assert_bits_equal(torch_kernels, got.numpy())
     return got.numpy(), ref
 
 
@@ -76,14 +65,14 @@ def _ours_and_ref(qtype: T, blocks: np.ndarray, rows: int = 1) -> tuple[np.ndarr
 def test_bit_exact_random_blocks(qtype: T, n_blocks: int) -> None:
     got, ref = _ours_and_ref(qtype, _random_blocks(qtype, n_blocks, seed=int(qtype) * 1000 + n_blocks))
     assert np.isfinite(ref).all()
-    assert_bit_exact(got, ref)
+    assert_bits_equal(got, ref)
 
 
 @pytest.mark.parametrize("qtype", IQ_TYPES, ids=lambda q: q.name)
 def test_bit_exact_across_chunks(qtype: T) -> None:
     """2^18 values and one block more: the entry point splits this into several chunks (per worker)."""
     n_blocks = (1 << 18) // GGML_QUANT_SIZES[qtype][0] + 1
-    assert_bit_exact(*_ours_and_ref(qtype, _random_blocks(qtype, n_blocks, seed=5)))
+    assert_bits_equal(*_ours_and_ref(qtype, _random_blocks(qtype, n_blocks, seed=5)))
 
 
 @pytest.mark.parametrize("qtype", IQ_TYPES, ids=lambda q: q.name)
@@ -91,7 +80,7 @@ def test_bit_exact_edge_scales_and_rows(qtype: T) -> None:
     """Signed zeros, subnormal and extreme scales, a 2-D shape with several blocks per row."""
     blocks = _random_blocks(qtype, 2 * len(EDGE_F16), seed=int(qtype))
     _set_scale(blocks, qtype, np.tile(EDGE_F16, 2))
-    assert_bit_exact(*_ours_and_ref(qtype, blocks, rows=4))
+    assert_bits_equal(*_ours_and_ref(qtype, blocks, rows=4))
 
 
 @pytest.mark.parametrize("qtype", IQ_TYPES, ids=lambda q: q.name)
@@ -101,7 +90,7 @@ def test_non_finite_scales_match_nan_aware(qtype: T) -> None:
     _set_scale(blocks, qtype, np.resize(np.array([0x7C00, 0xFC00, 0x7E00, 0x7C01], dtype=np.uint16), 64))
     got, ref = _ours_and_ref(qtype, blocks)
     assert not np.isfinite(ref).all()
-    assert_bit_exact(got, ref)
+    assert_bits_equal(got, ref)
 
 
 @pytest.mark.parametrize("qtype", IQ_TYPES, ids=lambda q: q.name)
@@ -119,7 +108,7 @@ def test_unaligned_raw_view(qtype: T) -> None:
     buf = torch.zeros(blocks.size + 1, dtype=torch.uint8)
     buf[1:] = torch.from_numpy(blocks.reshape(-1))
     got = dequantize(buf[1:], qtype, (3 * GGML_QUANT_SIZES[qtype][0],))
-    assert_bit_exact(got.numpy(), gguf_dequantize(blocks.reshape(1, -1), qtype).reshape(-1))
+    assert_bits_equal(got.numpy(), gguf_dequantize(blocks.reshape(1, -1), qtype).reshape(-1))
 
 
 @pytest.mark.parametrize("qtype", IQ_TYPES, ids=lambda q: q.name)
@@ -130,4 +119,4 @@ def test_kernel_without_out_returns_fresh_result(qtype: T) -> None:
     blocks = _random_blocks(qtype, 5, seed=3)
     got = _kernel(qtype, torch.device("cpu"))[1](torch.from_numpy(blocks))
     assert got.shape == (5, GGML_QUANT_SIZES[qtype][0])
-    assert_bit_exact(got.numpy(), gguf_dequantize(blocks, qtype))
+    assert_bits_equal(got.numpy(), gguf_dequantize(blocks, qtype))

@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from bitcheck import assert_bits_equal
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 
 from llmdoctor.gguf import dequant, dequant_native
@@ -50,11 +51,8 @@ def test_edge_scales_bit_exact_with_the_torch_kernels(qtype):
     for off, bits in zip(F16_FIELDS[qtype], grids):
         blocks[:, off : off + 2] = bits.reshape(-1).view(np.uint8).reshape(n, 2)
     raw = torch.from_numpy(blocks.reshape(-1))
-    ours = dequantize(raw, qtype, (n, block_size)).numpy()
-    torch_kernels = dequantize(raw, qtype, (n, block_size), native=False).numpy()
-    both_nan = np.isnan(ours) & np.isnan(torch_kernels)
-    differ = (ours.view(np.uint32) != torch_kernels.view(np.uint32)) & ~both_nan
-    assert not differ.any(), f"{qtype.name}: {int(differ.sum())} values differ"
+    ours = dequantize(raw, qtype, (n, block_size))
+    assert_bits_equal(ours, dequantize(raw, qtype, (n, block_size), native=False), qtype.name)
 
 
 def test_a_layout_mismatch_disables_the_native_kernels(monkeypatch):
@@ -169,7 +167,7 @@ def test_streamed_output_is_the_same(monkeypatch, qtype):
             buf = torch.empty(300 * block_size + 1)
             for start in (0, 1):
                 out = buf[start : start + 300 * block_size].view(300, block_size)
-                got = dequantize(raw, qtype, (300, block_size), out=out).numpy()
-                assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), (threads, start)
+                got = dequantize(raw, qtype, (300, block_size), out=out)
+                assert_bits_equal(got, want, f"{threads} threads, out at +{start}", nan_equal=False)
     finally:
         torch.set_num_threads(before)
