@@ -4,7 +4,7 @@
  * llmd_dq_parallel(fn, ...) cuts n_blocks into chunks of chunk_blocks and runs fn on every chunk, on
  * the calling thread and up to n_threads - 1 helper threads; it returns when all chunks are done.
  * Chunks are claimed one at a time (a thread that is descheduled delays only the chunk it holds).
- * Helpers spin briefly after each call before they sleep, so that the next tensor's call, usually
+ * Helpers spin for 50 us after each job before they sleep, so that the next tensor's call, usually
  * microseconds later, finds them awake: a Python thread pool's hand-off cost ~40 us per tensor here,
  * which is a quarter of the time of a typical 1M-value tensor.
  *
@@ -14,12 +14,15 @@
  * starts job g + 1 only after every chunk of job g is done, and it invalidates old tickets (ticket =
  * (g + 1, 0)) before it rewrites the job's fields; fields are stored with release and loaded with
  * acquire, so whoever reads a field of job g + 1 also sees the new ticket and fails its claim.
+ * The generation has 32 bits: a helper stalled between reading a job and claiming from it across
+ * 2^32 later jobs could claim a chunk of the wrong one (found in review with a 2-bit generation).
  * After fork() the child has no helpers; they are recreated on its first call.
  */
 #include <pthread.h>
 #include <sched.h>
 #include <stdatomic.h>
 #include <stdint.h>
+#include <time.h>
 #if defined(__SSE2__)
 #include <emmintrin.h>
 #define CPU_RELAX() _mm_pause()
@@ -30,9 +33,9 @@
 typedef void (*llmd_driver)(const uint8_t *, float *, int64_t, const int8_t *, int);
 
 #define MAX_HELPERS 63
-#define GEN_SHIFT 40 /* ticket: generation in the high 24 bits, chunk index in the low 40 */
+#define GEN_SHIFT 32 /* ticket: generation in the high 32 bits, chunk index in the low 32 */
 #define IDX_MASK ((UINT64_C(1) << GEN_SHIFT) - 1)
-#define SPIN_BEFORE_SLEEP 20000 /* pause instructions: tens of microseconds */
+#define SPIN_BEFORE_SLEEP_NS 50000 /* a helper spins this long for the next job, then sleeps */
 #define SPIN_BEFORE_YIELD 2000
 
 static struct {
@@ -50,6 +53,7 @@ static struct {
 } P = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER};
 
 static pthread_once_t atfork_once = PTHREAD_ONCE_INIT;
+static uint64_t helper_start_gen[MAX_HELPERS]; /* the generation before the job a new helper first joins */
 
 #define LOAD(x) atomic_load_explicit(&P.x, memory_order_acquire)
 #define STORE(x, v) atomic_store_explicit(&P.x, (v), memory_order_release)
@@ -76,14 +80,22 @@ static void run_chunks(uint64_t g) {
     }
 }
 
+static int64_t now_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
+}
+
 static void *helper(void *arg) {
     const int index = (int)(intptr_t)arg;
-    uint64_t seen = LOAD(gen);
+    uint64_t seen = helper_start_gen[index]; /* not LOAD(gen): the job it was created for may be out */
     for (;;) {
         uint64_t g = LOAD(gen);
-        for (int i = 0; g == seen && i < SPIN_BEFORE_SLEEP; i++) {
+        const int64_t until = now_ns() + SPIN_BEFORE_SLEEP_NS;
+        for (int i = 1; g == seen; i++) {
             CPU_RELAX();
             g = LOAD(gen);
+            if (i % 64 == 0 && now_ns() > until) break; /* (pause takes 10-140 cycles by CPU) */
         }
         if (g == seen) {
             pthread_mutex_lock(&P.mu);
@@ -110,18 +122,20 @@ static void install_atfork(void) { pthread_atfork(NULL, NULL, after_fork_in_chil
 /* Not reentrant: one caller at a time (dequant.py holds a lock around it). */
 void llmd_dq_parallel(llmd_driver fn, const uint8_t *src, float *dst, int64_t n_blocks, int64_t type_size,
                       int64_t block_size, const int8_t *kv, int stream, int64_t chunk_blocks, int n_threads) {
-    if (chunk_blocks < 1) chunk_blocks = 1;
-    const int64_t n_chunks = (n_blocks + chunk_blocks - 1) / chunk_blocks;
-    int helpers = n_threads - 1;
+    if (n_blocks <= 0) return;
+    if (chunk_blocks < 1 || chunk_blocks > n_blocks) chunk_blocks = chunk_blocks < 1 ? 1 : n_blocks;
+    const int64_t n_chunks = (n_blocks - 1) / chunk_blocks + 1;
+    int helpers = n_threads < 1 ? 0 : n_threads - 1;
     if (helpers > MAX_HELPERS) helpers = MAX_HELPERS;
     if (helpers > n_chunks - 1) helpers = (int)(n_chunks - 1);
-    if (helpers <= 0) {
+    if (helpers <= 0 || n_chunks > (int64_t)IDX_MASK) { /* (a chunk index must fit its 32 bits) */
         fn(src, dst, n_blocks, kv, stream);
         return;
     }
     pthread_once(&atfork_once, install_atfork);
     while (P.started < helpers) {
         pthread_t th;
+        helper_start_gen[P.started] = LOAD(gen);
         if (pthread_create(&th, NULL, helper, (void *)(intptr_t)P.started) != 0) break;
         pthread_detach(th);
         P.started++;

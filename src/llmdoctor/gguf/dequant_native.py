@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import importlib.util
+import os
 import threading
 from typing import Callable
 
@@ -63,8 +64,17 @@ def available() -> tuple[bool, str]:
 
 
 # One caller at a time may use the C pool (it holds one job); a concurrent caller runs its tensor on
-# its own thread instead of waiting.
+# its own thread instead of waiting. A fork taken while another thread held it would leave the
+# child's copy held for good: the child gets a fresh one.
 _POOL_LOCK = threading.Lock()
+
+
+def _new_pool_lock() -> None:
+    global _POOL_LOCK
+    _POOL_LOCK = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_new_pool_lock)
 
 
 def _make(qtype: T, name: str, takes_table: bool) -> Callable[..., torch.Tensor]:
