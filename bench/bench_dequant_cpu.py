@@ -1,7 +1,8 @@
 """CPU dequantization of the whole demo file: ours (torch) against gguf-py, and against memcpy.
 
 Ours streams every tensor through one reused float32 buffer (`out=`), as `check dequant` does; the
-anchor is a same-run memcpy of the same sizes into the same buffer. gguf-py runs first, twice: its
+anchor is a same-run memcpy of the same sizes into the same buffer, and a fill of them (writing the
+output with nothing to read: no kernel that produces it can be faster). gguf-py runs first, twice: its
 first pass pays for fresh output memory (page faults), as one run of a tool does; its second reuses
 the memory its first pass freed (glibc keeps it), its best case. Both ratios are printed. Ours
 (`--torch`: the torch kernels only) and memcpy: best of --reps. Wall and CPU time are printed, and
@@ -102,6 +103,10 @@ def main() -> None:
         for t in tensors:
             buf[: t.n_elements].copy_(src[: t.n_elements])
 
+    def fill() -> None:  # writing the output alone: the floor for anything that produces it
+        for t in tensors:
+            buf[: t.n_elements].fill_(1.0)
+
     def reference() -> None:
         for t in tensors:
             gq.dequantize(t.data.reshape(*t.shape[:-1], -1), t.type)
@@ -112,8 +117,10 @@ def main() -> None:
     per_type_runs.clear()
     runs = [timed(ours) for _ in range(args.reps)]
     copies = [timed(memcpy) for _ in range(args.reps)]
+    fills = [timed(fill) for _ in range(args.reps)]
     our_wall, our_cpu = min(runs)
     cp_wall, _ = min(copies)
+    fill_wall, _ = min(fills)
 
     print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
           f"torch {torch.__version__} with {torch.get_num_threads()} threads, load average "
@@ -125,10 +132,12 @@ def main() -> None:
     print(f"ours:     {our_wall:7.3f} s wall  {our_cpu:7.3f} s CPU  (best of {args.reps}; "
           f"median {sorted(r[0] for r in runs)[len(runs) // 2]:.3f} s; {'native + torch' if native else 'torch'} kernels)")
     print(f"memcpy:   {cp_wall:7.3f} s wall  (same sizes into the same buffer)")
+    print(f"fill:     {fill_wall:7.3f} s wall  (writing the same sizes, nothing read: the floor)")
     print(f"speed-up vs gguf-py: {ref_wall / our_wall:.1f}x wall vs its first pass ({ref_cpu / our_cpu:.1f}x CPU "
           f"time), {warm_wall / our_wall:.1f}x vs its second")
     print(f"written:  ours {out_bytes / our_wall / 1e9:.2f} GB/s, memcpy {out_bytes / cp_wall / 1e9:.2f} GB/s "
-          f"-> {cp_wall / our_wall:.0%} of memcpy")
+          f"-> {cp_wall / our_wall:.0%} of memcpy; fill {out_bytes / fill_wall / 1e9:.2f} GB/s -> {fill_wall / our_wall:.0%} "
+          f"of fill; 30x gguf-py's first pass needs {ref_wall / 30 * 1e3:.1f} ms, fill takes {fill_wall * 1e3:.1f} ms")
     print("per type (wall, best of the runs): " + ", ".join(
         f"{k} {min(r[k] for r in per_type_runs) * 1e3:.1f} ms" for k in per_type_runs[0]))
 

@@ -59,6 +59,8 @@ _CHUNK_ELEMENTS = {"cpu": 1 << 21, "cuda": 1 << 27}
 # GIL, so short chunks on two threads mostly wait for each other. So tensors of one chunk run on the
 # calling thread alone, and only larger ones (the Q8_0 token embedding) are shared.
 _MIN_PARALLEL_CHUNK = _CHUNK_ELEMENTS["cpu"]
+# torch splits an op over its threads only above this many elements (at::internal::GRAIN_SIZE).
+_TORCH_GRAIN = 32768
 # Native kernels (one call per tensor, outside the GIL) share any tensor in chunks of this many values
 # among the threads of their C pool: 64K values (256 KiB of output, within L2) cost ~0.1 us to claim,
 # and many per thread let a busy core hand work to a free one.
@@ -275,10 +277,12 @@ def _run(kernel: BlockKernel, blocks: torch.Tensor, block_size: int, result: tor
     starts = range(0, n_blocks, step)
     if workers > 1 and len(starts) > 1:
         _share(one, starts, workers)
-    else:
-        with _single_threaded() if workers > 1 else contextlib.nullcontext():
-            for start in starts:
-                one(start)
+    elif workers > 1 and n_blocks * block_size >= _TORCH_GRAIN:
+        with _single_threaded():
+            one(0)
+    else:  # one thread, or one small chunk (torch runs that on this thread anyway)
+        for start in starts:
+            one(start)
 
 
 def _run_on_pointers(
