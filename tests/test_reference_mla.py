@@ -28,6 +28,7 @@ import torch
 import fixtures_mla as fx
 from llmdoctor.faults import get as get_fault
 from llmdoctor.reference import from_hf, load
+from llmdoctor.gguf.layout import kv_b_split
 from llmdoctor.reference import mla
 from llmdoctor.reference.arch_deepseek import DSA_OVERRIDE, MoE, route
 
@@ -147,7 +148,7 @@ def test_kv_b_split_matches_hf_expand(deepseek):
     attn = deepseek.model.model.layers[0].self_attn
     latent = torch.randn(5, c["kv_lora_rank"], dtype=torch.float64)
     kv = attn.kv_b_proj(latent).view(5, c["num_attention_heads"], -1)  # [S, H, Dn+Dv]
-    k_b, v_b = mla.kv_b_split(attn.kv_b_proj.weight, c["num_attention_heads"], c["qk_nope_head_dim"], c["v_head_dim"])
+    k_b, v_b = kv_b_split(attn.kv_b_proj.weight, c["num_attention_heads"], c["qk_nope_head_dim"], c["v_head_dim"])
     k_nope, v = mla.decompress(latent, k_b, v_b)
     torch.testing.assert_close(k_nope, kv[..., :c["qk_nope_head_dim"]], rtol=0, atol=1e-13)
     torch.testing.assert_close(v, kv[..., c["qk_nope_head_dim"]:], rtol=0, atol=1e-13)

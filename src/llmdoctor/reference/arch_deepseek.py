@@ -37,6 +37,7 @@ import torch
 from gguf import MODEL_TENSOR, ExpertGatingFuncType, Keys
 
 from ..errors import InputError
+from ..gguf.layout import kv_b_split
 from . import attention as attn
 from . import mla
 from .config import ModelConfig, gguf_key, register_gguf, register_hf
@@ -121,7 +122,7 @@ def _mla_gguf(g: Any) -> ModelConfig:
     and key/value_length (R + Dr, R) describe the absorbed MQA view; the config keeps the MHA view
     (n_head_kv = n_head, head_dim = Dn + Dr from key_length_mla) so that it diffs equal to the HF one.
     Files converted before llama.cpp split kv_b (no key_length_mla) store the MHA sizes in
-    key/value_length and one attn_kv_b; the block splits it at load (`mla.kv_b_split`)."""
+    key/value_length and one attn_kv_b; the block splits it at load (`gguf.layout.kv_b_split`)."""
     arch = g.get("general.architecture")
     n_layer = int(gguf_key(g, Keys.LLM.BLOCK_COUNT, arch))
     n_head = int(gguf_key(g, Keys.Attention.HEAD_COUNT, arch))
@@ -261,7 +262,7 @@ DSA_PREV = "dsa_top_k"  # Step.extra key: the last full layer's selection
 def _kv_b(st: Step, m: mla.MLA) -> tuple[torch.Tensor, torch.Tensor]:
     if st.has(MODEL_TENSOR.ATTN_K_B):
         return st.w(MODEL_TENSOR.ATTN_K_B), st.w(MODEL_TENSOR.ATTN_V_B)  # [H, R, Dn], [H, Dv, R]
-    return mla.kv_b_split(st.w(MODEL_TENSOR.ATTN_KV_B), st.cfg.n_head, m.qk_nope, m.v_dim)
+    return kv_b_split(st.w(MODEL_TENSOR.ATTN_KV_B), st.cfg.n_head, m.qk_nope, m.v_dim)
 
 
 def _selection(st: Step, h: torch.Tensor, q_resid: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

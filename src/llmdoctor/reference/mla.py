@@ -141,12 +141,6 @@ def rope_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 # ---- MLA ---------------------------------------------------------------------------------------------
 
-def kv_b_split(kv_b: torch.Tensor, n_head: int, qk_nope: int, v_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Legacy unsplit kv_b [H*(Dn+Dv), R] -> (k_b [H, R, Dn], v_b [H, Dv, R]) (convert_hf_to_gguf.py's split)."""
-    w = kv_b.reshape(n_head, qk_nope + v_dim, -1)  # [H, Dn+Dv, R]
-    return w[:, :qk_nope].transpose(1, 2), w[:, qk_nope:]
-
-
 def decompress(latent: torch.Tensor, k_b: torch.Tensor, v_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """latent [S, R] -> per-head k_nope [S, H, Dn] and v [S, H, Dv]."""
     k_nope = torch.einsum("sr,hrn->shn", latent, k_b)
