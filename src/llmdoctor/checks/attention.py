@@ -34,7 +34,6 @@ subject's own LSE), absorbed MLA == naive MLA (a subject with both prefill and m
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from dataclasses import dataclass, field
@@ -109,11 +108,7 @@ def load_shape(preset: Optional[str], config: Optional[Path], gguf_file: Optiona
     from ..reference import config as cfgmod
 
     if config is not None:
-        try:
-            d = json.loads(Path(config).read_text())
-        except (OSError, ValueError) as e:
-            raise InputError(f"--config {config}: {e}") from None
-        return shape_from_config(cfgmod.from_hf(d), str(config))
+        return shape_from_config(cfgmod.from_hf(config), str(config))
     if gguf_file is not None:
         from ..gguf import open_gguf
 

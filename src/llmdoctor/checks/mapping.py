@@ -46,7 +46,6 @@ e_q(Q4_0) is about 0.1).
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import re
 from dataclasses import dataclass, field
@@ -59,6 +58,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as QT
 from gguf import quants
 
 from ..errors import InputError
+from ..hf_config import config_path, read_hf_config, text_config
 from ..gguf import layout, open_gguf
 from ..reference.config import ModelConfig, from_gguf, from_hf
 from . import metrics as M
@@ -108,10 +108,6 @@ class HFSide:
             return f.get_tensor(name)
         sl = f.get_slice(name)
         return torch.stack([sl[int(i):int(i) + 1][0] for i in rows])
-
-
-def _text_config(d: dict) -> dict:
-    return d["text_config"] if "text_config" in d and "num_hidden_layers" not in d else d
 
 
 def _safetensors_files(d: Path) -> dict[str, Path]:
@@ -164,19 +160,10 @@ def load_hf(hf: Path | None, g: Any, cfg: ModelConfig) -> HFSide:
         config, origin = hf_config(cfg, g), "the GGUF's own metadata written as a config.json"
     else:
         path = Path(hf)
-        cj = path / "config.json" if path.is_dir() else path
-        if not cj.is_file():
-            raise InputError(f"{hf}: no config.json")
-        try:
-            config = json.loads(cj.read_text())
-        except (OSError, ValueError) as e:
-            raise InputError(f"{cj}: not a JSON config ({e})") from None
-        if not isinstance(config, dict):
-            raise InputError(f"{cj}: not a JSON object")
-        origin = str(cj)
+        config, origin = read_hf_config(path), str(config_path(path))
         if path.is_dir():
             files = _safetensors_files(path)
-    config = _text_config(config)
+    config = text_config(config)
     shapes = meta_shapes(config)
     source = f"transformers (meta device) from {origin}"
     if shapes is None:

@@ -20,6 +20,7 @@ from gguf import GGMLQuantizationType as QT
 from gguf import GGUFValueType, GGUFWriter, quants
 
 from ..gguf import layout, open_gguf
+from ..hf_config import read_hf_config, text_config
 from . import register
 from .endpoint import rope_base
 
@@ -190,10 +191,8 @@ def hf_no_source(gguf: Path, hf: Path | None, out_dir: Path) -> Pair:
     with open_gguf(gguf) as g:
         if any(t.name == "output.weight" for t in g.tensors):
             raise ValueError("mapping-hf-no-source needs a GGUF whose output is tied to token_embd")
-    src = Path(hf) / "config.json" if Path(hf).is_dir() else Path(hf)
-    config = json.loads(src.read_text())
-    target = config.get("text_config", config)
-    target["tie_word_embeddings"] = False
+    config = read_hf_config(hf)
+    text_config(config)["tie_word_embeddings"] = False
     dst = Path(out_dir) / "untied-config.json"
     dst.write_text(json.dumps(config))
     return gguf, dst

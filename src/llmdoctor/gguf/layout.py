@@ -38,6 +38,7 @@ import torch
 from gguf import MODEL_ARCH, MODEL_ARCH_NAMES
 
 from ..errors import InputError
+from ..hf_config import text_config
 
 Tensors = list[torch.Tensor]
 
@@ -187,15 +188,11 @@ _MLA_ARCHS = ("deepseek2", "glm-dsa")
 _GEMMA_ARCHS = ("gemma", "gemma2", "gemma3")
 
 
-def _text_config(config: dict) -> dict:
-    return config.get("text_config", config) if "num_hidden_layers" not in config else config
-
-
 def plan(arch: str, hf_names: Sequence[str], config: dict, *, split_kv_b: bool = True) -> Plan:
     """How convert_hf_to_gguf.py turns the checkpoint tensors `hf_names` of an HF model with `config`
     (config.json as a dict) into GGUF tensors of `arch`. `split_kv_b=False`: MLA's kv_b_proj kept whole
     as attn_kv_b, as converters before llama.cpp's MLA split (PR 12801) wrote it."""
-    c = _text_config(config)
+    c = text_config(config)
     n_blocks = int(c["num_hidden_layers"])
     n_mtp = int(c.get("num_nextn_predict_layers") or 0)
     if arch == "glm-dsa":  # GlmMoeDsaModel keeps the NextN/MTP block(s) as extra blocks

@@ -15,16 +15,15 @@ Conventions and where they come from:
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Callable
 
 from gguf import Keys
 
 from ..errors import InputError
+from ..hf_config import read_hf_config, text_config
 
 # gemma3's local (sliding-window) layers: every `pattern`-th layer is global. llama.cpp hardcodes
 # `set_swa_pattern(6)` and a local rope base of 10000 (`rope_freq_base_train_swa`) for LLM_ARCH_GEMMA3;
@@ -171,15 +170,8 @@ def from_hf(config: dict | str | os.PathLike | Any) -> ModelConfig:
     transformers PretrainedConfig."""
     _load_parsers()
     if isinstance(config, (str, os.PathLike)):
-        path = Path(config)
-        path = path / "config.json" if path.is_dir() else path
-        try:
-            config = json.loads(path.read_text())
-        except (OSError, ValueError) as e:
-            raise InputError(f"{path}: cannot read an HF config: {e}") from None
-    d = config if isinstance(config, dict) else config.to_dict()
-    if "text_config" in d and d.get("model_type") not in _HF_PARSERS:
-        d = d["text_config"]  # multimodal wrappers (Gemma3ForConditionalGeneration)
+        config = read_hf_config(config)
+    d = text_config(config if isinstance(config, dict) else config.to_dict())
     parser = _HF_PARSERS.get(d.get("model_type"))
     if parser is None:
         raise InputError(f"HF model_type {d.get('model_type')!r} not supported (known: {', '.join(sorted(_HF_PARSERS))})")
