@@ -39,6 +39,36 @@ def test_llama_cpp_routes_like_the_reference(deepseek):
     f = _routing(res.findings)
     assert f.status == "pass", f
     assert f.metrics["layers"] >= 1 and f.metrics["max_disagreement"] == 0.0
+    # A healthy MLA engine is healthy layer by layer too: the budget's emulated rerun rounds the MLA
+    # KV cache ([latent, k_pe]), the absorbed query and P to f16 as llama.cpp does (without that, this
+    # file failed at kqv_out-0 with error 3.5e-4 against a noise of 0).
+    by = {g.check: g for g in res.findings}
+    assert by["engine-vs-reference"].status == "pass", by["engine-vs-reference"]
+    assert by["layer-localization"].status == "pass", by["layer-localization"]
+    assert 0 < by["layer-localization"].metrics["worst_ratio"] < 1
+
+
+def test_an_engine_that_aborts_does_not_end_the_diagnosis(tmp_path):
+    """llama.cpp runs in a child process: the tiny GLM-DSA file makes llama-cpp-python 0.3.36 abort
+    (GGML_ASSERT in a mul_mat); the diagnosis goes on and says so. Should a later llama.cpp run it,
+    it must then be healthy."""
+    glm = fixtures_mla.build("glm", tmp_path).gguf_path
+    res = dg.run(dg.Inputs(gguf=glm, engine="llama.cpp", token_ids=IDS, threads=2))
+    f = next(g for g in res.findings if g.check == "engine-vs-reference")
+    if f.status == "skip":
+        assert "llama.cpp crashed" in f.reason and "SIGABRT" in f.reason, f.reason
+        assert res.exit_code == 2 and "engine-vs-reference could not run" in res.verdict
+    else:
+        assert f.status == "pass", f
+
+
+@pytest.mark.parametrize("child,says", [("aborting", "llama.cpp crashed"), ("hanging", "did not finish")])
+def test_run_isolated_turns_a_dead_child_into_an_engine_error(monkeypatch, child, says):
+    from llmdoctor.subjects.engines import llama_cpp
+
+    monkeypatch.setattr(llama_cpp, "_SERVE", f"engine_children:{child}")
+    with pytest.raises(llama_cpp.EngineError, match=says):
+        llama_cpp.run_isolated("model.gguf", [1, 2, 3], timeout=2)
 
 
 def test_softmax_gating_instead_of_sigmoid_is_caught(deepseek, tmp_path):

@@ -164,12 +164,19 @@ class Session:
 
                 self.progress("llama.cpp forward pass (capturing every layer)")
                 path = self.inputs.engine_gguf or self.inputs.gguf
-                run = llama_cpp.run(path, self.tokens(), n_threads=self.inputs.threads,
-                                    capture=("l_out-*", "attn_norm-*", "kqv_out-*", "sa_out-*", "ffn_out-*",
-                                             "ffn_moe_topk-*", "result_norm"))
+                try:  # in a child process: an abort inside llama.cpp must not end the diagnosis
+                    run = llama_cpp.run_isolated(
+                        path, self.tokens(), n_threads=self.inputs.threads,
+                        capture=("l_out-*", "attn_norm-*", "kqv_out-*", "sa_out-*", "ffn_out-*", "ffn_moe_topk-*",
+                                 "result_norm"))
+                except llama_cpp.EngineError as e:
+                    return Skip(f"the engine could not run the model: {e}")
                 return run.logits, engine_names_to_reference(run.captures, LLAMA_CPP_ALIASES), run.info
 
-            return self.once("engine", make)
+            result = self.once("engine", make)
+            if isinstance(result, Skip):  # remembered, so later hypotheses do not run it again
+                raise result
+            return result
         if name == "transformers":
             def make():
                 from .subjects.engines import transformers as hf_engine
@@ -652,6 +659,8 @@ def _named_subjects(inputs: Inputs) -> set[str]:
         named.add("symptom-bisection")
     if inputs.hf:
         named.add("mapping")
+    if inputs.engine:
+        named.add("engine-vs-reference")
     return named
 
 

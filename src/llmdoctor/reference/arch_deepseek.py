@@ -41,7 +41,7 @@ from ..gguf.layout import kv_b_split
 from . import attention as attn
 from . import mla
 from .config import ModelConfig, gguf_key, register_gguf, register_hf
-from .forward import Step, dense_ffn, linear, register_block, rms_norm, tensor_name
+from .forward import Step, dense_ffn, engine_input, kv_cache_dtype, linear, register_block, rms_norm, tensor_name
 
 
 @dataclass(frozen=True)
@@ -259,10 +259,14 @@ DSA_OVERRIDE = "dsa_top_k_override"  # Step.extra key: {layer: indices [T, k]} t
 DSA_PREV = "dsa_top_k"  # Step.extra key: the last full layer's selection
 
 
-def _kv_b(st: Step, m: mla.MLA) -> tuple[torch.Tensor, torch.Tensor]:
+def _kv_b(st: Step, m: mla.MLA) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(k_b [H, R, Dn], v_b [H, Dv, R], and the file tensors whose GGML types the engine's two
+    products see: attn_k_b and attn_v_b, or the legacy attn_kv_b for both)."""
     if st.has(MODEL_TENSOR.ATTN_K_B):
-        return st.w(MODEL_TENSOR.ATTN_K_B), st.w(MODEL_TENSOR.ATTN_V_B)  # [H, R, Dn], [H, Dv, R]
-    return kv_b_split(st.w(MODEL_TENSOR.ATTN_KV_B), st.cfg.n_head, m.qk_nope, m.v_dim)
+        k_b, v_b = st.w(MODEL_TENSOR.ATTN_K_B), st.w(MODEL_TENSOR.ATTN_V_B)
+        return k_b, v_b, k_b, v_b
+    kv_b = st.w(MODEL_TENSOR.ATTN_KV_B)
+    return (*kv_b_split(kv_b, st.cfg.n_head, m.qk_nope, m.v_dim), kv_b, kv_b)
 
 
 def _selection(st: Step, h: torch.Tensor, q_resid: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -297,8 +301,8 @@ def mla_attention(st: Step, h: torch.Tensor) -> torch.Tensor:
     cos, sin = mla.rope_tables(st.positions, m, cfg.layer_rope_base(st.il), h.dtype)
     q_pe = st.cap("q_pe", mla.rope_pairs(q[..., m.qk_nope:], cos, sin))  # [T, H, Dr]
     k_pe = st.cap("k_pe", mla.rope_pairs(kv[:, None, m.kv_lora_rank:], cos, sin)[:, 0])  # [T, Dr]
-    k_b, v_b = _kv_b(st, m)
-    q_abs = mla.absorb_q(q[..., :m.qk_nope], q_pe, k_b)
+    k_b, v_b, k_b_file, v_b_file = _kv_b(st, m)
+    q_abs = mla.absorb_q(engine_input(q[..., :m.qk_nope], k_b_file), q_pe, k_b)
     k_cat = mla.mqa_keys(latent, k_pe)
     st.cap("Qcur", q_abs)
     st.cap("Kcur", k_cat)
@@ -307,7 +311,11 @@ def mla_attention(st: Step, h: torch.Tensor) -> torch.Tensor:
         allowed = attn.visible(T, T, device=h.device)
     else:
         allowed = mla.selection_mask(_selection(st, h, q_resid, cos, sin), T)
-    o = mla.latent_attention(q_abs, k_cat, latent, v_b, allowed, scale=cfg.attn_scale)  # [T, H, Dv]
+    v_lat, kv_dtype = latent, kv_cache_dtype()
+    if kv_dtype is not None:  # the engine's KV cache holds [latent, k_pe] (V is its latent part) in kv_dtype
+        q_abs, k_cat, v_lat = (t.to(kv_dtype).to(t.dtype) for t in (q_abs, k_cat, latent))
+    o = mla.latent_attention(q_abs, k_cat, v_lat, v_b, allowed, scale=cfg.attn_scale, p_dtype=kv_dtype,
+                             v_b_input=lambda o_lat: engine_input(o_lat, v_b_file))  # [T, H, Dv]
     o = st.cap("kqv_out", o.reshape(T, H * m.v_dim))
     return st.cap("attn_out", linear(o, st.w(MODEL_TENSOR.ATTN_OUT)))
 

@@ -250,18 +250,27 @@ _ATTENTION: ContextVar["Callable[..., torch.Tensor] | None"] = ContextVar("llmdo
 _EMULATING: ContextVar["tuple[EnginePrecision, Weights] | None"] = ContextVar("llmdoctor_emulating", default=None)
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-    """x [T, in] @ w[out, in]^T (+ b) -> [T, out].
-
-    When emulating an engine that quantizes activations (llama.cpp's CPU matmuls), x is first put
-    through the round trip the engine applies for w's GGML type.
-    """
+def engine_input(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [..., in] as the emulated engine feeds it to a product with the file's weight w (reducing over
+    `in`): put through the activation round trip for w's GGML type when emulating an engine that
+    quantizes activations (llama.cpp's CPU matmuls), else x itself."""
     em = _EMULATING.get()
     if em is not None and em[0].activation_quant:
         qtype = em[1].qtypes.get(w.data_ptr())
         if qtype is not None:
-            x = quantize_activations(x, qtype)
-    y = x @ w.t()
+            return quantize_activations(x, qtype)
+    return x
+
+
+def kv_cache_dtype() -> torch.dtype | None:
+    """The emulated engine's KV cache dtype (Q, K, V and P rounded to it around attention), or None."""
+    em = _EMULATING.get()
+    return em[0].kv_dtype if em is not None else None
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    """x [T, in] @ w[out, in]^T (+ b) -> [T, out], with x as the emulated engine feeds it (`engine_input`)."""
+    y = engine_input(x, w) @ w.t()
     return y + b if b is not None else y
 
 
@@ -299,8 +308,7 @@ def dense_attention(st: Step, h: torch.Tensor) -> torch.Tensor:
     st.cap("Qcur", q)
     st.cap("Kcur", k)
     st.cap("Vcur", v)
-    em = _EMULATING.get()
-    kv_dtype = em[0].kv_dtype if em is not None else None
+    kv_dtype = kv_cache_dtype()
     if kv_dtype is not None:  # the engine's KV cache (and the matmuls against it) in kv_dtype
         q, k, v = (t.to(kv_dtype).to(t.dtype) for t in (q, k, v))
     swapped = _ATTENTION.get()

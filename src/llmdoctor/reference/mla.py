@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -175,10 +176,17 @@ def mqa_keys(latent: torch.Tensor, k_pe: torch.Tensor) -> torch.Tensor:
 
 
 def latent_attention(q_abs: torch.Tensor, k_cat: torch.Tensor, latent: torch.Tensor, v_b: torch.Tensor,
-                     allowed: torch.Tensor, *, scale: float) -> torch.Tensor:
-    """MQA over the latent (values = latent [S, R]), then v_b per head -> [T, H, Dv]."""
-    o_lat, _ = attn.partial_attention(q_abs, k_cat, latent[:, None, :], allowed, scale=scale)  # [T, H, R]
-    return torch.einsum("thr,hvr->thv", o_lat.to(q_abs.dtype), v_b)
+                     allowed: torch.Tensor, *, scale: float, p_dtype: torch.dtype | None = None,
+                     v_b_input: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+    """MQA over the latent (values = latent [S, R]), then v_b per head -> [T, H, Dv]. `p_dtype` rounds
+    the probabilities before P·V; `v_b_input` maps the latent output [T, H, R] before the v_b product
+    (both for emulating an engine's arithmetic)."""
+    o_lat, _ = attn.partial_attention(q_abs, k_cat, latent[:, None, :], allowed, scale=scale,
+                                      p_dtype=p_dtype)  # [T, H, R]
+    o_lat = o_lat.to(q_abs.dtype)
+    if v_b_input is not None:
+        o_lat = v_b_input(o_lat)
+    return torch.einsum("thr,hvr->thv", o_lat, v_b)
 
 
 def mla_absorbed(q_nope: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor, k_pe: torch.Tensor,

@@ -17,8 +17,10 @@ from __future__ import annotations
 import ctypes
 import fnmatch
 import os
+import pickle
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
@@ -196,6 +198,46 @@ def run(model_path: str | os.PathLike, tokens: list[int], *, capture: tuple[str,
         if ctx:
             L.llama_free(ctx)
         L.llama_model_free(model)
+
+
+def serve() -> Callable:
+    """Handler factory for `subjects.isolation.Isolated`: each request is one `run` (arguments in the
+    header); the reply's payload is the pickled EngineRun, or the header says the engine's error."""
+    os.environ["GGML_NO_BACKTRACE"] = "1"  # an abort is reported by the parent, without a gdb dump
+
+    def handle(header: dict, payload: bytearray) -> tuple[dict, bytes]:
+        try:
+            result = run(header["model_path"], header["tokens"], capture=tuple(header["capture"]),
+                         n_threads=header["n_threads"], flash_attn=header["flash_attn"])
+        except EngineError as e:
+            return {"status": "engine-error", "message": str(e)}, b""
+        return {"status": "ok"}, pickle.dumps(result, protocol=pickle.HIGHEST_PROTOCOL)
+
+    return handle
+
+
+_SERVE = "llmdoctor.subjects.engines.llama_cpp:serve"  # the child's handler factory
+
+
+def run_isolated(model_path: str | os.PathLike, tokens: list[int], *, capture: tuple[str, ...] = (),
+                 n_threads: int | None = None, flash_attn: bool = False, timeout: float = 600.0) -> EngineRun:
+    """`run` in a child process: an abort inside llama.cpp (a GGML_ASSERT on a file it cannot run),
+    a crash or a hang becomes an EngineError naming what happened, not the end of this process."""
+    from ..isolation import Isolated, LoadFailed
+
+    header = {"model_path": os.fspath(model_path), "tokens": [int(t) for t in tokens], "capture": list(capture),
+              "n_threads": n_threads, "flash_attn": flash_attn}
+    try:
+        with Isolated(_SERVE, (), call_timeout=timeout) as iso:
+            out = iso.call(header, b"")
+    except LoadFailed as e:
+        raise EngineError(f"llama.cpp could not be started in a child process ({e.kind}: {e})") from None
+    if out.status == "ok":
+        return pickle.loads(out.payload)
+    if out.status == "engine-error":
+        raise EngineError(out.message)
+    what = {"crashed": "llama.cpp crashed", "timeout": "llama.cpp did not finish"}.get(out.status, "llama.cpp failed")
+    raise EngineError(f"{what} on {Path(model_path).name}: {out.message}")
 
 
 _LOG_CB = None
