@@ -1,16 +1,17 @@
 /* Fused single-pass CPU dequantization kernels, bit-exact with gguf-py 0.19 (gguf.quants).
  *
- * One function per GGML type: llmd_dq_<type>(src, dst, n_blocks) reads n_blocks whole blocks of the
- * type (uint8, exactly as stored in the file) and writes n_blocks * block_size float32 values. Each
+ * One function per GGML type: llmd_dq_<type>(src, dst, n_blocks, kvalues, stream) reads n_blocks
+ * whole blocks of the type (uint8, exactly as stored in the file) and writes n_blocks * block_size
+ * float32 values. Each
  * value is produced in one pass, with the float operations of gguf-py's numpy code in its order:
  * every float16 scale widened to float32 first, a sub-block scale one rounded product (d * sc),
  * then one product per value and, for types with a minimum, one add or subtract. The build passes
  * -ffp-contract=off (no fused multiply-add: it would round once where gguf-py rounds twice) and no
  * fast-math flag. Integer work (nibble unpacking, offsets) is exact.
  *
- * Called from Python through ctypes (which releases the GIL), one chunk of blocks per call, so the
- * chunk workers of dequant.py run in parallel. Kernels only read `src` (it may be a read-only file
- * mapping). Tables that are format constants (the IQ4 non-linear values) are passed in by the caller
+ * Called from Python through ctypes (which releases the GIL): a whole tensor goes to
+ * llmd_dq_parallel (_dequant_pool.c), which shares its chunks among threads. Kernels only read `src`
+ * (it may be a read-only file mapping). Tables that are format constants (the IQ4 non-linear values) are passed in by the caller
  * from the gguf package rather than copied here. llmd_dq_layout() reports the block and byte sizes
  * these kernels assume, and the loader checks them against gguf's GGML_QUANT_SIZES.
  *

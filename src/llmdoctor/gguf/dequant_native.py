@@ -4,7 +4,8 @@
 package installs anyway and the torch kernels do the work. `available()` says whether the library
 loaded and, if not, why. Each C kernel is one pass over a chunk of whole blocks, bit-exact with
 gguf-py like the torch kernels it stands in for (tests/test_dequant_native.py checks both against
-gguf-py). ctypes releases the GIL during a call, so the chunk workers of dequant.py run in parallel.
+gguf-py). A tensor is one call through ctypes (which releases the GIL); the C pool of
+`_dequant_pool.c` shares its chunks between the calling thread and its helper threads.
 """
 
 from __future__ import annotations
