@@ -212,7 +212,8 @@ static inline void blk_q4_k(const uint8_t *restrict src, float *restrict dst, co
 }
 
 /* Q5_K: d f16 | dmin f16 | scales[12] | qh[32] | qs[128]. As Q4_K, with bit j of qh[l] as the
- * fifth bit of value l of sub-block j. */
+ * fifth bit of value l of sub-block j. (Kept apart from Q4_K: one function with an optional qh
+ * stopped GCC from vectorizing either loop, 0.14 -> 0.56 ns per value.) */
 static inline void blk_q5_k(const uint8_t *restrict src, float *restrict dst, const float *kv) {
     const uint8_t *qh = src + 16;
     float dl[8], ml[8];
