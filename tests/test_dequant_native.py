@@ -62,6 +62,14 @@ def test_a_layout_mismatch_disables_the_native_kernels(monkeypatch):
     assert lib is None and "Q4_K" in why and "rebuild" in why
 
 
+def test_a_stale_build_is_refused(monkeypatch):
+    """An editable install does not rebuild the C file: a library of another interface must not be
+    called with the wrong arguments."""
+    monkeypatch.setattr(dequant_native, "_ABI", dequant_native._ABI + 1)
+    lib, why = dequant_native._load()
+    assert lib is None and "stale build" in why and "rebuild" in why
+
+
 def test_without_the_library_the_reason_is_given(monkeypatch):
     monkeypatch.setattr(dequant_native.importlib.util, "find_spec", lambda name: None)
     lib, why = dequant_native._load()

@@ -48,6 +48,17 @@ def test_llama_cpp_routes_like_the_reference(deepseek):
     assert 0 < by["layer-localization"].metrics["worst_ratio"] < 1
 
 
+def test_a_legacy_unsplit_kv_b_file_is_healthy_in_llama_cpp(tmp_path):
+    """A file from before the MLA split (one attn_kv_b): llama.cpp runs it as MHA with K and V
+    expanded per head, and the emulated rerun does the same."""
+    legacy = fixtures_mla.build("deepseek", tmp_path, legacy=True).gguf_path
+    res = dg.run(dg.Inputs(gguf=legacy, engine="llama.cpp", token_ids=IDS, threads=2))
+    by = {g.check: g for g in res.findings}
+    assert by["engine-vs-reference"].status == "pass", by["engine-vs-reference"]
+    assert by["layer-localization"].status == "pass", by["layer-localization"]
+    assert 0 < by["layer-localization"].metrics["worst_ratio"] < 1
+
+
 def test_an_engine_that_aborts_does_not_end_the_diagnosis(tmp_path):
     """llama.cpp runs in a child process: the tiny GLM-DSA file makes llama-cpp-python 0.3.36 abort
     (GGML_ASSERT in a mul_mat); the diagnosis goes on and says so. Should a later llama.cpp run it,

@@ -59,7 +59,9 @@ def rel_l2(got: Any, want: Any) -> float:
     """||got - want||_2 / ||want||_2 (inf when want is all zeros and got is not, 0 when both are)."""
     g, w = _pair(got, want)
     num, den = torch.linalg.vector_norm(g - w), torch.linalg.vector_norm(w)
-    return rel_l2_from_sums(float(num) ** 2, float(den) ** 2)
+    if den == 0:
+        return 0.0 if num == 0 else float("inf")
+    return float(num / den)  # (not from squared sums: those under- or overflow for extreme float64)
 
 
 def rel_l2_from_sums(sum_sq_err: float, sum_sq_ref: float) -> float:

@@ -321,6 +321,10 @@ LLMD_DRIVER(q5_k, 176, 256)
 LLMD_DRIVER(q6_k, 210, 256)
 LLMD_DRIVER(iq4_xs, 136, 256)
 
+/* The calling convention of the exported functions (their arguments, and llmd_dq_parallel's in
+ * _dequant_pool.c); bumped with every change, so that a stale build is refused, not misread. */
+int llmd_dq_abi(void) { return 3; }
+
 /* The layouts assumed above, for the loader to check against gguf's GGML_QUANT_SIZES:
  * "name:block_size:type_size" separated by spaces. */
 const char *llmd_dq_layout(void) {

@@ -24,6 +24,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 from .dequant import register
 
 _MODULE = "llmdoctor.gguf._dequant_native"
+_ABI = 3  # llmd_dq_abi() of the C code this module calls (an editable install does not rebuild it)
 # GGML type -> (C function, whether it takes the IQ4 non-linear table)
 _FUNCTIONS = {
     T.Q8_0: ("llmd_dq_q8_0", False), T.Q4_0: ("llmd_dq_q4_0", False), T.Q4_1: ("llmd_dq_q4_1", False),
@@ -42,8 +43,12 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
         return None, "the native kernels were not built (no C compiler at install time?)"
     try:
         lib = ctypes.CDLL(spec.origin)
-    except OSError as e:
-        return None, f"cannot load {spec.origin} ({e})"
+        abi = lib.llmd_dq_abi()
+        missing = [name for name, _ in _FUNCTIONS.values() if not hasattr(lib, name)]
+    except (OSError, AttributeError) as e:
+        return None, f"cannot load {spec.origin} ({e}): rebuild it (pip install -e .)"
+    if abi != _ABI or missing or not hasattr(lib, "llmd_dq_parallel"):
+        return None, f"{spec.origin} is a stale build (interface {abi}, expected {_ABI}): rebuild it (pip install -e .)"
     lib.llmd_dq_layout.restype = ctypes.c_char_p
     layout = {}
     for item in lib.llmd_dq_layout().decode().split():

@@ -100,10 +100,13 @@ def norm_unoffset(w: torch.Tensor) -> torch.Tensor:
     return w - 1
 
 
-def kv_b_split(kv_b: torch.Tensor, n_head: int, qk_nope: int, v_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """kv_b_proj [H*(Dn+Dv), R] -> k_b [H, R, Dn] (transposed), v_b [H, Dv, R]."""
+def kv_b_split(kv_b: torch.Tensor, n_head: int, qk_nope: int, v_dim: int, *,
+               copy: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """kv_b_proj [H*(Dn+Dv), R] -> k_b [H, R, Dn] (transposed), v_b [H, Dv, R]; `copy=False`: views of
+    kv_b (the reference's products then sum in the same order as over the unsplit tensor)."""
     w = kv_b.reshape(n_head, qk_nope + v_dim, kv_b.shape[-1])
-    return w[:, :qk_nope].transpose(1, 2).contiguous(), w[:, qk_nope:].contiguous()
+    k_b, v_b = w[:, :qk_nope].transpose(1, 2), w[:, qk_nope:]
+    return (k_b.contiguous(), v_b.contiguous()) if copy else (k_b, v_b)
 
 
 def kv_b_merge(k_b: torch.Tensor, v_b: torch.Tensor) -> torch.Tensor:

@@ -41,7 +41,8 @@ from ..gguf.layout import kv_b_split
 from . import attention as attn
 from . import mla
 from .config import ModelConfig, gguf_key, register_gguf, register_hf
-from .forward import Step, dense_ffn, engine_input, kv_cache_dtype, linear, register_block, rms_norm, tensor_name
+from .forward import (Step, dense_ffn, emulating, engine_input, kv_cache_dtype, linear, register_block, rms_norm,
+                      tensor_name)
 
 
 @dataclass(frozen=True)
@@ -259,14 +260,29 @@ DSA_OVERRIDE = "dsa_top_k_override"  # Step.extra key: {layer: indices [T, k]} t
 DSA_PREV = "dsa_top_k"  # Step.extra key: the last full layer's selection
 
 
-def _kv_b(st: Step, m: mla.MLA) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(k_b [H, R, Dn], v_b [H, Dv, R], and the file tensors whose GGML types the engine's two
-    products see: attn_k_b and attn_v_b, or the legacy attn_kv_b for both)."""
+def _kv_b(st: Step, m: mla.MLA) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(k_b [H, R, Dn], v_b [H, Dv, R], and the legacy unsplit attn_kv_b [H*(Dn+Dv), R] they are
+    views of, or None for a file with attn_k_b / attn_v_b)."""
     if st.has(MODEL_TENSOR.ATTN_K_B):
-        k_b, v_b = st.w(MODEL_TENSOR.ATTN_K_B), st.w(MODEL_TENSOR.ATTN_V_B)
-        return k_b, v_b, k_b, v_b
+        return st.w(MODEL_TENSOR.ATTN_K_B), st.w(MODEL_TENSOR.ATTN_V_B), None
     kv_b = st.w(MODEL_TENSOR.ATTN_KV_B)
-    return (*kv_b_split(kv_b, st.cfg.n_head, m.qk_nope, m.v_dim), kv_b, kv_b)
+    return (*kv_b_split(kv_b, st.cfg.n_head, m.qk_nope, m.v_dim, copy=False), kv_b)
+
+
+def _expanded_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor, k_pe: torch.Tensor,
+                        kv_b: torch.Tensor, k_b: torch.Tensor, v_b: torch.Tensor, allowed: torch.Tensor, *,
+                        scale: float) -> torch.Tensor:
+    """MLA as llama.cpp runs a file without the MLA split (no key_length_mla): K and V expanded per
+    head with attn_kv_b, then ordinary attention over an MHA cache, under the emulated engine's
+    arithmetic (the expansion fed like any matmul; Q, K, V and P in the cache dtype) -> [T, H, Dv]."""
+    k_nope, v = mla.decompress(engine_input(latent, kv_b), k_b, v_b)  # [S, H, Dn], [S, H, Dv]
+    q = torch.cat([q_nope, q_pe], dim=-1)  # [T, H, Dn+Dr]
+    k = torch.cat([k_nope, k_pe[:, None, :].expand(-1, k_nope.shape[1], -1)], dim=-1)  # [S, H, Dn+Dr]
+    kv_dtype = kv_cache_dtype()
+    if kv_dtype is not None:
+        q, k, v = (t.to(kv_dtype).to(t.dtype) for t in (q, k, v))
+    o, _ = attn.partial_attention(q, k, v, allowed, scale=scale, p_dtype=kv_dtype)
+    return o.to(q.dtype)
 
 
 def _selection(st: Step, h: torch.Tensor, q_resid: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -301,21 +317,25 @@ def mla_attention(st: Step, h: torch.Tensor) -> torch.Tensor:
     cos, sin = mla.rope_tables(st.positions, m, cfg.layer_rope_base(st.il), h.dtype)
     q_pe = st.cap("q_pe", mla.rope_pairs(q[..., m.qk_nope:], cos, sin))  # [T, H, Dr]
     k_pe = st.cap("k_pe", mla.rope_pairs(kv[:, None, m.kv_lora_rank:], cos, sin)[:, 0])  # [T, Dr]
-    k_b, v_b, k_b_file, v_b_file = _kv_b(st, m)
-    q_abs = mla.absorb_q(engine_input(q[..., :m.qk_nope], k_b_file), q_pe, k_b)
-    k_cat = mla.mqa_keys(latent, k_pe)
-    st.cap("Qcur", q_abs)
-    st.cap("Kcur", k_cat)
-    st.cap("Vcur", latent[:, None, :])
+    k_b, v_b, kv_b = _kv_b(st, m)
     if m.indexer is None:
         allowed = attn.visible(T, T, device=h.device)
     else:
         allowed = mla.selection_mask(_selection(st, h, q_resid, cos, sin), T)
-    v_lat, kv_dtype = latent, kv_cache_dtype()
-    if kv_dtype is not None:  # the engine's KV cache holds [latent, k_pe] (V is its latent part) in kv_dtype
-        q_abs, k_cat, v_lat = (t.to(kv_dtype).to(t.dtype) for t in (q_abs, k_cat, latent))
-    o = mla.latent_attention(q_abs, k_cat, v_lat, v_b, allowed, scale=cfg.attn_scale, p_dtype=kv_dtype,
-                             v_b_input=lambda o_lat: engine_input(o_lat, v_b_file))  # [T, H, Dv]
+    if kv_b is not None and emulating():  # the engine runs this file as MHA, not as MLA
+        o = _expanded_attention(q[..., :m.qk_nope], q_pe, latent, k_pe, kv_b, k_b, v_b, allowed,
+                                scale=cfg.attn_scale)  # [T, H, Dv]
+    else:
+        q_abs = mla.absorb_q(engine_input(q[..., :m.qk_nope], k_b), q_pe, k_b)
+        k_cat = mla.mqa_keys(latent, k_pe)
+        st.cap("Qcur", q_abs)
+        st.cap("Kcur", k_cat)
+        st.cap("Vcur", latent[:, None, :])
+        v_lat, kv_dtype = latent, kv_cache_dtype()
+        if kv_dtype is not None:  # the engine's KV cache holds [latent, k_pe] (V is its latent part)
+            q_abs, k_cat, v_lat = (t.to(kv_dtype).to(t.dtype) for t in (q_abs, k_cat, latent))
+        o = mla.latent_attention(q_abs, k_cat, v_lat, v_b, allowed, scale=cfg.attn_scale, p_dtype=kv_dtype,
+                                 v_b_input=lambda o_lat: engine_input(o_lat, v_b))  # [T, H, Dv]
     o = st.cap("kqv_out", o.reshape(T, H * m.v_dim))
     return st.cap("attn_out", linear(o, st.w(MODEL_TENSOR.ATTN_OUT)))
 

@@ -262,6 +262,11 @@ def engine_input(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def emulating() -> bool:
+    """Whether this forward pass emulates an engine's arithmetic (`forward(emulate=...)`)."""
+    return _EMULATING.get() is not None
+
+
 def kv_cache_dtype() -> torch.dtype | None:
     """The emulated engine's KV cache dtype (Q, K, V and P rounded to it around attention), or None."""
     em = _EMULATING.get()

@@ -220,9 +220,10 @@ _SERVE = "llmdoctor.subjects.engines.llama_cpp:serve"  # the child's handler fac
 
 
 def run_isolated(model_path: str | os.PathLike, tokens: list[int], *, capture: tuple[str, ...] = (),
-                 n_threads: int | None = None, flash_attn: bool = False, timeout: float = 600.0) -> EngineRun:
+                 n_threads: int | None = None, flash_attn: bool = False, timeout: float = 3600.0) -> EngineRun:
     """`run` in a child process: an abort inside llama.cpp (a GGML_ASSERT on a file it cannot run),
-    a crash or a hang becomes an EngineError naming what happened, not the end of this process."""
+    a crash or a hang becomes an EngineError naming what happened, not the end of this process.
+    `timeout` covers loading and the whole prefill (an hour: a large model mapped from a cold disk)."""
     from ..isolation import Isolated, LoadFailed
 
     header = {"model_path": os.fspath(model_path), "tokens": [int(t) for t in tokens], "capture": list(capture),
