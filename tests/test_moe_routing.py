@@ -73,6 +73,17 @@ def test_an_engine_that_aborts_does_not_end_the_diagnosis(tmp_path):
         assert f.status == "pass", f
 
 
+def test_an_engine_that_cannot_run_the_architecture_is_a_skip(deepseek):
+    """transformers cannot run deepseek2 here: the hypotheses that need the engine say why, the rest of
+    the plan still runs, and the diagnosis ends with exit 2 naming it."""
+    res = dg.run(dg.Inputs(gguf=deepseek, engine="transformers", token_ids=IDS, threads=2))
+    skipped = {f.check: f.reason for f in res.findings if f.status == "skip"}
+    for check in ("engine-vs-reference", "layer-localization"):
+        assert "does not support architecture 'deepseek2'" in skipped[check], skipped
+    assert any(f.check == "file-integrity" and f.status == "pass" for f in res.findings)
+    assert res.exit_code == 2 and "engine-vs-reference could not run" in res.verdict
+
+
 @pytest.mark.parametrize("child,says", [("aborting", "llama.cpp crashed"), ("hanging", "did not finish")])
 def test_run_isolated_turns_a_dead_child_into_an_engine_error(monkeypatch, child, says):
     from llmdoctor.subjects.engines import llama_cpp

@@ -153,43 +153,46 @@ class Session:
                 value.close()
 
     def engine_run(self):
-        """The in-process engine's logits [T, V] and captures (reference capture names)."""
+        """The in-process engine's logits [T, V] and captures (reference capture names). An engine that
+        cannot run the model is a skip with the reason, remembered so later hypotheses do not retry."""
         name = self.inputs.engine
         if name is None:
             raise Skip("no in-process engine (--engine)")
+        if name not in ("llama.cpp", "transformers"):
+            raise Skip(f"engine {name!r} cannot run here: vLLM is not installed")
+
+        def make():
+            from .subjects.engines.llama_cpp import EngineError
+
+            try:
+                return self._run_engine(name)
+            except EngineError as e:
+                return Skip(f"the engine could not run the model: {e}")
+
+        result = self.once("engine", make)
+        if isinstance(result, Skip):
+            raise result
+        return result
+
+    def _run_engine(self, name: str):
+        path = self.inputs.engine_gguf or self.inputs.gguf
         if name == "llama.cpp":
-            def make():
-                from .checks.layers import LLAMA_CPP_ALIASES, engine_names_to_reference
-                from .subjects.engines import llama_cpp
+            from .checks.layers import LLAMA_CPP_ALIASES, engine_names_to_reference
+            from .subjects.engines import llama_cpp
 
-                self.progress("llama.cpp forward pass (capturing every layer)")
-                path = self.inputs.engine_gguf or self.inputs.gguf
-                try:  # in a child process: an abort inside llama.cpp must not end the diagnosis
-                    run = llama_cpp.run_isolated(
-                        path, self.tokens(), n_threads=self.inputs.threads,
-                        capture=("l_out-*", "attn_norm-*", "kqv_out-*", "sa_out-*", "ffn_out-*", "ffn_moe_topk-*",
-                                 "result_norm"))
-                except llama_cpp.EngineError as e:
-                    return Skip(f"the engine could not run the model: {e}")
-                return run.logits, engine_names_to_reference(run.captures, LLAMA_CPP_ALIASES), run.info
+            self.progress("llama.cpp forward pass (capturing every layer)")
+            # in a child process: an abort inside llama.cpp must not end the diagnosis
+            run = llama_cpp.run_isolated(
+                path, self.tokens(), n_threads=self.inputs.threads,
+                capture=("l_out-*", "attn_norm-*", "kqv_out-*", "sa_out-*", "ffn_out-*", "ffn_moe_topk-*", "result_norm"))
+            return run.logits, engine_names_to_reference(run.captures, LLAMA_CPP_ALIASES), run.info
+        from .subjects.engines import transformers as hf_engine
 
-            result = self.once("engine", make)
-            if isinstance(result, Skip):  # remembered, so later hypotheses do not run it again
-                raise result
-            return result
-        if name == "transformers":
-            def make():
-                from .subjects.engines import transformers as hf_engine
-
-                dtype = self.inputs.engine_dtype or "float32"
-                self.progress(f"transformers forward pass ({dtype})")
-                path = self.inputs.engine_gguf or self.inputs.gguf
-                run = hf_engine.run(path, self.tokens(), dtype=dtype, n_threads=self.inputs.threads,
-                                    dequant_kernel=self.inputs.dequant_kernel)
-                return run.logits, run.captures, run.info
-
-            return self.once("engine", make)
-        raise Skip(f"engine {name!r} cannot run here: vLLM is not installed")
+        dtype = self.inputs.engine_dtype or "float32"
+        self.progress(f"transformers forward pass ({dtype})")
+        run = hf_engine.run(path, self.tokens(), dtype=dtype, n_threads=self.inputs.threads,
+                            dequant_kernel=self.inputs.dequant_kernel)
+        return run.logits, run.captures, run.info
 
     def budget_reference(self):
         """The reference run with the engine's arithmetic: how far a healthy engine may be."""

@@ -29,7 +29,7 @@ def hf_config(cfg) -> dict[str, Any]:
     """config.json (as a dict) for a dense ModelConfig read from a GGUF."""
     model_type = _MODEL_TYPES.get(cfg.arch)
     if model_type is None:
-        raise InputError(f"the transformers engine does not support architecture {cfg.arch!r}")
+        raise EngineError(f"the transformers engine does not support architecture {cfg.arch!r}")
     d: dict[str, Any] = {
         "model_type": model_type,
         "vocab_size": cfg.n_vocab,
