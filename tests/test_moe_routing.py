@@ -59,6 +59,36 @@ def test_a_legacy_unsplit_kv_b_file_is_healthy_in_llama_cpp(tmp_path):
     assert 0 < by["layer-localization"].metrics["worst_ratio"] < 1
 
 
+# Dims that are multiples of 32, so that llama.cpp's quantizer gives attn_k_b / attn_v_b (or attn_kv_b)
+# a quantized type instead of its F16 fallback.
+QUANTIZABLE = dict(hidden_size=64, intermediate_size=64, moe_intermediate_size=32, kv_lora_rank=32,
+                   q_lora_rank=32, qk_nope_head_dim=32, v_head_dim=32, qk_rope_head_dim=32)
+
+
+@pytest.mark.parametrize("legacy", [False, True], ids=["split", "legacy"])
+@pytest.mark.parametrize("ftype,qtype", [(7, "Q8_0"), (2, "Q4_0")])
+def test_a_quantized_mla_file_is_healthy_in_llama_cpp(tmp_path, legacy, ftype, qtype):
+    """Quantized by llama.cpp itself (its quantize API): the k_b / v_b products then quantize their
+    activations in the engine, and the emulated rerun must do the same for a healthy verdict."""
+    import ctypes
+
+    import llama_cpp
+
+    src = fixtures_mla.build("deepseek", tmp_path, legacy=legacy, **QUANTIZABLE).gguf_path
+    out = tmp_path / f"{qtype}.gguf"
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = ftype
+    assert llama_cpp.llama_model_quantize(str(src).encode(), str(out).encode(), ctypes.byref(params)) == 0
+    with open_gguf(out) as g:
+        kv_b = {t.name: t.type.name for t in g.tensors if t.name.startswith("blk.1.attn_") and "_b." in t.name}
+    assert set(kv_b.values()) <= {"Q8_0", "Q4_0"} and kv_b, kv_b  # quantized, not the F16 fallback
+    res = dg.run(dg.Inputs(gguf=out, engine="llama.cpp", token_ids=IDS, threads=2))
+    by = {g.check: g for g in res.findings}
+    assert by["engine-vs-reference"].status == "pass", by["engine-vs-reference"]
+    assert by["layer-localization"].status == "pass", by["layer-localization"]
+    assert res.exit_code == 0
+
+
 def test_an_engine_that_aborts_does_not_end_the_diagnosis(tmp_path):
     """llama.cpp runs in a child process: the tiny GLM-DSA file makes llama-cpp-python 0.3.36 abort
     (GGML_ASSERT in a mul_mat); the diagnosis goes on and says so. Should a later llama.cpp run it,
