@@ -22,67 +22,37 @@ import torch
 from ...errors import InputError
 from .llama_cpp import EngineError, EngineRun
 
-_MODEL_TYPES = {"gemma3": "gemma3_text", "llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
-
-
-def hf_config(cfg) -> dict[str, Any]:
-    """config.json (as a dict) for a dense ModelConfig read from a GGUF."""
-    model_type = _MODEL_TYPES.get(cfg.arch)
-    if model_type is None:
-        raise EngineError(f"the transformers engine does not support architecture {cfg.arch!r}")
-    d: dict[str, Any] = {
-        "model_type": model_type,
-        "vocab_size": cfg.n_vocab,
-        "hidden_size": cfg.n_embd,
-        "intermediate_size": cfg.n_ff,
-        "num_hidden_layers": cfg.n_layer,
-        "num_attention_heads": cfg.n_head,
-        "num_key_value_heads": cfg.n_head_kv,
-        "head_dim": cfg.head_dim,
-        "rms_norm_eps": cfg.norm_eps,
-        "tie_word_embeddings": cfg.tied_output,
-        "max_position_embeddings": 131072,
-    }
-    if cfg.arch == "gemma3":
-        d.update({
-            "hidden_activation": "gelu_pytorch_tanh",
-            "query_pre_attn_scalar": round(1.0 / cfg.attn_scale ** 2),
-            "sliding_window": cfg.sliding_window,
-            "layer_types": ["sliding_attention" if s else "full_attention" for s in cfg.swa_layers],
-            "rope_parameters": {
-                "full_attention": {"rope_type": "default", "rope_theta": cfg.rope_base},
-                "sliding_attention": {"rope_type": "default", "rope_theta": cfg.rope_base_swa or cfg.rope_base},
-            },
-            "final_logit_softcapping": cfg.final_softcap,
-            "attn_logit_softcapping": cfg.attn_softcap,
-        })
-    else:
-        d.update({"hidden_act": "silu", "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_base},
-                  "attention_bias": cfg.qkv_bias})
-    return d
-
-
 def build(path: str | os.PathLike, dtype: torch.dtype = torch.float32, dequantizer=None):
     """(model, config) with the GGUF's weights in transformers' layout, in `dtype`, on the CPU.
     `dequantizer` is the deployment's GGUF dequant kernel (default: ours, bit-exact)."""
     import transformers
     from transformers.initialization import no_init_weights
 
+    from ...errors import InputError
     from ...gguf import layout, open_gguf
     from ...reference.config import from_gguf
+    from ...reference.config_hf import hf_config
     from ...reference.forward import dequantize_raw
 
     dequantize = dequantizer or dequantize_raw
 
     with open_gguf(path) as g:
         cfg = from_gguf(g)
-        config = hf_config(cfg)
+        try:
+            config = hf_config(cfg, g)
+        except InputError as e:
+            raise EngineError(f"the transformers engine cannot build this model: {e}") from None
         hf_cfg = transformers.AutoConfig.for_model(**config)
         with no_init_weights():
             model = transformers.AutoModelForCausalLM.from_config(hf_cfg, dtype=dtype)
         names = list(model.state_dict())
         # HF parameter names as in a checkpoint: strip nothing (CausalLM keys are "model.layers...").
-        plan = layout.plan(cfg.arch, names, config)
+        legacy_kv_b = cfg.mla is not None and g.has_tensor("blk.0.attn_kv_b.weight")
+        plan = layout.plan(cfg.arch, names, config, split_kv_b=not legacy_kv_b)
+        fused = [n for n in plan.unmapped if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]
+        if fused:
+            raise EngineError(f"loading MoE experts from a GGUF into transformers' fused expert parameters "
+                              f"({fused[0]}) is not implemented")
         if plan.unmapped:
             raise EngineError(f"no GGUF source for HF parameters {plan.unmapped[:3]}")
         gg = {}
