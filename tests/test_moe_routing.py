@@ -103,14 +103,24 @@ def test_an_engine_that_aborts_does_not_end_the_diagnosis(tmp_path):
         assert f.status == "pass", f
 
 
-def test_an_engine_that_cannot_load_the_model_is_a_skip(deepseek):
-    """The transformers engine cannot load MoE experts from a GGUF into transformers' fused expert
-    parameters: the hypotheses that need the engine say why, the rest of the plan still runs, and the
-    diagnosis ends with exit 2 naming it."""
+def test_an_engine_that_cannot_load_the_model_is_a_skip(deepseek, monkeypatch):
+    """An engine that cannot load the model: the hypotheses that need it say why (once: the failure is
+    remembered), the rest of the plan still runs, and the diagnosis ends with exit 2 naming it."""
+    from llmdoctor.subjects.engines import transformers as hf_engine
+    from llmdoctor.subjects.engines.llama_cpp import EngineError
+
+    calls = []
+
+    def cannot(*args, **kwargs):
+        calls.append(1)
+        raise EngineError("no GGUF source for HF parameters ['model.layers.0.mlp.router.weight']")
+
+    monkeypatch.setattr(hf_engine, "run", cannot)
     res = dg.run(dg.Inputs(gguf=deepseek, engine="transformers", token_ids=IDS, threads=2))
     skipped = {f.check: f.reason for f in res.findings if f.status == "skip"}
     for check in ("engine-vs-reference", "layer-localization"):
-        assert "fused expert parameters" in skipped[check] and "not implemented" in skipped[check], skipped
+        assert "the engine could not run the model: no GGUF source" in skipped[check], skipped
+    assert len(calls) == 1
     assert any(f.check == "file-integrity" and f.status == "pass" for f in res.findings)
     assert res.exit_code == 2 and "engine-vs-reference could not run" in res.verdict
 
@@ -126,6 +136,33 @@ def test_dense_mla_models_in_transformers_are_healthy(tmp_path, kind, legacy):
     assert by["engine-vs-reference"].status == "pass" and by["engine-vs-reference"].metrics["kl_max"] < 1e-9
     assert by["layer-localization"].status == "pass", by["layer-localization"]
     assert res.exit_code == 0, res.verdict
+
+
+@pytest.mark.parametrize("kind", ["deepseek", "glm"])
+def test_moe_mla_models_in_transformers_are_healthy_and_a_bad_expert_is_found(tmp_path, kind):
+    """MLA + MoE through the transformers engine (its fused expert parameters filled from the GGUF's
+    stacked experts): healthy at float32 rounding; an engine copy whose layer-1 experts are scaled is
+    caught at layer 1."""
+    gguf = fixtures_mla.build(kind, tmp_path).gguf_path
+    res = dg.run(dg.Inputs(gguf=gguf, engine="transformers", token_ids=IDS, threads=2))
+    by = {g.check: g for g in res.findings}
+    assert by["engine-vs-reference"].status == "pass" and by["engine-vs-reference"].metrics["kl_max"] < 1e-9
+    assert by["layer-localization"].status == "pass" and res.exit_code == 0, res.verdict
+
+    bad = tmp_path / "bad-experts.gguf"
+    shutil.copyfile(gguf, bad)
+    with open_gguf(bad) as g:
+        t = g.tensor("blk.1.ffn_down_exps.weight")
+        assert t.type.name == "F32"
+        start = t.offset
+    values = np.memmap(bad, dtype=np.float32, mode="r+", offset=start, shape=(t.nbytes // 4,))
+    values *= 3.0
+    values.flush()
+    del values
+    res = dg.run(dg.Inputs(gguf=gguf, engine="transformers", engine_gguf=bad, token_ids=IDS, threads=2))
+    loc = next(g for g in res.findings if g.check == "layer-localization")
+    assert loc.status == "fail" and loc.metrics["first_divergent_layer"] == 1, loc
+    assert res.exit_code == 1
 
 
 @pytest.mark.parametrize("child,says", [("aborting", "llama.cpp crashed"), ("hanging", "did not finish")])

@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from gguf import MODEL_TENSOR
 
 from ...errors import InputError
 from .llama_cpp import EngineError, EngineRun
@@ -48,19 +49,21 @@ def build(path: str | os.PathLike, dtype: torch.dtype = torch.float32, dequantiz
         names = list(model.state_dict())
         # HF parameter names as in a checkpoint: strip nothing (CausalLM keys are "model.layers...").
         legacy_kv_b = cfg.mla is not None and g.has_tensor("blk.0.attn_kv_b.weight")
-        plan = layout.plan(cfg.arch, names, config, split_kv_b=not legacy_kv_b)
-        fused = [n for n in plan.unmapped if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]
-        if fused:
-            raise EngineError(f"loading MoE experts from a GGUF into transformers' fused expert parameters "
-                              f"({fused[0]}) is not implemented")
+        # transformers 5 keeps MoE experts fused in memory (checkpoints name them per expert): those
+        # come from the stacked GGUF tensors below, the rest through the layout plan.
+        fused = [n for n in names if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]
+        plan = layout.plan(cfg.arch, [n for n in names if n not in fused], config, split_kv_b=not legacy_kv_b)
         if plan.unmapped:
             raise EngineError(f"no GGUF source for HF parameters {plan.unmapped[:3]}")
-        gg = {}
-        for r in plan.rules:
-            for t_name in r.targets:
-                t = g.tensor(t_name)
-                gg[t_name] = dequantize(t.data, t.type, t.shape, device="cpu")
+
+        def tensor(name: str) -> torch.Tensor:
+            t = g.tensor(name)
+            return dequantize(t.data, t.type, t.shape, device="cpu")
+
+        gg = {t_name: tensor(t_name) for r in plan.rules for t_name in r.targets}
         state = {k: v.to(dtype) for k, v in layout.to_hf(plan, gg).items()}
+        for name in fused:
+            state[name] = _fused_experts(name, tensor).to(dtype)
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [m for m in missing if m not in plan.skipped and not m.endswith("rotary_emb.inv_freq")]
     if missing or unexpected:
@@ -69,6 +72,20 @@ def build(path: str | os.PathLike, dtype: torch.dtype = torch.float32, dequantiz
         model.tie_weights()
     model.eval()
     return model, cfg
+
+
+def _fused_experts(name: str, tensor) -> torch.Tensor:
+    """transformers 5's fused expert parameter `model.layers.{L}.mlp.experts.gate_up_proj`
+    [E, 2*ff, n_embd] (gate rows, then up rows: its forward chunks the product in two) or `.down_proj`
+    [E, n_embd, ff], from the GGUF's stacked ffn_{gate,up,down}_exps (row-major [E, ff, n_embd] and
+    [E, n_embd, ff]); `tensor(name)` dequantizes one GGUF tensor."""
+    from ...reference.forward import tensor_name
+
+    il = int(name.split(".")[2])
+    if name.endswith("gate_up_proj"):
+        gate = tensor(tensor_name(MODEL_TENSOR.FFN_GATE_EXP, il))
+        return torch.cat([gate, tensor(tensor_name(MODEL_TENSOR.FFN_UP_EXP, il))], dim=1)
+    return tensor(tensor_name(MODEL_TENSOR.FFN_DOWN_EXP, il))
 
 
 @torch.inference_mode()
