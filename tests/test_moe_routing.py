@@ -141,13 +141,28 @@ def test_dense_mla_models_in_transformers_are_healthy(tmp_path, kind, legacy):
 @pytest.mark.parametrize("kind", ["deepseek", "glm"])
 def test_moe_mla_models_in_transformers_are_healthy_and_a_bad_expert_is_found(tmp_path, kind):
     """MLA + MoE through the transformers engine (its fused expert parameters filled from the GGUF's
-    stacked experts): healthy at float32 rounding; an engine copy whose layer-1 experts are scaled is
-    caught at layer 1."""
+    stacked experts, its routers' choices captured): healthy at float32 rounding with the same experts
+    chosen; an engine copy whose layer-1 router is negated is caught by routing at layer 1, one whose
+    layer-1 experts are scaled by layer localization at layer 1."""
     gguf = fixtures_mla.build(kind, tmp_path).gguf_path
     res = dg.run(dg.Inputs(gguf=gguf, engine="transformers", token_ids=IDS, threads=2))
     by = {g.check: g for g in res.findings}
     assert by["engine-vs-reference"].status == "pass" and by["engine-vs-reference"].metrics["kl_max"] < 1e-9
     assert by["layer-localization"].status == "pass" and res.exit_code == 0, res.verdict
+    assert by["moe-routing"].status == "pass" and by["moe-routing"].metrics["max_disagreement"] == 0.0
+
+    negated = tmp_path / "bad-router.gguf"  # the engine's layer-1 router scores every expert backwards
+    shutil.copyfile(gguf, negated)
+    with open_gguf(negated) as g:
+        t = g.tensor("blk.1.ffn_gate_inp.weight")
+        start, n = t.offset, t.nbytes // 4
+    router = np.memmap(negated, dtype=np.float32, mode="r+", offset=start, shape=(n,))
+    router *= -1.0
+    router.flush()
+    del router
+    res = dg.run(dg.Inputs(gguf=gguf, engine="transformers", engine_gguf=negated, token_ids=IDS, threads=2))
+    routing = next(g for g in res.findings if g.check == "moe-routing")
+    assert routing.status == "fail" and routing.metrics["first_layer"] == 1, routing
 
     bad = tmp_path / "bad-experts.gguf"
     shutil.copyfile(gguf, bad)

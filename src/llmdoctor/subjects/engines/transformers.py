@@ -14,6 +14,7 @@ filled from the reference's `ModelConfig` (itself read from the GGUF metadata).
 from __future__ import annotations
 
 import os
+import re
 from typing import Any
 
 import numpy as np
@@ -88,6 +89,27 @@ def _fused_experts(name: str, tensor) -> torch.Tensor:
     return tensor(tensor_name(MODEL_TENSOR.FFN_DOWN_EXP, il))
 
 
+def _routers(model) -> list[tuple[int, torch.nn.Module]]:
+    """(layer, router) for each MoE layer: the `mlp.gate` modules of DeepseekV3 / GlmMoeDsa, whose
+    forward returns (router_logits, topk_weights, topk_indices)."""
+    found = []
+    for name, module in model.named_modules():
+        m = re.fullmatch(r"model\.layers\.(\d+)\.mlp\.gate", name)
+        if m and type(module).__name__.endswith("TopkRouter"):
+            found.append((int(m.group(1)), module))
+    return found
+
+
+def _routing_hook(into: dict[str, np.ndarray], key: str):
+    """A forward hook keeping the experts a router chose: topk_indices [T, k] as int64 (the same
+    capture as llama.cpp's `ffn_moe_topk-{il}`)."""
+
+    def hook(module, inputs, output):
+        into[key] = output[2].reshape(-1, output[2].shape[-1]).to(torch.int64).numpy()
+
+    return hook
+
+
 @torch.inference_mode()
 def run(path: str | os.PathLike, tokens: list[int], *, dtype: str = "float32",
         n_threads: int | None = None, dequant_kernel: str | None = None) -> EngineRun:
@@ -105,11 +127,19 @@ def run(path: str | os.PathLike, tokens: list[int], *, dtype: str = "float32",
             model, cfg = build(path, torch_dtype, kd)
     else:
         model, cfg = build(path, torch_dtype)
-    out = model(torch.tensor([tokens]), output_hidden_states=True, use_cache=False)
+    routing: dict[str, np.ndarray] = {}
+    hooks = [module.register_forward_hook(_routing_hook(routing, f"ffn_moe_topk-{il}"))
+             for il, module in _routers(model)]
+    try:
+        out = model(torch.tensor([tokens]), output_hidden_states=True, use_cache=False)
+    finally:
+        for h in hooks:
+            h.remove()
     logits = out.logits[0].float().numpy()  # [T, V]
     # hidden_states[0] is the (scaled) embedding; hidden_states[i + 1] the output of layer i, except
     # that the last entry has the final norm applied (transformers' convention): drop it.
     caps = {f"l_out-{i}": h[0].float().numpy() for i, h in enumerate(out.hidden_states[1:-1])}
+    caps.update(routing)
     caps["result_output"] = logits
     info = {"engine": "transformers", "transformers": __import__("transformers").__version__, "dtype": dtype,
             "dequant_kernel": dequant_kernel or "llmdoctor"}
