@@ -32,9 +32,11 @@ Conventions and sources:
   the top-k keys per query are the only keys the attention sees (transformers GlmMoeDsaIndexer,
   llama.cpp src/models/glm-dsa.cpp; llama.cpp's Hadamard rotation of iq/ik is orthogonal and leaves the
   dot products unchanged). "shared" indexer layers reuse the previous full layer's selection.
-  The rope part of iq/ik comes first, the rest after it. (llama.cpp's glm-dsa.cpp views the non-rope
-  part at an offset of D_idx - Dr elements instead of Dr: the same only when Dr = D_idx / 2, as in
-  GLM-5's 64 + 64; the fixtures keep that split.)
+  The rope part of iq/ik comes first, the rest after it, as in transformers' GlmMoeDsaIndexer
+  ([q_rot, q_pass]); convert_hf_to_gguf.py's GlmMoeDsaModel copies the indexer tensors unchanged (two
+  versions read). A llama.cpp glm-dsa.cpp read in session 2 views each head as [nope, rope] and ropes
+  the LAST Dr dims instead: if that is what llama.cpp runs, its indexer differs from the model's
+  definition, and diagnose will show it as a divergence of the engine, not of the file.
 """
 
 from __future__ import annotations
