@@ -180,6 +180,41 @@ def test_moe_mla_models_in_transformers_are_healthy_and_a_bad_expert_is_found(tm
     assert res.exit_code == 1
 
 
+# Indexer and attention dims llama.cpp's glm-dsa graph runs (the default tiny ones make it abort).
+GLM_RUNNABLE = dict(index_head_dim=64, qk_rope_head_dim=32, hidden_size=64, kv_lora_rank=32, q_lora_rank=32,
+                    qk_nope_head_dim=32, v_head_dim=32, intermediate_size=64, moe_intermediate_size=32)
+
+
+def test_glm_dsa_in_llama_cpp_is_healthy_and_a_wrong_indexer_is_named(tmp_path):
+    """GLM-DSA in llama.cpp: its key selections are among the reference's top k up to ties (ReLU index
+    scores are often exactly 0, and which tied key it takes is the engine's choice: the reference runs
+    with the engine's selections so that a legitimate tie-break is not a divergence), so it is healthy;
+    an engine copy whose layer-0 indexer key projection is negated fails the selection check at layer 0
+    (and the file diff names the tensor)."""
+    gguf = fixtures_mla.build("glm", tmp_path, **GLM_RUNNABLE).gguf_path
+    res = dg.run(dg.Inputs(gguf=gguf, engine="llama.cpp", token_ids=IDS, threads=2))
+    by = {g.check: g for g in res.findings}
+    assert by["dsa-selection"].status == "pass" and by["dsa-selection"].metrics["layers"] == 3, by["dsa-selection"]
+    assert by["engine-vs-reference"].status == "pass" and by["layer-localization"].status == "pass"
+    assert res.exit_code == 0, res.verdict
+
+    bad = tmp_path / "bad-indexer.gguf"
+    shutil.copyfile(gguf, bad)
+    with open_gguf(bad) as g:
+        t = g.tensor("blk.0.indexer.attn_k.weight")
+        assert t.type.name == "F32"
+        start, n = t.offset, t.nbytes // 4
+    wk = np.memmap(bad, dtype=np.float32, mode="r+", offset=start, shape=(n,))
+    wk *= -1.0
+    wk.flush()
+    del wk
+    res = dg.run(dg.Inputs(gguf=gguf, engine="llama.cpp", engine_gguf=bad, token_ids=IDS, threads=2))
+    sel = next(g for g in res.findings if g.check == "dsa-selection")
+    assert sel.status == "fail" and sel.metrics["first_layer"] == 0, sel
+    assert "sparse-attention indexer selects other keys from layer 0" in sel.explanation
+    assert res.exit_code == 1 and "blk.0.indexer.attn_k.weight" in res.verdict  # the engine-file diff names it first
+
+
 @pytest.mark.parametrize("child,says", [("aborting", "llama.cpp crashed"), ("hanging", "did not finish")])
 def test_run_isolated_turns_a_dead_child_into_an_engine_error(monkeypatch, child, says):
     from llmdoctor.subjects.engines import llama_cpp

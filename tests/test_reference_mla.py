@@ -85,21 +85,7 @@ def float64_bound(path, ids, overrides=None) -> tuple[float, torch.Tensor, dict]
 
 def _forward(model, ids, extra):
     """Our forward with optional per-run Step.extra entries (the DSA selection override)."""
-    if not extra:
-        return model.forward(ids, capture={"top_k-*", "indexer_score-*"})
-    import llmdoctor.reference.forward as fwd
-
-    orig = fwd.Step.__init__
-
-    def init(self, *a, **k):
-        orig(self, *a, **k)
-        self.extra.update(extra)
-
-    fwd.Step.__init__ = init
-    try:
-        return model.forward(ids, capture={"top_k-*", "indexer_score-*"})
-    finally:
-        fwd.Step.__init__ = orig
+    return model.forward(ids, capture={"top_k-*", "indexer_score-*"}, extra=extra)
 
 
 def hf_logits(fixture, ids, indices: dict[int, torch.Tensor] | None = None, record: dict | None = None):

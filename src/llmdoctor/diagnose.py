@@ -15,6 +15,10 @@ float32 run with its per-layer statistics and captures, and the engine's run.
 
 from __future__ import annotations
 
+import numpy as np
+import torch
+
+
 import math
 import time
 from dataclasses import dataclass, field
@@ -33,7 +37,8 @@ FP16_MAX = 65504.0
 ENGINES = ("llama.cpp", "transformers", "vllm")
 CONFIDENCE_ORDER = {"high": 0, "medium": 1, "low": 2, "": 3}
 # Reference capture points compared with an engine's (checks/layers.py POINTS).
-REFERENCE_POINTS = ("l_out-*", "attn_norm-*", "kqv_out-*", "ffn_inp-*", "ffn_out-*", "ffn_moe_topk-*", "result_norm")
+REFERENCE_POINTS = ("l_out-*", "attn_norm-*", "kqv_out-*", "ffn_inp-*", "ffn_out-*", "ffn_moe_topk-*", "top_k-*",
+                    "indexer_score-*", "result_norm")
 
 
 class Skip(Exception):
@@ -139,10 +144,14 @@ class Session:
         def make():
             from .reference.emulate import LLAMA_CPP_CPU
 
+            from .reference.arch_deepseek import DSA_OVERRIDE
+
+            overrides = self.dsa_overrides()
             self.progress(f"reference forward pass ({dtype}{', ' + emulate + ' arithmetic' if emulate else ''})")
             model = self.model(dtype)
             logits, caps = model.forward(self.tokens(), capture=set(REFERENCE_POINTS),
-                                         emulate=LLAMA_CPP_CPU if emulate == "llama.cpp" else None)
+                                         emulate=LLAMA_CPP_CPU if emulate == "llama.cpp" else None,
+                                         extra={DSA_OVERRIDE: overrides} if overrides else None)
             return logits, caps, [st.as_dict() for st in model.stats]
 
         return self.once(f"reference-{dtype}-{emulate}", make)
@@ -184,7 +193,8 @@ class Session:
             # in a child process: an abort inside llama.cpp must not end the diagnosis
             run = llama_cpp.run_isolated(
                 path, self.tokens(), n_threads=self.inputs.threads,
-                capture=("l_out-*", "attn_norm-*", "kqv_out-*", "sa_out-*", "ffn_out-*", "ffn_moe_topk-*", "result_norm"))
+                capture=("l_out-*", "attn_norm-*", "kqv_out-*", "sa_out-*", "ffn_out-*", "ffn_moe_topk-*", "top_k-*",
+                         "result_norm"))
             return run.logits, engine_names_to_reference(run.captures, LLAMA_CPP_ALIASES), run.info
         from .subjects.engines import transformers as hf_engine
 
@@ -193,6 +203,40 @@ class Session:
         run = hf_engine.run(path, self.tokens(), dtype=dtype, n_threads=self.inputs.threads,
                             dequant_kernel=self.inputs.dequant_kernel)
         return run.logits, run.captures, run.info
+
+    def dsa_overrides(self) -> dict | None:
+        """The engine's sparse-attention key selections ({layer: indices [T, k]}) when the model has a DSA
+        indexer and the engine exposes them: every reference run then attends to the keys the engine
+        chose. The model does not say which of the keys tied at the k-th index score to take (ReLU
+        scores are often exactly 0), and a different tie-break moves the attention output far more than
+        any arithmetic; whether each choice is one the model allows is the dsa-selection check's."""
+        cfg = self.config()
+        if cfg.mla is None or cfg.mla.indexer is None or self.inputs.engine is None:
+            return None
+        try:
+            _, caps, _ = self.engine_run()
+        except Skip:
+            return None
+        out = {}
+        for il in range(cfg.n_layer):
+            sel = caps.get(f"top_k-{il} (view)", caps.get(f"top_k-{il}"))
+            if sel is not None:
+                out[il] = torch.as_tensor(np.asarray(sel, dtype=np.int64))
+        return out or None
+
+    def divergence(self):
+        """(error curve, first divergent layer or None, its point) of the engine's activations against
+        the reference, noise-aware (checks/layers.py)."""
+        def make():
+            from .checks.layers import error_curve, first_divergent_layer
+
+            _, engine_caps, _ = self.engine_run()
+            _, ref_caps, _ = self.reference("float32")
+            _, emu_caps, _ = self.budget_reference()
+            curve = error_curve(ref_caps, emu_caps, engine_caps, self.config().n_layer)
+            return (curve, *first_divergent_layer(curve)) if curve else (curve, None, None)
+
+        return self.once("divergence", make)
 
     def budget_reference(self):
         """The reference run with the engine's arithmetic: how far a healthy engine may be."""
@@ -458,6 +502,61 @@ def h_engine_vs_reference(s: Session) -> list[Finding]:
     )]
 
 
+def h_dsa_selection(s: Session) -> list[Finding]:
+    """Per layer with a DSA indexer (GLM-5 glm-dsa): whether the keys the engine's indexer selects for
+    each query (`top_k-{i}`) are among the reference's top k by the reference's own index scores (ties
+    at the k-th score may go either way), against what the engine's own arithmetic explains (the
+    emulated run's). A wrong indexer (rope on the wrong dims, a missing weight, the wrong scale) shows
+    here before the attention output does."""
+    from .checks.layers import routing_limit, selection_disagreement
+
+    m = s.config().mla
+    if m is None or m.indexer is None:
+        raise Skip(f"{s.config().arch} has no sparse-attention indexer")
+    _, engine_caps, _ = s.engine_run()
+    _, ref_caps, _ = s.reference("float32")
+    _, emu_caps, _ = s.budget_reference()
+    rows, scores, emu_scores, k = [], None, None, m.indexer.top_k
+    for il in range(s.config().n_layer):
+        # a shared layer uses the last full layer's scores
+        scores = ref_caps.get(f"indexer_score-{il}", scores)
+        emu_scores = emu_caps.get(f"indexer_score-{il}", emu_scores)
+        name = f"top_k-{il}"
+        # llama.cpp: the view of the selection that layer il's attention reads is "top_k-{il} (view)" (its
+        # own indexer's or the shared one's); the bare "top_k-{il}" node name is not reliably that layer's
+        engine_sel = engine_caps.get(f"{name} (view)", engine_caps.get(name))
+        if scores is not None and emu_scores is not None and engine_sel is not None:
+            # the noise: what the engine's arithmetic would pick from the same state (the emulated run's
+            # own top k; its selections themselves are the engine's, swapped in, see dsa_overrides)
+            emu_sel = np.argsort(-np.asarray(emu_scores, dtype=np.float64), axis=1, kind="stable")[:, :k]
+            rows.append({"layer": il, "disagreement": selection_disagreement(scores, engine_sel, k),
+                         "noise": selection_disagreement(scores, emu_sel, k), "limit": 0.0})
+            rows[-1]["limit"] = routing_limit(rows[-1]["noise"], int(scores.shape[0]))
+    if not rows:
+        raise Skip("the engine exposed no indexer selections (top_k)")
+    bad = [r for r in rows if r["disagreement"] > r["limit"]]
+    if not bad:
+        return [_finding("dsa-selection", s.inputs.engine, f"{len(rows)} indexer layers", "pass", confidence="high",
+                         hypothesis="the engine's indexer selects the reference's keys",
+                         metrics={"layers": len(rows), "max_disagreement": max(r["disagreement"] for r in rows)},
+                         evidence=rows, explanation=f"key selections agree in {len(rows)} indexer layers")]
+    first = bad[0]
+    _, layer, point = s.divergence()
+    if layer is not None and (layer < first["layer"] or layer == first["layer"] and point.point == "attn_norm"):
+        raise Skip(f"the indexer's inputs already differ: the engine diverges at {point.point}-{layer}, upstream of "
+                   f"the first layer whose key selection differs ({first['layer']})")
+    return [_finding("dsa-selection", s.inputs.engine, f"layer {first['layer']}", "fail", confidence="high",
+                     hypothesis="the engine's indexer selects the reference's keys",
+                     metrics={"first_layer": first["layer"], **first}, evidence=rows,
+                     explanation=f"the sparse-attention indexer selects other keys from layer {first['layer']}: "
+                                 f"{first['disagreement']:.0%} of queries (its arithmetic explains {first['limit']:.0%}); "
+                                 f"check the indexer's rope dims and order, k norm, head weights and scale")]
+
+
+# Capture points of a layer that come before its MoE router (which reads the normed FFN input).
+_BEFORE_ROUTER = frozenset({"attn_norm", "kqv_out", "attn_out", "ffn_inp", "ffn_norm"})
+
+
 def h_moe_routing(s: Session) -> list[Finding]:
     """Per MoE layer: the engine's chosen experts vs the reference's (`ffn_moe_topk-{i}`), against the
     flips the engine's own arithmetic explains (the emulated run's). A missing score-correction bias,
@@ -487,6 +586,11 @@ def h_moe_routing(s: Session) -> list[Finding]:
                          evidence=rows, explanation=f"expert choices agree in {len(rows)} MoE layers "
                                                     f"(max disagreement {max(r['disagreement'] for r in rows):.0%})")]
     first = bad[0]
+    _, layer, point = s.divergence()
+    if layer is not None and (layer < first["layer"] or layer == first["layer"] and point.point in _BEFORE_ROUTER):
+        raise Skip(f"the router's inputs already differ: the engine diverges at {point.point}-{layer}, upstream of "
+                   f"the first layer whose routing differs ({first['layer']}: {first['disagreement']:.0%} of "
+                   f"positions chose other experts); routing cannot be judged apart from that divergence")
     return [_finding("moe-routing", s.inputs.engine, f"layer {first['layer']}", "fail", confidence="high",
                      hypothesis="the engine routes tokens to the reference's experts",
                      metrics={"first_layer": first["layer"], **first}, evidence=rows,
@@ -497,16 +601,10 @@ def h_moe_routing(s: Session) -> list[Finding]:
 
 def h_layer_localization(s: Session) -> list[Finding]:
     """Where the engine's activations leave the reference (noise-aware, layer by layer)."""
-    from .checks.layers import error_curve, first_divergent_layer
-
-    _, engine_caps, _ = s.engine_run()
-    _, ref_caps, _ = s.reference("float32")
-    _, emu_caps, _ = s.budget_reference()
-    curve = error_curve(ref_caps, emu_caps, engine_caps, s.config().n_layer)
+    curve, layer, point = s.divergence()
     if not curve:
         raise Skip("the engine exposed no activations that map onto the reference's capture points")
     s.curve = [p.as_dict() for p in curve]
-    layer, point = first_divergent_layer(curve)
     if layer is None:
         worst = max(curve, key=lambda p: p.error / p.limit)
         return [_finding("layer-localization", s.inputs.engine, "layers", "pass", confidence="high",
@@ -632,6 +730,8 @@ def plan(inputs: Inputs) -> list[Hypothesis]:
         Hypothesis("dequant", "Is the engine's dequant kernel right?", h_dequant),
         Hypothesis("fp16-overflow", "Does the model overflow in float16?", h_fp16_overflow),
         Hypothesis("attention", "Are the attention kernels right?", h_attention),
+        Hypothesis("dsa-selection", "Does the engine's sparse-attention indexer select the reference's keys?",
+                   h_dsa_selection),
         Hypothesis("moe-routing", "Does the engine route tokens to the reference's experts?", h_moe_routing),
         Hypothesis("engine-vs-reference", "Does the engine compute the model's distribution?",
                    h_engine_vs_reference),

@@ -101,6 +101,26 @@ def routing_disagreement(want: Any, got: Any) -> float:
     return float((a != b).any(-1).mean()) if a.size else 0.0
 
 
+def selection_disagreement(scores: Any, selected: Any, top_k: int, rel_tol: float = 1e-5) -> float:
+    """Fraction of queries whose selection includes a visible key the reference ranks strictly below its
+    own k-th best (by more than `rel_tol` of the row's largest |score|). Keys tied with the k-th
+    best (ReLU index scores are often exactly 0) may be picked either way: that is not a disagreement.
+    scores: float [T, S] (the reference's index scores, -inf where not visible); selected: int [T, k]."""
+    import numpy as np
+
+    sc = np.asarray(scores, dtype=np.float64)
+    sel = np.asarray(selected, dtype=np.int64)
+    t_idx = np.arange(sc.shape[0])[:, None]
+    visible = (sel >= 0) & (sel <= t_idx) & (sel < sc.shape[1])
+    finite = np.where(np.isfinite(sc), sc, -np.inf)
+    k = min(top_k, sc.shape[1])
+    kth = -np.sort(-finite, axis=1)[:, k - 1:k]  # [T, 1]: the k-th best visible score (-inf if fewer)
+    scale = np.max(np.abs(np.where(np.isfinite(sc), sc, 0.0)), axis=1, keepdims=True)
+    picked = np.take_along_axis(finite, np.clip(sel, 0, sc.shape[1] - 1), axis=1)
+    below = visible & (picked < kth - rel_tol * scale)
+    return float(below.any(axis=1).mean()) if sc.size else 0.0
+
+
 def routing_limit(noise: float, n_positions: int) -> float:
     """Most disagreement a healthy engine shows: its own arithmetic flips near-tied routing decisions
     as often as the emulated run does (`noise`), give or take three binomial standard errors (with

@@ -395,23 +395,24 @@ class ReferenceModel:
     @torch.no_grad()  # not inference_mode: its tensors break in-place ops of dequant kernels run later
     def forward(self, token_ids, capture: Iterable[str] | None = None, *, all_logits: bool = True,
                 emulate: "EnginePrecision | None | object" = _DEFAULT,
-                attention: "Callable[..., torch.Tensor] | None" = None,
+                attention: "Callable[..., torch.Tensor] | None" = None, extra: dict | None = None,
                 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """logits [T, n_vocab] (or [1, n_vocab] for the last position with all_logits=False) in the
         run dtype, and {capture name: tensor}. Positions are 0..T-1 (one sequence). `emulate`
         (default: the model's) reproduces an engine's arithmetic for this run (reference/emulate.py);
-        `attention` swaps a suspect dense attention kernel in for every layer (op substitution)."""
+        `attention` swaps a suspect dense attention kernel in for every layer (op substitution);
+        `extra` seeds the per-run state blocks share (e.g. arch_deepseek.DSA_OVERRIDE)."""
         emulate = self.emulate if emulate is _DEFAULT else emulate
         token = _EMULATING.set((emulate, self.weights) if emulate is not None else None)
         swap = _ATTENTION.set(attention)
         try:
-            return self._forward(token_ids, capture, all_logits)
+            return self._forward(token_ids, capture, all_logits, dict(extra or {}))
         finally:
             _ATTENTION.reset(swap)
             _EMULATING.reset(token)
 
-    def _forward(self, token_ids, capture: Iterable[str] | None,
-                 all_logits: bool) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def _forward(self, token_ids, capture: Iterable[str] | None, all_logits: bool,
+                 extra: dict) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         cfg = self.config
         ids = torch.as_tensor(token_ids, dtype=torch.long).reshape(-1)
         if ids.numel() == 0:
@@ -424,7 +425,6 @@ class ReferenceModel:
             x = x * cfg.embed_scale
             rec("inp_scaled", x)
         positions = torch.arange(ids.numel(), device=self.device)
-        extra: dict = {}
         for il in range(cfg.n_layer - cfg.n_nextn):  # NextN/MTP blocks are not part of the forward pass
             st = Step(cfg, il, positions, self.weights, rec, self.kv_chunk, extra)
             x = self.block(st, x)
