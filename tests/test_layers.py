@@ -68,3 +68,19 @@ def test_blow_up_diverges_even_when_the_budget_blows_up_too():
     assert first_divergent_layer(curve) == (None, None)  # layer 2 alone heals in this synthetic case
     engine["attn_norm-3"] = engine["attn_norm-3"] * float("nan")
     assert first_divergent_layer(error_curve(ref, budget, engine, N_LAYER))[0] == 2
+
+
+def test_selection_disagreement_allows_ties_at_the_kth_score_only():
+    import numpy as np
+
+    from llmdoctor.checks.layers import selection_disagreement
+
+    inf = float("-inf")
+    scores = np.array([[1.0, inf, inf, inf],       # query 0 sees key 0 only
+                       [0.0, 0.0, inf, inf],       # query 1: two keys tied at 0
+                       [3.0, 0.0, 0.0, inf],       # query 2: top-2 = key 0 and one of the tied keys 1, 2
+                       [3.0, 2.0, 1.0, 0.5]])
+    ok = np.array([[0, 3], [1, 0], [0, 2], [0, 1]])   # an invisible pick (3 > 0) is filler, not counted
+    assert selection_disagreement(scores, ok, 2) == 0.0
+    bad = np.array([[0, 3], [1, 0], [0, 2], [0, 3]])  # query 3 took key 3 (0.5) over key 1 (2.0)
+    assert selection_disagreement(scores, bad, 2) == 0.25
