@@ -84,3 +84,19 @@ def test_selection_disagreement_allows_ties_at_the_kth_score_only():
     assert selection_disagreement(scores, ok, 2) == 0.0
     bad = np.array([[0, 3], [1, 0], [0, 2], [0, 3]])  # query 3 took key 3 (0.5) over key 1 (2.0)
     assert selection_disagreement(scores, bad, 2) == 0.25
+
+
+def test_selection_disagreement_catches_short_duplicated_padded_and_future_picks():
+    import numpy as np
+
+    from llmdoctor.checks.layers import selection_disagreement
+
+    inf = float("-inf")
+    scores = np.array([[1.0, inf, inf, inf], [2.0, 1.0, inf, inf], [3.0, 2.0, 1.0, inf], [3.0, 2.0, 1.0, 0.5]])
+    good = np.array([[0, 3], [0, 1], [0, 1], [0, 1]])
+    assert selection_disagreement(scores, good, 2) == 0.0
+    for wrong in ([[0, 0], [1, 1], [2, 2], [3, 3]],        # duplicates: one key attended to, not two
+                  [[0, 9], [0, 9], [0, 9], [0, 9]],        # padding index instead of a second key
+                  [[0, 1], [1, 2], [2, 3], [3, 3]]):       # future keys
+        assert selection_disagreement(scores, np.array(wrong), 2) > 0.5, wrong
+    assert selection_disagreement(scores, np.array([[0], [0], [0], [0]]), 2) == 1.0  # short rows

@@ -215,6 +215,46 @@ def test_glm_dsa_in_llama_cpp_is_healthy_and_a_wrong_indexer_is_named(tmp_path):
     assert res.exit_code == 1 and "blk.0.indexer.attn_k.weight" in res.verdict  # the engine-file diff names it first
 
 
+def test_a_missing_correction_bias_is_named_at_routing(deepseek, tmp_path):
+    """An engine copy without the score-correction bias (exp_probs_b zeroed): routing flips at the first
+    MoE layer diverge its FFN output with the same router inputs, so routing is named there, even
+    when the flips there are few and later layers' routing only differs downstream of them."""
+    bad = tmp_path / "no-bias.gguf"
+    shutil.copyfile(deepseek, bad)
+    with open_gguf(bad) as g:
+        spans = [(t.offset, t.nbytes // 4) for t in g.tensors if t.name.endswith("exp_probs_b.bias")]
+    assert spans
+    for start, n in spans:
+        bias = np.memmap(bad, dtype=np.float32, mode="r+", offset=start, shape=(n,))
+        bias[:] = 0.0
+        bias.flush()
+        del bias
+    res = dg.run(dg.Inputs(gguf=deepseek, engine="llama.cpp", engine_gguf=bad, token_ids=IDS, threads=2))
+    routing = next(g for g in res.findings if g.check == "moe-routing")
+    assert routing.status == "fail" and routing.metrics["first_layer"] == 1, routing
+
+
+def test_routing_differences_downstream_of_an_attention_fault_are_not_blamed_on_routing(deepseek, monkeypatch):
+    """transformers with layer 1's attention output scaled by 1.5 (a hook on its self_attn): the router
+    of layer 1 reads a different input (ffn_norm-1, captured from the router hook), so its different
+    choices are not reported as a routing fault; the divergence is, at layer 1."""
+    from llmdoctor.subjects.engines import transformers as hf_engine
+
+    build = hf_engine.build
+
+    def faulty_build(*args, **kwargs):
+        model, cfg = build(*args, **kwargs)
+        model.model.layers[1].self_attn.register_forward_hook(lambda m, i, o: (o[0] * 1.5, *o[1:]))
+        return model, cfg
+
+    monkeypatch.setattr(hf_engine, "build", faulty_build)
+    res = dg.run(dg.Inputs(gguf=deepseek, engine="transformers", token_ids=IDS, threads=2))
+    by = {g.check: g for g in res.findings}
+    assert by["moe-routing"].status == "skip" and "router's inputs already differ at layer 1" in by["moe-routing"].reason
+    assert by["layer-localization"].status == "fail" and by["layer-localization"].metrics["first_divergent_layer"] == 1
+    assert "MoE routing" not in res.verdict
+
+
 @pytest.mark.parametrize("child,says", [("aborting", "llama.cpp crashed"), ("hanging", "did not finish")])
 def test_run_isolated_turns_a_dead_child_into_an_engine_error(monkeypatch, child, says):
     from llmdoctor.subjects.engines import llama_cpp

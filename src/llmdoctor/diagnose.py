@@ -37,8 +37,8 @@ FP16_MAX = 65504.0
 ENGINES = ("llama.cpp", "transformers", "vllm")
 CONFIDENCE_ORDER = {"high": 0, "medium": 1, "low": 2, "": 3}
 # Reference capture points compared with an engine's (checks/layers.py POINTS).
-REFERENCE_POINTS = ("l_out-*", "attn_norm-*", "kqv_out-*", "ffn_inp-*", "ffn_out-*", "ffn_moe_topk-*", "top_k-*",
-                    "indexer_score-*", "result_norm")
+REFERENCE_POINTS = ("l_out-*", "attn_norm-*", "kqv_out-*", "ffn_inp-*", "ffn_norm-*", "ffn_out-*", "ffn_moe_topk-*",
+                    "top_k-*", "indexer_score-*", "result_norm")
 
 
 class Skip(Exception):
@@ -144,14 +144,11 @@ class Session:
         def make():
             from .reference.emulate import LLAMA_CPP_CPU
 
-            from .reference.arch_deepseek import DSA_OVERRIDE
-
-            overrides = self.dsa_overrides()
+            extra = self.reference_extra()
             self.progress(f"reference forward pass ({dtype}{', ' + emulate + ' arithmetic' if emulate else ''})")
             model = self.model(dtype)
             logits, caps = model.forward(self.tokens(), capture=set(REFERENCE_POINTS),
-                                         emulate=LLAMA_CPP_CPU if emulate == "llama.cpp" else None,
-                                         extra={DSA_OVERRIDE: overrides} if overrides else None)
+                                         emulate=LLAMA_CPP_CPU if emulate == "llama.cpp" else None, extra=extra)
             return logits, caps, [st.as_dict() for st in model.stats]
 
         return self.once(f"reference-{dtype}-{emulate}", make)
@@ -193,8 +190,8 @@ class Session:
             # in a child process: an abort inside llama.cpp must not end the diagnosis
             run = llama_cpp.run_isolated(
                 path, self.tokens(), n_threads=self.inputs.threads,
-                capture=("l_out-*", "attn_norm-*", "kqv_out-*", "sa_out-*", "ffn_out-*", "ffn_moe_topk-*", "top_k-*",
-                         "result_norm"))
+                capture=("l_out-*", "attn_norm-*", "kqv_out-*", "sa_out-*", "ffn_norm-*", "ffn_out-*", "ffn_moe_topk-*",
+                         "top_k-*", "result_norm"))
             return run.logits, engine_names_to_reference(run.captures, LLAMA_CPP_ALIASES), run.info
         from .subjects.engines import transformers as hf_engine
 
@@ -203,6 +200,13 @@ class Session:
         run = hf_engine.run(path, self.tokens(), dtype=dtype, n_threads=self.inputs.threads,
                             dequant_kernel=self.inputs.dequant_kernel)
         return run.logits, run.captures, run.info
+
+    def reference_extra(self) -> dict | None:
+        """Per-run state for every reference forward pass of this diagnosis (the engine's DSA picks)."""
+        from .reference.arch_deepseek import DSA_OVERRIDE
+
+        overrides = self.dsa_overrides()
+        return {DSA_OVERRIDE: overrides} if overrides else None
 
     def dsa_overrides(self) -> dict | None:
         """The engine's sparse-attention key selections ({layer: indices [T, k]}) when the model has a DSA
@@ -513,6 +517,9 @@ def h_dsa_selection(s: Session) -> list[Finding]:
     m = s.config().mla
     if m is None or m.indexer is None:
         raise Skip(f"{s.config().arch} has no sparse-attention indexer")
+    if len(s.tokens()) <= m.indexer.top_k:
+        raise Skip(f"{len(s.tokens())} tokens, top-k {m.indexer.top_k}: every query selects every key it sees "
+                   "(give a longer prompt to test the indexer)")
     _, engine_caps, _ = s.engine_run()
     _, ref_caps, _ = s.reference("float32")
     _, emu_caps, _ = s.budget_reference()
@@ -554,7 +561,7 @@ def h_dsa_selection(s: Session) -> list[Finding]:
 
 
 # Capture points of a layer that come before its MoE router (which reads the normed FFN input).
-_BEFORE_ROUTER = frozenset({"attn_norm", "kqv_out", "attn_out", "ffn_inp", "ffn_norm"})
+_BEFORE_ROUTER = frozenset({"attn_norm", "kqv_out", "ffn_inp"})
 
 
 def h_moe_routing(s: Session) -> list[Finding]:
@@ -578,25 +585,46 @@ def h_moe_routing(s: Session) -> list[Finding]:
             rows.append({"layer": il, "disagreement": got, "noise": noise, "limit": routing_limit(noise, n)})
     if not rows:
         raise Skip("the engine exposed no routing decisions (ffn_moe_topk)")
-    bad = [r for r in rows if r["disagreement"] > r["limit"]]
-    if not bad:
-        return [_finding("moe-routing", s.inputs.engine, f"{len(rows)} MoE layers", "pass", confidence="high",
-                         hypothesis="the engine routes tokens to the reference's experts",
-                         metrics={"layers": len(rows), "max_disagreement": max(r["disagreement"] for r in rows)},
-                         evidence=rows, explanation=f"expert choices agree in {len(rows)} MoE layers "
-                                                    f"(max disagreement {max(r['disagreement'] for r in rows):.0%})")]
-    first = bad[0]
-    _, layer, point = s.divergence()
-    if layer is not None and (layer < first["layer"] or layer == first["layer"] and point.point in _BEFORE_ROUTER):
-        raise Skip(f"the router's inputs already differ: the engine diverges at {point.point}-{layer}, upstream of "
-                   f"the first layer whose routing differs ({first['layer']}: {first['disagreement']:.0%} of "
-                   f"positions chose other experts); routing cannot be judged apart from that divergence")
-    return [_finding("moe-routing", s.inputs.engine, f"layer {first['layer']}", "fail", confidence="high",
+    curve, _, _ = s.divergence()
+    diverged = {(p.layer, p.point) for p in curve if p.divergent}
+    for r in rows:  # the first MoE layer whose routing is wrong given the same inputs
+        il = r["layer"]
+        upstream = _router_inputs_differ(s, il, engine_caps, ref_caps, emu_caps, diverged)
+        if upstream:
+            raise Skip(f"the router's inputs already differ at layer {il} ({upstream}); routing there "
+                       f"({r['disagreement']:.0%} of positions chose other experts) cannot be judged apart from "
+                       "that divergence")
+        consequence = next((f"{pt}-{il}" for pt in ("ffn_out", "l_out") if (il, pt) in diverged), None)
+        if r["disagreement"] > r["limit"] or (consequence and r["disagreement"] > r["noise"]):
+            why = (f"its arithmetic explains {r['limit']:.0%}" if r["disagreement"] > r["limit"] else
+                   f"its arithmetic explains {r['noise']:.0%}, and {consequence} diverges with the same inputs")
+            return [_finding("moe-routing", s.inputs.engine, f"layer {il}", "fail", confidence="high",
+                             hypothesis="the engine routes tokens to the reference's experts",
+                             metrics={"first_layer": il, **r}, evidence=rows,
+                             explanation=f"MoE routing differs from layer {il}: {r['disagreement']:.0%} of positions "
+                                         f"chose other experts ({why}): check the score-correction bias, "
+                                         "grouped top-k and gating function")]
+    return [_finding("moe-routing", s.inputs.engine, f"{len(rows)} MoE layers", "pass", confidence="high",
                      hypothesis="the engine routes tokens to the reference's experts",
-                     metrics={"first_layer": first["layer"], **first}, evidence=rows,
-                     explanation=f"MoE routing differs from layer {first['layer']}: {first['disagreement']:.0%} of "
-                                 f"positions chose other experts (its arithmetic explains {first['limit']:.0%}): "
-                                 f"check the score-correction bias, grouped top-k and gating function")]
+                     metrics={"layers": len(rows), "max_disagreement": max(r["disagreement"] for r in rows)},
+                     evidence=rows, explanation=f"expert choices agree in {len(rows)} MoE layers "
+                                                f"(max disagreement {max(r['disagreement'] for r in rows):.0%})")]
+
+
+def _router_inputs_differ(s: Session, il: int, engine_caps, ref_caps, emu_caps, diverged: set) -> str:
+    """Why layer il's router does not see the reference's input ("" when it does): its input itself
+    (`ffn_norm-{il}`) beyond the engine's noise when both sides expose it, else a divergent point
+    upstream of the router in the layer curve."""
+    from .checks import metrics as M
+    from .checks.layers import PointError
+
+    name = f"ffn_norm-{il}"
+    if name in engine_caps and name in ref_caps and name in emu_caps:
+        p = PointError(il, "ffn_norm", M.rel_l2(engine_caps[name], ref_caps[name]),
+                       M.rel_l2(emu_caps[name], ref_caps[name]))
+        return f"{name} is off by {p.error:.3g} where the engine's noise is {p.noise:.3g}" if p.divergent else ""
+    before = sorted((layer, pt) for layer, pt in diverged if layer < il or layer == il and pt in _BEFORE_ROUTER)
+    return f"the engine diverges at {before[0][1]}-{before[0][0]}" if before else ""
 
 
 def h_layer_localization(s: Session) -> list[Finding]:
@@ -659,7 +687,7 @@ def substitutions(s: Session, point) -> list[dict[str, Any]]:
                 from .reference import load
 
                 with load(s.inputs.gguf, dequantizer=kd) as model:
-                    _, caps = model.forward(s.tokens(), capture={name})
+                    _, caps = model.forward(s.tokens(), capture={name}, extra=s.reference_extra())
             ok, err = reproduces(caps)
             out.append({"swap": f"the dequant kernel {s.inputs.dequant_kernel!r}", "reproduces": ok, "error": err})
         except Exception as e:  # the suspect kernel may crash: that is evidence too, not our failure
@@ -671,7 +699,7 @@ def substitutions(s: Session, point) -> list[dict[str, Any]]:
         s.progress(f"reference with the attention kernel {s.inputs.attention_impl!r} swapped in")
         try:
             with PrefillAttention(s.inputs.attention_impl) as swapped:
-                _, caps = s.model().forward(s.tokens(), capture={name}, attention=swapped)
+                _, caps = s.model().forward(s.tokens(), capture={name}, attention=swapped, extra=s.reference_extra())
             ok, err = reproduces(caps)
             out.append({"swap": f"the attention kernel {s.inputs.attention_impl!r}", "reproduces": ok, "error": err})
         except Exception as e:

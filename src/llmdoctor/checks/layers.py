@@ -102,23 +102,33 @@ def routing_disagreement(want: Any, got: Any) -> float:
 
 
 def selection_disagreement(scores: Any, selected: Any, top_k: int, rel_tol: float = 1e-5) -> float:
-    """Fraction of queries whose selection includes a visible key the reference ranks strictly below its
-    own k-th best (by more than `rel_tol` of the row's largest |score|). Keys tied with the k-th
-    best (ReLU index scores are often exactly 0) may be picked either way: that is not a disagreement.
-    scores: float [T, S] (the reference's index scores, -inf where not visible); selected: int [T, k]."""
+    """Fraction of queries whose selection is not a top-k set of the reference's own scores. A row
+    agrees when its distinct, in-range, visible picks are min(k, visible keys) many, include every
+    visible key scoring above the k-th best and none scoring below it (by more than `rel_tol` of the
+    row's largest |score|): keys tied with the k-th best (ReLU index scores are often exactly 0) may be
+    picked either way. Duplicates, padding indices, future keys and short rows therefore disagree.
+    scores: float [T, S] (the reference's index scores, -inf where not visible); selected: int [T, k']."""
     import numpy as np
 
     sc = np.asarray(scores, dtype=np.float64)
     sel = np.asarray(selected, dtype=np.int64)
-    t_idx = np.arange(sc.shape[0])[:, None]
-    visible = (sel >= 0) & (sel <= t_idx) & (sel < sc.shape[1])
+    t_n, s_n = sc.shape
+    k = min(top_k, s_n)
+    if sel.ndim != 2 or sel.shape[0] != t_n or sel.shape[1] != k:
+        return 1.0
     finite = np.where(np.isfinite(sc), sc, -np.inf)
-    k = min(top_k, sc.shape[1])
-    kth = -np.sort(-finite, axis=1)[:, k - 1:k]  # [T, 1]: the k-th best visible score (-inf if fewer)
-    scale = np.max(np.abs(np.where(np.isfinite(sc), sc, 0.0)), axis=1, keepdims=True)
-    picked = np.take_along_axis(finite, np.clip(sel, 0, sc.shape[1] - 1), axis=1)
-    below = visible & (picked < kth - rel_tol * scale)
-    return float(below.any(axis=1).mean()) if sc.size else 0.0
+    n_visible = np.isfinite(finite).sum(axis=1)  # [T]
+    kth = -np.sort(-finite, axis=1)[:, k - 1]  # [T]: the k-th best visible score (-inf if fewer)
+    tol = rel_tol * np.max(np.abs(np.where(np.isfinite(sc), sc, 0.0)), axis=1)  # [T]
+    bad = np.zeros(t_n, dtype=bool)
+    for t in range(t_n):
+        picks = {int(j) for j in sel[t] if 0 <= j < s_n and np.isfinite(finite[t, j])}
+        if len(picks) != min(k, int(n_visible[t])):
+            bad[t] = True
+            continue
+        above = np.nonzero(finite[t] > kth[t] + tol[t])[0]
+        bad[t] = any(int(j) not in picks for j in above) or any(finite[t, j] < kth[t] - tol[t] for j in picks)
+    return float(bad.mean()) if t_n else 0.0
 
 
 def routing_limit(noise: float, n_positions: int) -> float:

@@ -293,7 +293,8 @@ def _selection(st: Step, h: torch.Tensor, q_resid: torch.Tensor, cos: torch.Tens
         nb = MODEL_TENSOR.INDEXER_K_NORM
         score = mla.indexer_scores(
             h, q_resid, st.w(MODEL_TENSOR.INDEXER_ATTN_Q_B), st.w(MODEL_TENSOR.INDEXER_ATTN_K), st.w(nb),
-            st.w(nb, "bias") if st.has(nb, "bias") else None, st.w(MODEL_TENSOR.INDEXER_PROJ), cos, sin, ix)
+            st.w(nb, "bias") if st.has(nb, "bias") else None, st.w(MODEL_TENSOR.INDEXER_PROJ), cos, sin, ix,
+            linear=linear)
         st.cap("indexer_score", score)
         st.extra[DSA_PREV] = mla.topk_indices(score, ix.top_k) if override is None else override
     elif override is not None:

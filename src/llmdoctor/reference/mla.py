@@ -209,7 +209,8 @@ def layer_norm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, eps: fl
 
 def indexer_scores(x: torch.Tensor, q_resid: torch.Tensor, wq_b: torch.Tensor, wk: torch.Tensor,
                    k_norm_w: torch.Tensor, k_norm_b: torch.Tensor | None, w_proj: torch.Tensor,
-                   cos: torch.Tensor, sin: torch.Tensor, ix: Indexer) -> torch.Tensor:
+                   cos: torch.Tensor, sin: torch.Tensor, ix: Indexer,
+                   linear: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
     """Index scores [T, S] (S = T, causal: -inf above the diagonal) in the accumulation dtype.
 
     x [T, n_embd] (the attention's normed input), q_resid [T, q_lora_rank] (normed q_a output),
@@ -217,10 +218,11 @@ def indexer_scores(x: torch.Tensor, q_resid: torch.Tensor, wq_b: torch.Tensor, w
     """
     t = x.shape[0]
     acc = attn.acc_dtype(x.dtype)
-    iq = (q_resid @ wq_b.t()).view(t, ix.n_head, ix.head_dim)  # [T, Hi, Di]
-    ik = layer_norm(x @ wk.t(), k_norm_w, k_norm_b, ix.k_norm_eps)[:, None, :]  # [T, 1, Di]
+    lin = linear or (lambda a, w: a @ w.t())  # `linear`: the three projections as an emulated engine runs them
+    iq = lin(q_resid, wq_b).view(t, ix.n_head, ix.head_dim)  # [T, Hi, Di]
+    ik = layer_norm(lin(x, wk), k_norm_w, k_norm_b, ix.k_norm_eps)[:, None, :]  # [T, 1, Di]
     iq, ik = rope_pairs(iq, cos, sin).to(acc), rope_pairs(ik, cos, sin)[:, 0].to(acc)  # [T,Hi,Di], [T,Di]
-    w = (x @ w_proj.t()).to(acc) / math.sqrt(ix.head_dim * ix.n_head)  # [T, Hi]
+    w = lin(x, w_proj).to(acc) / math.sqrt(ix.head_dim * ix.n_head)  # [T, Hi]
     s = torch.relu(torch.einsum("thd,sd->ths", iq, ik))  # [T, Hi, S]
     score = torch.einsum("th,ths->ts", w, s)  # [T, S]
     return score.masked_fill(~attn.visible(t, t, device=x.device), float("-inf"))

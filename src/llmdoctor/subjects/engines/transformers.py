@@ -100,12 +100,15 @@ def _routers(model) -> list[tuple[int, torch.nn.Module]]:
     return found
 
 
-def _routing_hook(into: dict[str, np.ndarray], key: str):
-    """A forward hook keeping the experts a router chose: topk_indices [T, k] as int64 (the same
-    capture as llama.cpp's `ffn_moe_topk-{il}`)."""
+def _routing_hook(into: dict[str, np.ndarray], il: int):
+    """A forward hook keeping the experts a router chose, topk_indices [T, k] as int64, and what it
+    read, the normed FFN input [T, n_embd] (the same captures as llama.cpp's `ffn_moe_topk-{il}` and
+    `ffn_norm-{il}`)."""
 
     def hook(module, inputs, output):
-        into[key] = output[2].reshape(-1, output[2].shape[-1]).to(torch.int64).numpy()
+        into[f"ffn_moe_topk-{il}"] = output[2].reshape(-1, output[2].shape[-1]).to(torch.int64).numpy()
+        x = inputs[0]
+        into[f"ffn_norm-{il}"] = x.reshape(-1, x.shape[-1]).float().numpy()
 
     return hook
 
@@ -128,8 +131,7 @@ def run(path: str | os.PathLike, tokens: list[int], *, dtype: str = "float32",
     else:
         model, cfg = build(path, torch_dtype)
     routing: dict[str, np.ndarray] = {}
-    hooks = [module.register_forward_hook(_routing_hook(routing, f"ffn_moe_topk-{il}"))
-             for il, module in _routers(model)]
+    hooks = [module.register_forward_hook(_routing_hook(routing, il)) for il, module in _routers(model)]
     try:
         out = model(torch.tensor([tokens]), output_hidden_states=True, use_cache=False)
     finally:
