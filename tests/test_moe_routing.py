@@ -215,6 +215,27 @@ def test_glm_dsa_in_llama_cpp_is_healthy_and_a_wrong_indexer_is_named(tmp_path):
     assert res.exit_code == 1 and "blk.0.indexer.attn_k.weight" in res.verdict  # the engine-file diff names it first
 
 
+def test_a_quantized_glm_dsa_file_is_healthy_in_llama_cpp(tmp_path):
+    """GLM-DSA quantized by llama.cpp (Q8_0; its indexer weights too): llama.cpp consumes the quantized
+    indexer (so check mapping does not fail it for this engine), and near-ties its quantized index
+    projections flip are within what the emulated run flips."""
+    import ctypes
+
+    import llama_cpp
+
+    src = fixtures_mla.build("glm", tmp_path, **GLM_RUNNABLE).gguf_path
+    out = tmp_path / "glm-q8.gguf"
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = 7
+    assert llama_cpp.llama_model_quantize(str(src).encode(), str(out).encode(), ctypes.byref(params)) == 0
+    with open_gguf(out) as g:
+        assert g.tensor("blk.0.indexer.attn_k.weight").type.name == "Q8_0"
+    res = dg.run(dg.Inputs(gguf=out, engine="llama.cpp", token_ids=IDS, threads=2))
+    by = {g.check: g for g in res.findings if g.status != "skip"}
+    assert by["dsa-selection"].status == "pass", by["dsa-selection"]
+    assert res.exit_code == 0, res.verdict
+
+
 def test_a_missing_correction_bias_is_named_at_routing(deepseek, tmp_path):
     """An engine copy without the score-correction bias (exp_probs_b zeroed): routing flips at the first
     MoE layer diverge its FFN output with the same router inputs, so routing is named there, even

@@ -375,7 +375,7 @@ def h_mapping(s: Session) -> list[Finding]:
     if s.inputs.gguf is None:
         raise Skip("no model file (--gguf)")
     s.progress("name map, shapes and metadata vs " + (str(s.inputs.hf) if s.inputs.hf else "the file's own metadata"))
-    res = mapping.run(s.inputs.gguf, s.inputs.hf)
+    res = mapping.run(s.inputs.gguf, s.inputs.hf, consumer=s.inputs.engine)
     config_only = s.inputs.hf is not None and Path(s.inputs.hf).is_file()
     out, numeric = [], []
     for f in res.findings:

@@ -281,12 +281,20 @@ def _shapes(p: layout.Plan, hf: HFSide, gg: dict[str, Any]) -> list[Finding]:
     return out
 
 
-def _types(gg: dict[str, Any]) -> list[Finding]:
+# Engines measured to consume a quantized DSA indexer (tests/test_moe_routing.py: llama.cpp runs Q8_0 /
+# Q4_0 indexer weights and agrees with the reference; the transformers engine dequantizes every tensor).
+INDEXER_QUANT_OK = ("llama.cpp", "transformers")
+
+
+def _types(gg: dict[str, Any], consumer: str | None = None) -> list[Finding]:
     out = []
     for name, t in gg.items():
         if t.type in UNQUANTIZED:
             continue
-        if ".indexer." in name:
+        if ".indexer." in name and consumer in INDEXER_QUANT_OK:
+            out.append(_finding(f"type/{name}", "pass", f"{name} is {t.type.name}: {consumer} consumes a quantized "
+                                "DSA indexer (vLLM's GGUF loader does not: keep indexer tensors F16/F32 for it)"))
+        elif ".indexer." in name:
             out.append(_finding(f"type/{name}", "fail",
                                 f"{name} is {t.type.name}: engines load the DSA indexer's weights unquantized (the "
                                 "seed's vLLM loader raised KeyError on them). Fix: dequantize it to F16/F32 at load, "
@@ -684,8 +692,9 @@ class Result:
 
 
 def run(path: Path, hf: Path | None = None, *, arch: str | None = None, engine: str | None = None,
-        numeric: bool = True) -> Result:
-    """Every mapping check of the GGUF at `path` against `hf` (checkpoint dir, config.json or None)."""
+        numeric: bool = True, consumer: str | None = None) -> Result:
+    """Every mapping check of the GGUF at `path` against `hf` (checkpoint dir, config.json or None).
+    `consumer`: the engine that will load the file (diagnose's --engine), for the tensor-type rules."""
     import time
 
     t0 = time.perf_counter()
@@ -693,13 +702,13 @@ def run(path: Path, hf: Path | None = None, *, arch: str | None = None, engine: 
         cfg = from_gguf(g)
         arch = arch or cfg.arch
         try:
-            return _run(g, cfg, arch, hf, engine, numeric, t0)
+            return _run(g, cfg, arch, hf, engine, numeric, t0, consumer or engine)
         except KeyError as e:  # a config.json without a field the architecture needs
             raise InputError(f"{hf or path}: the HF config lacks {e} (needed for {arch})") from None
 
 
 def _run(g: Any, cfg: ModelConfig, arch: str, hf: Path | None, engine: str | None, numeric: bool,
-         t0: float) -> Result:
+         t0: float, consumer: str | None) -> Result:
     import time
 
     side = load_hf(hf, g, cfg)
@@ -707,7 +716,7 @@ def _run(g: Any, cfg: ModelConfig, arch: str, hf: Path | None, engine: str | Non
     # files converted before llama.cpp's MLA split (PR 12801) keep kv_b_proj whole as attn_kv_b
     legacy_mla = any(n.endswith(".attn_kv_b.weight") for n in gg)
     p = layout.plan(arch, list(side.shapes), side.config, split_kv_b=not legacy_mla)
-    findings = (_names(p, side, gg) + _collisions(p) + _shapes(p, side, gg) + _types(gg)
+    findings = (_names(p, side, gg) + _collisions(p) + _shapes(p, side, gg) + _types(gg, consumer)
                 + _metadata(cfg, g, side))
     if numeric:
         findings += _numeric(p, side, gg, cfg)
