@@ -27,6 +27,22 @@ def _routing(findings):
     return next(f for f in findings if f.check == "moe-routing")
 
 
+def engine_copy(src, dst, names, scale: float):
+    """A copy of the F32 GGUF `src` at `dst` with the tensors `names` (exact names, or a predicate on
+    the name) multiplied by `scale`: the engine's corrupted copy of the file."""
+    shutil.copyfile(src, dst)
+    pick = names if callable(names) else (lambda n: n in names)
+    with open_gguf(dst) as g:
+        spans = [(t.offset, t.nbytes // 4) for t in g.tensors if pick(t.name)]
+        assert spans and all(t.type.name == "F32" for t in g.tensors if pick(t.name))
+    for start, n in spans:
+        values = np.memmap(dst, dtype=np.float32, mode="r+", offset=start, shape=(n,))
+        values *= scale
+        values.flush()
+        del values
+    return dst
+
+
 def test_routing_metric():
     a = np.array([[1, 2], [3, 4], [5, 6]])
     assert routing_disagreement(a, a[:, ::-1]) == 0.0  # order within top-k does not matter
@@ -151,29 +167,13 @@ def test_moe_mla_models_in_transformers_are_healthy_and_a_bad_expert_is_found(tm
     assert by["layer-localization"].status == "pass" and res.exit_code == 0, res.verdict
     assert by["moe-routing"].status == "pass" and by["moe-routing"].metrics["max_disagreement"] == 0.0
 
-    negated = tmp_path / "bad-router.gguf"  # the engine's layer-1 router scores every expert backwards
-    shutil.copyfile(gguf, negated)
-    with open_gguf(negated) as g:
-        t = g.tensor("blk.1.ffn_gate_inp.weight")
-        start, n = t.offset, t.nbytes // 4
-    router = np.memmap(negated, dtype=np.float32, mode="r+", offset=start, shape=(n,))
-    router *= -1.0
-    router.flush()
-    del router
+    # the engine's layer-1 router scores every expert backwards
+    negated = engine_copy(gguf, tmp_path / "bad-router.gguf", {"blk.1.ffn_gate_inp.weight"}, -1.0)
     res = dg.run(dg.Inputs(gguf=gguf, engine="transformers", engine_gguf=negated, token_ids=IDS, threads=2))
     routing = next(g for g in res.findings if g.check == "moe-routing")
     assert routing.status == "fail" and routing.metrics["first_layer"] == 1, routing
 
-    bad = tmp_path / "bad-experts.gguf"
-    shutil.copyfile(gguf, bad)
-    with open_gguf(bad) as g:
-        t = g.tensor("blk.1.ffn_down_exps.weight")
-        assert t.type.name == "F32"
-        start = t.offset
-    values = np.memmap(bad, dtype=np.float32, mode="r+", offset=start, shape=(t.nbytes // 4,))
-    values *= 3.0
-    values.flush()
-    del values
+    bad = engine_copy(gguf, tmp_path / "bad-experts.gguf", {"blk.1.ffn_down_exps.weight"}, 3.0)
     res = dg.run(dg.Inputs(gguf=gguf, engine="transformers", engine_gguf=bad, token_ids=IDS, threads=2))
     loc = next(g for g in res.findings if g.check == "layer-localization")
     assert loc.status == "fail" and loc.metrics["first_divergent_layer"] == 1, loc
@@ -198,16 +198,7 @@ def test_glm_dsa_in_llama_cpp_is_healthy_and_a_wrong_indexer_is_named(tmp_path):
     assert by["engine-vs-reference"].status == "pass" and by["layer-localization"].status == "pass"
     assert res.exit_code == 0, res.verdict
 
-    bad = tmp_path / "bad-indexer.gguf"
-    shutil.copyfile(gguf, bad)
-    with open_gguf(bad) as g:
-        t = g.tensor("blk.0.indexer.attn_k.weight")
-        assert t.type.name == "F32"
-        start, n = t.offset, t.nbytes // 4
-    wk = np.memmap(bad, dtype=np.float32, mode="r+", offset=start, shape=(n,))
-    wk *= -1.0
-    wk.flush()
-    del wk
+    bad = engine_copy(gguf, tmp_path / "bad-indexer.gguf", {"blk.0.indexer.attn_k.weight"}, -1.0)
     res = dg.run(dg.Inputs(gguf=gguf, engine="llama.cpp", engine_gguf=bad, token_ids=IDS, threads=2))
     sel = next(g for g in res.findings if g.check == "dsa-selection")
     assert sel.status == "fail" and sel.metrics["first_layer"] == 0, sel
@@ -240,16 +231,7 @@ def test_a_missing_correction_bias_is_named_at_routing(deepseek, tmp_path):
     """An engine copy without the score-correction bias (exp_probs_b zeroed): routing flips at the first
     MoE layer diverge its FFN output with the same router inputs, so routing is named there, even
     when the flips there are few and later layers' routing only differs downstream of them."""
-    bad = tmp_path / "no-bias.gguf"
-    shutil.copyfile(deepseek, bad)
-    with open_gguf(bad) as g:
-        spans = [(t.offset, t.nbytes // 4) for t in g.tensors if t.name.endswith("exp_probs_b.bias")]
-    assert spans
-    for start, n in spans:
-        bias = np.memmap(bad, dtype=np.float32, mode="r+", offset=start, shape=(n,))
-        bias[:] = 0.0
-        bias.flush()
-        del bias
+    bad = engine_copy(deepseek, tmp_path / "no-bias.gguf", lambda n: n.endswith("exp_probs_b.bias"), 0.0)
     res = dg.run(dg.Inputs(gguf=deepseek, engine="llama.cpp", engine_gguf=bad, token_ids=IDS, threads=2))
     routing = next(g for g in res.findings if g.check == "moe-routing")
     assert routing.status == "fail" and routing.metrics["first_layer"] == 1, routing
