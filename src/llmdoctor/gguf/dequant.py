@@ -15,8 +15,8 @@ The entry point `dequantize(raw, qtype, shape, ...)` follows the kernel contract
 The work is streamed in chunks of whole blocks: on CPU a chunk's temporaries (a few MiB) stay in
 cache and its result is written once, straight into the output buffer; the chunks of a tensor of
 several chunks are shared by the calling thread and `torch.get_num_threads() - 1` pool threads, each
-running torch single-threaded (the C kernels run outside the GIL, so their chunks are shared
-whatever the tensor's size).
+running torch single-threaded. A native (C) kernel takes the whole tensor in one call outside the GIL
+and its own thread pool (`_dequant_pool.c`) shares the chunks, whatever the tensor's size.
 """
 
 from __future__ import annotations
@@ -62,8 +62,8 @@ _MIN_PARALLEL_CHUNK = _CHUNK_ELEMENTS["cpu"]
 # torch splits an op over its threads only above this many elements (at::internal::GRAIN_SIZE).
 _TORCH_GRAIN = 32768
 # Native kernels (one call per tensor, outside the GIL) share any tensor in chunks of this many values
-# among the threads of their C pool: 64K values (256 KiB of output, within L2) cost ~0.1 us to claim,
-# and many per thread let a busy core hand work to a free one.
+# among the threads of their C pool: many chunks per thread let a busy core hand work to a free one.
+# Demo Q5_0 tensors, 2 threads: 32K 7.95 ms, 64K 7.66, 128K 7.75, 256K 8.51, 512K 9.02 (bench/RESULTS.md).
 _NATIVE_CHUNK = 1 << 16
 # Outputs of at least this many bytes are written with non-temporal stores (twice this machine's
 # 32 MiB L3: no reader would find them in the cache anyway), in chunks of at least 1/8 of a thread's
