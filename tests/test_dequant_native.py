@@ -179,3 +179,21 @@ def test_streamed_output_is_the_same(monkeypatch, qtype):
                 assert_bits_equal(got, want, f"{threads} threads, out at +{start}", nan_equal=False)
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("qtype", [T.Q8_0, T.Q4_0, T.Q5_0, T.Q6_K], ids=lambda q: q.name)
+def test_nan_scales_give_gguf_pys_nan_bits(qtype):
+    """Signalling and quiet NaN scales, either sign: every output bit as gguf-py's (numpy keeps a
+    signalling NaN signalling when it widens the scale; the product then quiets it on both sides)."""
+    import gguf.quants as gq
+
+    block_size, type_size = GGML_QUANT_SIZES[qtype]
+    nans = np.array([0x7C01, 0xFC01, 0x7E00, 0xFE3F, 0x7D55], dtype=np.uint16)
+    blocks = np.random.default_rng(3).integers(0, 256, size=(len(nans), type_size), dtype=np.uint8)
+    off = F16_FIELDS[qtype][0]
+    blocks[:, off : off + 2] = nans.view(np.uint8).reshape(-1, 2)
+    got = dequantize(torch.from_numpy(blocks.reshape(-1)), qtype, (len(nans), block_size))
+    with np.errstate(invalid="ignore"):
+        want = gq.dequantize(blocks, qtype).reshape(len(nans), block_size)
+    assert np.isnan(want).any()
+    assert_bits_equal(got, want, qtype.name, nan_equal=False)

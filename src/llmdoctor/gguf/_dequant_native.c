@@ -34,9 +34,9 @@
 
 #define QK_K 256
 
-/* float16 (little-endian bytes) -> float32, exactly as a widening conversion: subnormals become
- * normal floats, inf stays inf, a NaN keeps its payload with the quiet bit set (as the hardware
- * conversion numpy uses does). */
+/* float16 (little-endian bytes) -> float32, exactly as numpy widens it: subnormals become normal
+ * floats, inf stays inf, a NaN keeps its payload and its quiet bit as it was (a signalling NaN stays
+ * signalling; the product with the quant then quiets it, in gguf-py as here). */
 static inline float f16_at(const uint8_t *p) {
     uint32_t h = (uint32_t)p[0] | ((uint32_t)p[1] << 8);
     uint32_t sign = (h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, mant = h & 0x3ffu, bits;
@@ -46,7 +46,7 @@ static inline float f16_at(const uint8_t *p) {
         memcpy(&bits, &f, 4);
         bits |= sign;
     } else if (exp == 31) {
-        bits = sign | 0x7f800000u | (mant << 13) | (mant ? 0x00400000u : 0u);
+        bits = sign | 0x7f800000u | (mant << 13);
     } else {
         bits = sign | ((exp + 112u) << 23) | (mant << 13);
     }
