@@ -208,6 +208,18 @@ def rounding_bound(magnitude: Any, dtype: torch.dtype, roundings: int) -> torch.
     return gamma(roundings, unit_roundoff(dtype)) * _f64(magnitude).abs() + roundings * underflow_unit(dtype)
 
 
+def reordered_sum_bound(magnitude: Any, dtype: torch.dtype, roundings: int) -> torch.Tensor:
+    """Per-element bound on |a - b| for two evaluations of the same computation in `dtype` that differ
+    only in the order of their sums (a tensor-parallel all-reduce against one device), float64 [n].
+
+    Whatever its order, a recursively summed n-term dot product lies within γ_n(u)·Σ|x_k·w_k| of the
+    exact value (Higham §3.1, eq. 3.5, and §4.2: the bound holds for any ordering or blocking), so
+    two orderings differ by at most twice that. `magnitude` is Σ|terms| (|x| @ |W|^T for a product),
+    `roundings` the n of the longest chain of roundings that leads to the value.
+    """
+    return 2 * rounding_bound(magnitude, dtype, roundings)
+
+
 def over_budget(got: Any, want: Any, bound: torch.Tensor) -> torch.Tensor:
     """bool [n]: |got - want| > bound, or not comparable (NaN/inf where want is finite, or a NaN on
     one side only). NaN on both sides and equal infinities are within any budget."""

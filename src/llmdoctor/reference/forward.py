@@ -37,10 +37,11 @@ stream x [T, n_embd], and returns the new residual stream.
 from __future__ import annotations
 
 import fnmatch
+from contextlib import contextmanager
 from contextvars import ContextVar
 import math
 from dataclasses import dataclass, field
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Iterator
 
 import numpy as np
 import torch
@@ -248,6 +249,20 @@ _DEFAULT = object()  # "the model's own setting" for per-call options
 _ATTENTION: ContextVar["Callable[..., torch.Tensor] | None"] = ContextVar("llmdoctor_attention", default=None)
 # (engine arithmetic, weights) of the run in progress when it emulates an engine (see Weights).
 _EMULATING: ContextVar["tuple[EnginePrecision, Weights] | None"] = ContextVar("llmdoctor_emulating", default=None)
+# Called as hook(x, w, y) with every product y = x w^T of `linear`, returns the y to use (a tensor-parallel
+# rank all-reduces its row-parallel partial sums here: reference/tensor_parallel.py).
+_PRODUCT_HOOK: ContextVar["Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None"] = ContextVar(
+    "llmdoctor_product_hook", default=None)
+
+
+@contextmanager
+def product_hook(hook: "Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]") -> Iterator[None]:
+    """Run `hook(x, w, y)` on every product of `linear` inside the block (before any bias is added)."""
+    token = _PRODUCT_HOOK.set(hook)
+    try:
+        yield
+    finally:
+        _PRODUCT_HOOK.reset(token)
 
 
 def engine_input(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -276,6 +291,9 @@ def kv_cache_dtype() -> torch.dtype | None:
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
     """x [T, in] @ w[out, in]^T (+ b) -> [T, out], with x as the emulated engine feeds it (`engine_input`)."""
     y = engine_input(x, w) @ w.t()
+    hook = _PRODUCT_HOOK.get()
+    if hook is not None:
+        y = hook(x, w, y)
     return y + b if b is not None else y
 
 
