@@ -3,7 +3,8 @@
     python bench/fuzz_reader.py --inputs 1000000 --workers 2
 
 Each input is a seed file with random byte flips, random 64-bit patches (counts, lengths, offsets)
-and an optional truncation. Outcomes: parsed, rejected (GGUFError), crash (any other exception),
+and an optional truncation; or a seed split set (2 shards in gguf-split's layout) with one shard
+mutated that way, opened through a random shard. Outcomes: parsed, rejected (GGUFError), crash (any other exception),
 hang (no verdict within --hang-s). Prints a JSON summary; exit 1 on any crash or hang.
 """
 
@@ -14,6 +15,7 @@ import json
 import multiprocessing as mp
 import os
 import random
+import shutil
 import signal
 import struct
 import sys
@@ -25,6 +27,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from gguf_builders import exercise, seed_files  # noqa: E402
+from split_builders import copy_model  # noqa: E402
 
 _U64 = [0, 1, 2**31, 2**32 - 1, 2**40, 2**63, 2**64 - 1]
 
@@ -50,15 +53,29 @@ def mutate(rng: random.Random, seed: bytes) -> bytes:
     return bytes(data)
 
 
-def worker(args: tuple[int, int, float, list[bytes]]) -> dict:
+def _write_input(rng: random.Random, seed: bytes | list[bytes], d: Path) -> tuple[Path, bytes]:
+    """The mutated input on disk: (the file to open, the mutated bytes)."""
+    if isinstance(seed, bytes):
+        data = mutate(rng, seed)
+        (d / "fuzz.gguf").write_bytes(data)
+        return d / "fuzz.gguf", data
+    which, n = rng.randrange(len(seed)), len(seed)
+    for i, shard in enumerate(seed):
+        data_i = mutate(rng, shard) if i == which else shard
+        (d / f"s-{i + 1:05d}-of-{n:05d}.gguf").write_bytes(data_i)
+        if i == which:
+            data = data_i
+    return d / f"s-{rng.randrange(n) + 1:05d}-of-{n:05d}.gguf", data
+
+
+def worker(args: tuple[int, int, float, list]) -> dict:
     wid, n, hang_s, seeds = args
     rng = random.Random(wid)
-    path = Path(tempfile.gettempdir()) / f"llmdoctor-fuzz-{os.getpid()}.gguf"
+    d = Path(tempfile.mkdtemp(prefix=f"llmdoctor-fuzz-{os.getpid()}-"))
     signal.signal(signal.SIGALRM, _alarm)
     out = {"inputs": 0, "parsed": 0, "rejected": 0, "crashes": 0, "hangs": 0, "examples": []}
     for _ in range(n):
-        data = mutate(rng, rng.choice(seeds))
-        path.write_bytes(data)
+        path, data = _write_input(rng, rng.choice(seeds), d)
         signal.setitimer(signal.ITIMER_REAL, hang_s)
         try:
             out["parsed" if exercise(path) else "rejected"] += 1
@@ -71,7 +88,7 @@ def worker(args: tuple[int, int, float, list[bytes]]) -> dict:
         finally:
             signal.setitimer(signal.ITIMER_REAL, 0)
         out["inputs"] += 1
-    path.unlink(missing_ok=True)
+    shutil.rmtree(d, ignore_errors=True)
     return out
 
 
@@ -82,7 +99,9 @@ def main() -> int:
     ap.add_argument("--hang-s", type=float, default=2.0)
     a = ap.parse_args()
     with tempfile.TemporaryDirectory() as d:
-        seeds = seed_files(Path(d))
+        seeds: list = seed_files(Path(d))
+        (Path(d) / "set.gguf").write_bytes(seeds[0])
+        seeds.append([p.read_bytes() for p in copy_model(Path(d) / "set.gguf", Path(d) / "s.gguf", max_tensors=1)])
     chunk = a.inputs // a.workers
     t0 = time.time()
     with mp.Pool(a.workers) as pool:

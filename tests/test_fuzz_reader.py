@@ -50,3 +50,47 @@ def test_mutated_files_only_raise_gguf_error(tmp_path, seeds, which, flips, patc
     path = tmp_path / "fuzz.gguf"
     path.write_bytes(bytes(data))
     exercise(path)
+
+
+@pytest.fixture(scope="module")
+def seed_set(seeds, tmp_path_factory):
+    """A valid 2-shard set (gguf-split's layout) of the first seed file: the bytes of each shard."""
+    from split_builders import copy_model
+
+    d = tmp_path_factory.mktemp("seed_set")
+    (d / "a.gguf").write_bytes(seeds[0])
+    return [p.read_bytes() for p in copy_model(d / "a.gguf", d / "s.gguf", max_tensors=1)]
+
+
+def test_unmutated_shard_set_parses_as_one_model(tmp_path, seed_set):
+    from llmdoctor.gguf import open_gguf
+
+    for i, data in enumerate(seed_set):
+        (tmp_path / f"s-{i + 1:05d}-of-00002.gguf").write_bytes(data)
+    assert exercise(tmp_path / "s-00002-of-00002.gguf") is True
+    with open_gguf(tmp_path / "s-00002-of-00002.gguf") as g:
+        assert len(g.shards) == 2 and len(g.tensors) == 2
+
+
+@settings(max_examples=500, deadline=2000, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    which=st.integers(0, 1),
+    opened=st.integers(0, 1),
+    flips=st.lists(mutation, max_size=8),
+    patches=st.lists(u64_patch, max_size=3),
+    cut=st.one_of(st.none(), st.integers(0, 10_000)),
+)
+def test_mutated_shard_sets_only_raise_gguf_error(tmp_path, seed_set, which, opened, flips, patches, cut):
+    """One shard of a split set mutated, the set opened through either shard (split.py's rules too)."""
+    for i, data in enumerate(seed_set):
+        data = bytearray(data)
+        if i == which:
+            for pos, val in flips:
+                data[pos % len(data)] = val
+            for pos, val in patches:
+                pos %= max(1, len(data) - 8)
+                data[pos : pos + 8] = struct.pack("<Q", val)
+            if cut is not None:
+                data = data[: cut % (len(data) + 1)]
+        (tmp_path / f"s-{i + 1:05d}-of-00002.gguf").write_bytes(bytes(data))
+    exercise(tmp_path / f"s-{opened + 1:05d}-of-00002.gguf")

@@ -1,15 +1,18 @@
 """Hand-built hostile GGUF files, one per hardening rule of the reader.
 
-Each builder returns the file's bytes. A tiny raw encoder is used instead of gguf-py's writer because
+Each builder returns the file's bytes (kind "hostile-file"), or a set of shard files (kind
+"hostile-split", a `ShardSet`: split-model rules of gguf/split.py). A tiny raw encoder is used instead of gguf-py's writer because
 these files must break the rules the writer enforces. `expect` is a substring of the reader's error.
 """
 
 from __future__ import annotations
 
 import struct
+from dataclasses import dataclass
 
 from gguf import GGMLQuantizationType as T
 from gguf import GGUFValueType as V
+from gguf import Keys
 
 from . import register
 
@@ -223,3 +226,102 @@ def data_truncated() -> bytes:
 @_hostile("tensors-overlap", "two tensors sharing bytes", "overlaps")
 def tensors_overlap() -> bytes:
     return gguf_file([_ARCH], [tinfo("a", (64,), T.F32, 0), tinfo("b", (32,), T.F32, 128)], b"\0" * 256)
+
+
+# ---- hostile split sets (gguf/split.py): each a set of shard files and the one the error must name ----
+
+@dataclass(frozen=True)
+class ShardSet:
+    files: dict[str, bytes]  # file name -> bytes
+    open: str  # the shard a command is given
+    culprit: str  # the shard the one-line error must name
+
+
+def kv_int(key: str, value: int, vtype: int) -> bytes:
+    return s(key) + struct.pack("<I", vtype) + struct.pack("<" + _INT_FORMATS[vtype], value)
+
+
+_INT_FORMATS = {V.UINT16: "H", V.INT32: "i", V.UINT32: "I"}
+
+
+def shard(no: int, count: int, names: list[str], total: int | None = None, *, split_no: int | None = None,
+          count_kv: bytes | None = None, overlap: bool = False) -> bytes:
+    """One shard as gguf-split writes it: metadata in shard 0 only, the split keys (gguf-py's Keys.Split)
+    in each, `names` as F32 [32] tensors. `total`: split.tensors.count (default: the right one is unknown
+    here, so callers pass it); `split_no`/`count_kv` override the keys; `overlap`: the tensors share bytes."""
+    kvs = [_ARCH] if no == 0 else []
+    kvs += [kv_int(Keys.Split.LLM_KV_SPLIT_NO, no if split_no is None else split_no, V.UINT16),
+            count_kv if count_kv is not None else kv_int(Keys.Split.LLM_KV_SPLIT_COUNT, count, V.UINT16),
+            kv_int(Keys.Split.LLM_KV_SPLIT_TENSORS_COUNT, len(names) if total is None else total, V.INT32)]
+    step = 0 if overlap else 128
+    return gguf_file(kvs, [tinfo(n, (32,), T.F32, i * step) for i, n in enumerate(names)], b"\0" * 128 * len(names))
+
+
+def _name(no: int, count: int) -> str:
+    return f"m-{no + 1:05d}-of-{count:05d}.gguf"
+
+
+def _set(shards: list[bytes | None], count: int | None = None, open_no: int = 0, culprit_no: int = 0) -> ShardSet:
+    n = len(shards) if count is None else count
+    return ShardSet({_name(i, n): b for i, b in enumerate(shards) if b is not None}, _name(open_no, n),
+                    _name(culprit_no, n))
+
+
+def _split(name: str, description: str, expect: str):
+    return register(name, "hostile-split", description, expect)
+
+
+@_split("split-missing-shard", "shard 2 of 3 is absent (opened from shard 3)", "is missing")
+def split_missing_shard() -> ShardSet:
+    return _set([shard(0, 3, ["a"], 3), None, shard(2, 3, ["c"], 3)], open_no=2, culprit_no=1)
+
+
+@_split("split-count-mismatch", "shard 2 says split.count 4 in a set of 3", "split.count is 4, expected 3")
+def split_count_mismatch() -> ShardSet:
+    return _set([shard(0, 3, ["a"], 3), shard(1, 4, ["b"], 3), shard(2, 3, ["c"], 3)], culprit_no=1)
+
+
+@_split("split-no-duplicate", "shards 2 and 3 both say split.no 1", "split.no is 1, expected 2")
+def split_no_duplicate() -> ShardSet:
+    return _set([shard(0, 3, ["a"], 3), shard(1, 3, ["b"], 3), shard(2, 3, ["c"], 3, split_no=1)], culprit_no=2)
+
+
+@_split("split-no-missing", "shard 2 has no split.no", "has no split.no")
+def split_no_missing() -> ShardSet:
+    bare = gguf_file([kv_int(Keys.Split.LLM_KV_SPLIT_COUNT, 2, V.UINT16)], [tinfo("b", (32,), T.F32, 0)], b"\0" * 128)
+    return _set([shard(0, 2, ["a"], 2), bare], culprit_no=1)
+
+
+@_split("split-tensor-twice", "tensor 'a' in shards 1 and 2", "tensor 'a' is also in")
+def split_tensor_twice() -> ShardSet:
+    return _set([shard(0, 2, ["a"], 2), shard(1, 2, ["a"], 2)], culprit_no=1)
+
+
+@_split("split-tensors-count-wrong", "split.tensors.count 5, 3 tensors in the set", "split.tensors.count is 5")
+def split_tensors_count_wrong() -> ShardSet:
+    return _set([shard(0, 2, ["a", "b"], 5), shard(1, 2, ["c"], 5)], open_no=1)
+
+
+@_split("split-count-zero", "split.count 0", "split.count 0")
+def split_count_zero() -> ShardSet:
+    return ShardSet({"m-00001-of-00000.gguf": shard(0, 0, ["a"])}, "m-00001-of-00000.gguf", "m-00001-of-00000.gguf")
+
+
+@_split("split-count-not-integer", "split.count stored as a string", "must be an integer")
+def split_count_not_integer() -> ShardSet:
+    return _set([shard(0, 2, ["a"], 2, count_kv=kv_str(Keys.Split.LLM_KV_SPLIT_COUNT, "2")), shard(1, 2, ["b"], 2)])
+
+
+@_split("split-name-mismatch", "split.count 3 in a file not named <name>-00001-of-00003.gguf", "does not follow")
+def split_name_mismatch() -> ShardSet:
+    return ShardSet({"model.gguf": shard(0, 3, ["a"], 3)}, "model.gguf", "model.gguf")
+
+
+@_split("split-count-huge", "split.count 65535 and one shard: found missing at once", "is missing")
+def split_count_huge() -> ShardSet:
+    return _set([shard(0, 65535, ["a"], 65535)], count=65535, culprit_no=1)
+
+
+@_split("split-shard-hostile", "shard 2 of 2 breaks a reader rule (overlapping tensors)", "overlaps")
+def split_shard_hostile() -> ShardSet:
+    return _set([shard(0, 2, ["a"], 3), shard(1, 2, ["b", "c"], 3, overlap=True)], culprit_no=1)

@@ -5,6 +5,11 @@ allocated or looped over, so a hostile file costs bounded work and memory. Each 
 `GGUFError` naming the problem and the file offset where it was found. Format constants (magic,
 value types, GGML types, block sizes) come from the `gguf` package (llama.cpp's gguf-py).
 
+A split model (`name-00001-of-00003.gguf`, ...) opens as one model through `open_gguf` given any of
+its shards: `split.py` validates the set and joins it into its first shard's `GGUFFile`, whose
+`tensors` then lists every shard's tensors (each reading from its own shard) and whose `shards` lists
+the files; metadata is the first shard's.
+
 Shape conventions: `TensorInfo.ne` lists GGUF dims fastest-first (ne0 first, as ggml does);
 `TensorInfo.shape` is the row-major (numpy/torch, slowest-first) shape, i.e. `ne` reversed.
 """
@@ -144,6 +149,11 @@ class TensorInfo:
     _file: "GGUFFile" = field(repr=False, compare=False)
 
     @property
+    def path(self) -> str:
+        """The file (shard) holding this tensor's bytes; `offset` is a position in that file."""
+        return self._file.path
+
+    @property
     def shape(self) -> tuple[int, ...]:
         """Row-major (slowest-first) logical shape: `ne` reversed."""
         return tuple(reversed(self.ne))
@@ -274,6 +284,7 @@ class GGUFFile:
         finally:
             os.close(fd)
         self._buf = memoryview(self._mmap)
+        self.shards: list[GGUFFile] = [self]  # a split set's files, first shard first (split.py)
         try:
             self._parse()
         except GGUFError as e:
@@ -288,7 +299,9 @@ class GGUFFile:
         self.close()
 
     def close(self) -> None:
-        """Release the mmap. Views handed out earlier keep it alive until they are dropped."""
+        """Release the mmap (every shard's). Views handed out earlier keep it alive until dropped."""
+        for other in self.shards[1:]:
+            other.close()
         self._buf.release()
         try:
             self._mmap.close()
@@ -311,6 +324,18 @@ class GGUFFile:
     @property
     def architecture(self) -> str | None:
         return self.get("general.architecture")
+
+    @property
+    def total_size(self) -> int:
+        """Bytes of every shard together (the file size of an unsplit model)."""
+        return sum(s.file_size for s in self.shards)
+
+    def advise(self, offset: int, nbytes: int, advice: int = mmap.MADV_WILLNEED) -> None:
+        """Page-cache advice for [offset, offset + nbytes) of this file (read-ahead: MADV_WILLNEED)."""
+        start = offset - offset % mmap.PAGESIZE
+        end = min(offset + nbytes, self.file_size)
+        if end > start and not self._mmap.closed:
+            self._mmap.madvise(advice, start, end - start)
 
     def bytes_at(self, offset: int, nbytes: int) -> np.ndarray:
         """uint8 [nbytes] read-only view of the file at `offset` (bounds-checked)."""
@@ -390,6 +415,7 @@ class GGUFFile:
                 )
             self._tensor_index[name] = len(self.tensors)
             self.tensors.append(TensorInfo(name, ttype, ne, start, nbytes, at, self))
+        self.file_tensors = self.tensors  # this file's own (`tensors` becomes the whole set's when split)
         by_start = sorted(self.tensors, key=lambda t: t.offset)
         for a, b in zip(by_start, by_start[1:]):
             if b.offset < a.offset + a.nbytes:
@@ -513,5 +539,8 @@ class GGUFFile:
 
 
 def open_gguf(path: str | os.PathLike) -> GGUFFile:
-    """Open and index a GGUF file read-only. Raises `GGUFError` on any format or safety violation."""
-    return GGUFFile(path)
+    """Open and index a GGUF model read-only: a file, or the whole split set of which `path` is any
+    shard. Raises `GGUFError` on any format or safety violation, naming the file (shard) at fault."""
+    from .split import open_set
+
+    return open_set(GGUFFile(path))

@@ -1,5 +1,6 @@
 """What `llmdoctor inspect` shows: architecture, hyperparameters, tokenizer, tensor statistics.
 
+A split model is summarized as one model (its shards listed under `shards`, sizes summed).
 The JSON form (`summarize`) is stable and documented in README.md (schema llmdoctor.inspect/1).
 Metadata key names come from gguf-py's `Keys`.
 """
@@ -124,6 +125,7 @@ def tensor_table(g: GGUFFile) -> list[dict[str, Any]]:
             "type": t.type.name,
             "ne": list(t.ne),
             "shape": list(t.shape),
+            "file": t.path,
             "offset": t.offset,
             "nbytes": t.nbytes,
             "supported": t.supported,
@@ -132,11 +134,17 @@ def tensor_table(g: GGUFFile) -> list[dict[str, Any]]:
     ]
 
 
+def shards(g: GGUFFile) -> list[dict[str, Any]]:
+    """The model's files (one for an unsplit model): path, bytes, tensors."""
+    return [{"file": s.path, "bytes": s.file_size, "tensors": len(s.file_tensors)} for s in g.shards]
+
+
 def summarize(g: GGUFFile, *, tensors: bool = False) -> dict[str, Any]:
+    """`file` describes the first (or only) file; `shards` every file, `file.size` their total."""
     out: dict[str, Any] = {
         "file": {
             "path": g.path,
-            "size": g.file_size,
+            "size": g.total_size,
             "version": g.version,
             "byte_order": "big" if g.byte_order == ">" else "little",
             "alignment": g.alignment,
@@ -149,6 +157,7 @@ def summarize(g: GGUFFile, *, tensors: bool = False) -> dict[str, Any]:
         "hyperparameters": hyperparameters(g),
         "tokenizer": tokenizer(g),
         "tensors": tensor_stats(g),
+        "shards": shards(g),
     }
     if tensors:
         out["tensor_table"] = tensor_table(g)

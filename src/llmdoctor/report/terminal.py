@@ -36,6 +36,14 @@ def render_inspect(s: dict[str, Any], console: Console = stdout) -> None:
         f"GGUF v{f['version']} ({f['byte_order']}-endian), {human_bytes(f['size'])}, "
         f"alignment {f['alignment']}"
     )
+    shards = s.get("shards", [])
+    if len(shards) > 1:
+        t = Table(title=f"Shards: {len(shards)}, {human_bytes(f['size'])} in all", title_justify="left")
+        for col in ("file", "bytes", "tensors"):
+            t.add_column(col, justify="left" if col == "file" else "right")
+        for sh in shards:
+            t.add_row(sh["file"].rsplit("/", 1)[-1], human_bytes(sh["bytes"]), str(sh["tensors"]))
+        console.print(t)
     console.print(_kv_table("Hyperparameters", s["hyperparameters"]))
     console.print(_kv_table("Tokenizer", s["tokenizer"]))
     ts = s["tensors"]

@@ -153,7 +153,9 @@ def run(model_path: str | os.PathLike, tokens: list[int], *, capture: tuple[str,
     mparams = L.llama_model_default_params()
     mparams.n_gpu_layers = 0
     mparams.use_mmap = True
-    model = L.llama_model_load_from_file(os.fsencode(model_path), mparams)
+    from ...gguf.split import first_shard  # llama.cpp opens a split model from its first shard only
+
+    model = L.llama_model_load_from_file(os.fsencode(first_shard(model_path)), mparams)
     if not model:
         raise EngineError(f"llama.cpp could not load {model_path}")
     cap = _Capture(lib, tuple(capture))
