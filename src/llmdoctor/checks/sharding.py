@@ -85,18 +85,25 @@ class EngineShards(tp.PlanWrapper):
 
 
 def _full_shard(plan: tp.Plan, name: str, rank: int) -> torch.Tensor:
-    """A rank's whole shard (vocab shards as their rows lo..hi)."""
+    """A rank's whole shard; a vocab shard as the engine holds it: padded V / T rows, the rows past
+    the vocabulary zero."""
     if plan.split(name).kind == "vocab":
-        lo, hi = tp.vocab_range(plan.cfg.n_vocab, rank, plan.t, plan.rules)
-        return plan.vocab_rows(name, rank, torch.arange(hi - lo))
+        return plan.vocab_rows(name, rank, torch.arange(tp.vocab_per_rank(plan.cfg.n_vocab, plan.t, plan.rules)))
     return plan.shard(name, rank)
 
 
+def _as_held(got: torch.Tensor, plan: tp.Plan, name: str) -> torch.Tensor:
+    """A saved vocab shard without its padding rows, padded with the zero rows the engine holds."""
+    per = tp.vocab_per_rank(plan.cfg.n_vocab, plan.t, plan.rules)
+    if plan.split(name).kind != "vocab" or got.ndim != 2 or got.shape[0] >= per:
+        return got
+    return torch.cat([got, got.new_zeros(per - got.shape[0], got.shape[1])])
+
+
 def _stored_bound(want: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """|engine - reference| allowed for a stored weight: exact in the reference dtype; one rounding
-    into a narrower dtype the engine stores (e.g. bfloat16), plus the float32 dequantization's own
-    roundings (checks/dequant.py REFERENCE_ROUNDINGS), since an engine may dequantize a GGUF block
-    with another evaluation order."""
+    """|engine - reference| allowed for a stored weight: the float32 dequantization's own roundings
+    (checks/dequant.py REFERENCE_ROUNDINGS: an engine may evaluate a GGUF block's d*q - m in another
+    order), plus one rounding into a narrower dtype the engine stores (e.g. bfloat16)."""
     from .dequant import REFERENCE_ROUNDINGS
 
     b = metrics.rounding_bound(want, torch.float32, REFERENCE_ROUNDINGS)
@@ -133,7 +140,7 @@ def _compare_tensor(engine: EngineShards, reference: tp.Plan, name: str) -> Find
         if got is None:
             bad.append({"rank": r, "problem": "not saved on this rank"})
             continue
-        want = _full_shard(reference, name, r)
+        got, want = _as_held(got, reference, name), _full_shard(reference, name, r)
         if tuple(got.shape) != tuple(want.shape):
             bad.append({"rank": r, "problem": f"shape {list(got.shape)}, the rule gives {list(want.shape)}"})
             continue

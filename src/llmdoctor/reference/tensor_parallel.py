@@ -124,11 +124,15 @@ def _even(size: int, t: int, what: str) -> int:
     return size // t
 
 
+def vocab_per_rank(n_vocab: int, t: int, rules: Rules) -> int:
+    """Rows of each rank's vocab shard: the vocabulary padded to a multiple of `vocab_pad`, split evenly."""
+    return _even(-(-n_vocab // rules.vocab_pad) * rules.vocab_pad, t, "the padded vocabulary")
+
+
 def vocab_range(n_vocab: int, rank: int, t: int, rules: Rules) -> tuple[int, int]:
-    """Rows [lo, hi) of the vocabulary rank `rank` owns: the padded vocabulary split evenly, the
-    padding rows (past n_vocab) owned but empty (vLLM vocab_range_from_global_vocab_size)."""
-    padded = -(-n_vocab // rules.vocab_pad) * rules.vocab_pad
-    per = _even(padded, t, "the padded vocabulary")
+    """Rows [lo, hi) of the vocabulary rank `rank` owns; its padding rows (past n_vocab) are owned but
+    empty (vLLM vocab_range_from_global_vocab_size)."""
+    per = vocab_per_rank(n_vocab, t, rules)
     return min(rank * per, n_vocab), min((rank + 1) * per, n_vocab)
 
 
@@ -372,7 +376,7 @@ class Rank:
         name = out if self.plan.has(out) else fw.tensor_name(MODEL_TENSOR.TOKEN_EMBD)
         self.weights.used = [name]
         t, rules = self.plan.t, self.plan.rules
-        per = -(-self.cfg.n_vocab // rules.vocab_pad) * rules.vocab_pad // t
+        per = vocab_per_rank(self.cfg.n_vocab, t, rules)
         local = torch.zeros(h.shape[0], per, dtype=h.dtype, device=h.device)  # [T, V/T] padded
         col = 0
         lo, hi = vocab_range(self.cfg.n_vocab, self.rank, t, rules)
