@@ -1,0 +1,83 @@
+"""Corrupted copies of a GGUF: the damage weight forensics (checks/forensics.py) is asked to see.
+
+Every builder has the signature `build(src, out_dir, *, tensor=..., seed=0) -> Path`: it copies `src`
+(opened read-only) into `out_dir` and patches bytes of the copy in place (same size, same layout).
+`expect` says whether a lone file's statistics can find it ("forensics") or cannot ("unseen: ...").
+The registry's other file faults complete the set: `attn-block-scales` (block scales x U(-2, 2)) and
+`mapping-swap-layers` (two layers' tensors exchanged).
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import numpy as np
+from gguf import GGMLQuantizationType as QT
+
+from ..checks.forensics import SCALE_FIELDS
+from ..gguf import open_gguf
+from . import register
+
+
+def _patch(src: Path, out_dir: Path, tag: str, tensor: str) -> tuple[Path, np.memmap, object]:
+    """A copy of `src` as `<stem>.<tag>.gguf`, mapped writable, and `tensor`'s info (from the source)."""
+    with open_gguf(src) as g:
+        if not g.has_tensor(tensor):
+            raise ValueError(f"{src}: no tensor {tensor!r}")
+        t = g.tensor(tensor)
+        info = (t.offset, t.nbytes, t.type, t.type_size, t.shape)
+    dst = Path(out_dir) / f"{Path(src).stem}.{tag}.gguf"
+    shutil.copyfile(src, dst)
+    return dst, np.memmap(dst, dtype=np.uint8, mode="r+"), info
+
+
+def _blocks(mm: np.memmap, info) -> np.ndarray:
+    offset, nbytes, _, type_size, _ = info
+    return mm[offset:offset + nbytes].reshape(-1, type_size)  # [n_blocks, type_size], writable view
+
+
+def _d_field(qtype: QT):
+    fields = [f for f in SCALE_FIELDS.get(QT(qtype), ()) if f.name == "d" and f.encoding == "f16"]
+    if not fields:
+        raise ValueError(f"{QT(qtype).name} has no float16 block scale d")
+    return fields[0]
+
+
+@register("scale-inf", "file", "one block scale d of one tensor set to +inf", expect="forensics")
+def scale_inf(src: Path, out_dir: Path, *, tensor: str = "blk.7.attn_output.weight", block: int = 3) -> Path:
+    dst, mm, info = _patch(src, out_dir, "scale-inf", tensor)
+    f = _d_field(info[2])
+    _blocks(mm, info)[block, f.offset:f.offset + 2] = np.array([np.inf], "<f2").view(np.uint8)
+    mm.flush()
+    return dst
+
+
+@register("q4k-d-dmin-swap", "file", "a Q4_K tensor whose d and dmin are exchanged in every block",
+          expect="forensics")
+def q4k_d_dmin_swap(src: Path, out_dir: Path, *, tensor: str | None = None) -> Path:
+    """`tensor` defaults to the first Q4_K tensor inside the blocks (blk.N.*)."""
+    if tensor is None:
+        with open_gguf(src) as g:
+            tensor = next((t.name for t in g.tensors if t.type == QT.Q4_K and t.name.startswith("blk.")), None)
+        if tensor is None:
+            raise ValueError(f"{src}: no Q4_K tensor")
+    dst, mm, info = _patch(src, out_dir, "d-dmin-swap", tensor)
+    if info[2] != QT.Q4_K:
+        raise ValueError(f"{tensor} is {QT(info[2]).name}, not Q4_K")
+    b = _blocks(mm, info)
+    d, dmin = (next(f for f in SCALE_FIELDS[QT.Q4_K] if f.name == n).offset for n in ("d", "dmin"))
+    b[:, [d, d + 1, dmin, dmin + 1]] = b[:, [dmin, dmin + 1, d, d + 1]]
+    mm.flush()
+    return dst
+
+
+@register("rows-shuffled", "file", "one tensor's rows permuted (seeded)",
+          expect="unseen: a permutation keeps every value")
+def rows_shuffled(src: Path, out_dir: Path, *, tensor: str = "blk.7.attn_output.weight", seed: int = 0) -> Path:
+    dst, mm, info = _patch(src, out_dir, "rows-shuffled", tensor)
+    offset, nbytes, _, _, shape = info
+    rows = mm[offset:offset + nbytes].reshape(int(np.prod(shape[:-1])), -1)  # [rows, row bytes]
+    rows[:] = rows[np.random.default_rng(seed).permutation(rows.shape[0])]
+    mm.flush()
+    return dst

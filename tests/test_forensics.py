@@ -1,0 +1,149 @@
+"""Weight forensics (checks/forensics.py): silent on the demo and on tiny HF-made models; finds the
+planted block-scale noise, an inf scale and a Q4_K d/dmin exchange; and, honestly, cannot see two
+layers' tensors exchanged or one tensor's rows shuffled (the statistics are invariant under both)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from gguf import GGML_QUANT_SIZES
+from gguf import GGMLQuantizationType as QT
+
+from llmdoctor import faults
+from llmdoctor.checks import forensics as F
+from llmdoctor.gguf import open_gguf
+
+
+@pytest.fixture(scope="module")
+def demo_stats(demo_path):
+    findings, stats = F.analyze(demo_path)
+    return findings, stats
+
+
+def _restat(path, demo_path, base: list[F.TensorStats]) -> list[F.TensorStats]:
+    """Statistics of a corrupted copy: recomputed for the tensors whose bytes differ from the demo's."""
+    by = {s.name: s for s in base}
+    with open_gguf(path) as g, open_gguf(demo_path) as d:
+        changed = [t for t in g.tensors if not np.array_equal(t.data, d.tensor(t.name).data)]
+        assert changed, "the fault changed nothing"
+        for t in changed:
+            by[t.name] = F.tensor_stats(t)
+    return [by[s.name] for s in base]
+
+
+def _failed(findings):
+    return [f for f in findings if f.status == "fail"]
+
+
+def test_demo_is_silent(demo_stats):
+    findings, stats = demo_stats
+    assert _failed(findings) == []
+    summary = next(f for f in findings if f.target == "siblings")
+    assert summary.status == "pass" and summary.metrics["roles_compared"] >= 10
+    # the rule's limit is the Bonferroni quantile over the tests run
+    assert 4 < summary.metrics["limit"] < 5
+
+
+def test_scale_noise_found(demo_path, demo_stats, tmp_path):
+    bad = faults.get("attn-block-scales").build(demo_path, tmp_path, layers="blk.7.attn_output")
+    found = _failed(F.compare(_restat(bad, demo_path, demo_stats[1])))
+    assert [f.target for f in found] == ["blk.7.attn_output.weight"]
+    m = {o["metric"]: o for o in found[0].metrics["outliers"]}
+    assert m["d_negative"]["value"] > 0.4 and m["d_negative"]["siblings_median"] == 0.0
+    assert "of block scales negative" in found[0].explanation and "17 siblings" in found[0].explanation
+
+
+def test_inf_scale_found_end_to_end(demo_path, tmp_path):
+    bad = faults.get("scale-inf").build(demo_path, tmp_path, tensor="blk.7.attn_output.weight", block=3)
+    found = _failed(F.analyze(bad)[0])
+    assert [f.target for f in found] == ["blk.7.attn_output.weight"]
+    assert "1 non-finite block scale(s) d" in found[0].explanation
+    assert found[0].metrics["first_nonfinite_block"] == 3
+
+
+def test_d_dmin_swap_found(demo_path, demo_stats, tmp_path):
+    bad = faults.get("q4k-d-dmin-swap").build(demo_path, tmp_path)
+    with open_gguf(bad) as g:
+        name = next(t.name for t in g.tensors if t.type == QT.Q4_K and t.name.startswith("blk."))
+    found = _failed(F.compare(_restat(bad, demo_path, demo_stats[1])))
+    assert [f.target for f in found] == [name]
+    metrics = {o["metric"] for o in found[0].metrics["outliers"]}
+    assert "dmin_over_d" in metrics
+
+
+@pytest.mark.parametrize("fault", ["mapping-swap-layers", "rows-shuffled"])
+def test_what_a_lone_file_cannot_see(demo_path, demo_stats, tmp_path, fault):
+    """Exchanged layers and shuffled rows leave every statistic of every tensor unchanged (as a set):
+    no finding, and the README says so."""
+    if fault == "mapping-swap-layers":
+        bad, _ = faults.get(fault).build(demo_path, None, tmp_path, kind="attn_output.weight")
+    else:
+        bad = faults.get(fault).build(demo_path, tmp_path, tensor="blk.7.attn_output.weight")
+    stats = _restat(bad, demo_path, demo_stats[1])
+    assert _failed(F.compare(stats)) == []
+    before = sorted((s.rms, s.max_abs) for s in demo_stats[1])
+    after = sorted((s.rms, s.max_abs) for s in stats)
+    assert np.allclose(before, after, rtol=1e-6)
+    assert "cannot see" in (F.__doc__ or "")
+
+
+def test_every_block_scale_layout_matches_gguf_py():
+    """The scale fields read where gguf-py's dequantizer reads them: a block whose d is set to 1
+    (and dmin/m to 0) dequantizes to values that scale with d when d is doubled."""
+    from llmdoctor.gguf import dequantize
+
+    rng = np.random.default_rng(0)
+    for q, fields in F.SCALE_FIELDS.items():
+        d = next((f for f in fields if f.name == "d" and f.encoding == "f16"), None)
+        if d is None:
+            continue
+        bs, ts = GGML_QUANT_SIZES[q]
+        block = rng.integers(0, 256, ts, dtype=np.uint8)
+        for f in fields:
+            block[f.offset:f.offset + 2] = np.array([0.0 if f.name != "d" else 1.0], "<f2").view(np.uint8)
+        v1 = dequantize(block, q, (bs,)).numpy()
+        block[d.offset:d.offset + 2] = np.array([2.0], "<f2").view(np.uint8)
+        v2 = dequantize(block, q, (bs,)).numpy()
+        assert np.array_equal(v2, 2 * v1), q.name
+        assert F.scale_values(block[None], d)[0] == 2.0
+
+
+def test_streaming_equals_whole(demo_path):
+    """verify's chunked pass gives the statistics of the whole tensor."""
+    from llmdoctor.gguf import dequantize
+
+    with open_gguf(demo_path) as g:
+        t = g.tensor("blk.3.ffn_down.weight")
+        whole = F.tensor_stats(t, dequantize(t.data, int(t.type), t.shape))
+        acc = F.Accumulator(t.name, t.type)
+        blocks = t.data.reshape(-1, t.type_size)
+        for b0 in range(0, blocks.shape[0], 1000):
+            chunk = blocks[b0:b0 + 1000]
+            acc.add(chunk, dequantize(chunk.reshape(-1), int(t.type), (chunk.shape[0] * t.block_size,)))
+        part = acc.finish()
+    assert part.scales == whole.scales and part.n_values == whole.n_values
+    assert np.isclose(part.rms, whole.rms, rtol=1e-6) and np.isclose(part.kurtosis, whole.kurtosis, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3", "gemma3"])
+def test_tiny_hf_models_are_silent(tmp_path, name):
+    """Tiny random models made with transformers (tests/test_reference_dense.py), F32 and quantized by
+    gguf-py (Q8_0 / Q4_0 / Q5_1 block scales): no finding; their roles have too few layers for the
+    sibling rule except gemma3's 6, and that is said."""
+    from gguf import quants
+    from test_check_mapping import _rewrite
+    from test_reference_dense import TINY, tiny_gguf
+
+    model_type, arch, extra = TINY[name]
+    _, _, path = tiny_gguf(tmp_path, model_type, arch, extra)
+    kinds = {"attn_q": QT.Q8_0, "attn_k": QT.Q4_0, "ffn_up": QT.Q5_1}
+
+    def quantize(tname, data, qt):
+        t = kinds.get(tname.split(".")[-2])
+        yield (tname, data, qt) if t is None or data.shape[-1] % 32 else (tname, quants.quantize(data, t), t)
+
+    for p in (path, _rewrite(path, tmp_path / "q.gguf", quantize)):
+        findings, stats = F.analyze(p)
+        assert _failed(findings) == [], [f.explanation for f in _failed(findings)]
+        summary = next(f for f in findings if f.target == "siblings")
+        assert summary.status == ("pass" if name == "gemma3" else "skip"), summary
