@@ -33,6 +33,7 @@ budget is 0; the logits are a column-parallel product (n = n_embd).
 from __future__ import annotations
 
 import time
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -57,7 +58,7 @@ class EngineShards(tp.PlanWrapper):
     piece in the GGUF tensor's torch layout); tensors not saved come from the rules."""
 
     def __init__(self, inner: tp.Plan, directory: Path):
-        from safetensors.torch import load_file
+        from safetensors import safe_open
 
         super().__init__(inner)
         self.files = [directory / f"rank{r}.safetensors" for r in range(inner.t)]
@@ -65,10 +66,14 @@ class EngineShards(tp.PlanWrapper):
         if missing:
             raise InputError(f"{directory}: no {', '.join(Path(m).name for m in missing)} "
                              f"(one rank{{r}}.safetensors per rank for --tp {inner.t})")
-        self.tensors = [load_file(f) for f in self.files]
+        try:  # opened lazily: a tensor is read when a rank needs it
+            self.handles = [safe_open(str(f), framework="pt") for f in self.files]
+        except Exception as e:  # safetensors raises its own error types for a damaged header
+            raise InputError(f"{directory}: not a safetensors file ({e})") from None
+        self.names = [set(h.keys()) for h in self.handles]
 
     def saved(self, name: str, rank: int) -> torch.Tensor | None:
-        return self.tensors[rank].get(name)
+        return self.handles[rank].get_tensor(name) if name in self.names[rank] else None
 
     def shard(self, name: str, rank: int) -> torch.Tensor:
         w = self.saved(name, rank)
@@ -113,7 +118,7 @@ def _stored_bound(want: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def compare_saved(engine: EngineShards, reference: tp.Plan) -> list[Finding]:
     """One finding per saved tensor name (all ranks), one for names not in the model, one skip
     listing the model's sharded tensors the engine did not save."""
-    names = {n for ts in engine.tensors for n in ts}
+    names = set().union(*engine.names)
     unknown = sorted(n for n in names if not reference.has(n))
     findings = []
     if unknown:
@@ -176,7 +181,7 @@ class _Magnitudes:
 
     def __init__(self, weights: fw.Weights, rules: tp.Rules, moe: Any):
         self.weights, self.rules, self.moe = weights, rules, moe
-        self.names: dict[int, tuple[str, torch.Tensor]] = {}  # data_ptr -> (name, the tensor: kept alive)
+        self.names: dict[int, tuple[str, weakref.ref]] = {}  # data_ptr -> (name, the tensor)
         self.m: dict[str, torch.Tensor] = {}
         self.logits: list[torch.Tensor] = []
         self._slice: torch.Tensor | None = None  # the output projection's slice being multiplied
@@ -187,7 +192,7 @@ class _Magnitudes:
 
     def _note(self, name: str, w: torch.Tensor) -> torch.Tensor:
         if tp.split_of(name, self.rules)[0].reduced:
-            self.names[w.data_ptr()] = (name, w)
+            self.names[w.data_ptr()] = (name, weakref.ref(w))
         return w
 
     def _note_slice(self, w: torch.Tensor) -> torch.Tensor:
@@ -203,8 +208,8 @@ class _Magnitudes:
         if w is self._slice:
             self.logits.append(self._abs_product(x, w))
             return y
-        hit = self.names.get(w.data_ptr())  # the noted tensors stay alive: their addresses are theirs
-        if hit is None:
+        hit = self.names.get(w.data_ptr())  # an address is reused once its tensor is freed: check identity
+        if hit is None or hit[1]() is not w:
             return y
         name = hit[0]
         kind = tp.tensor_kind(name)
@@ -375,7 +380,7 @@ def worker(rank: int, t: int, device: torch.device, job: Job) -> list[PlanResult
 
     g = open_gguf(job.path)
     cfg = from_gguf(g)
-    weights = fw.Weights(g, dtype=DTYPES[job.dtype], device=device, cache=True)
+    weights = fw.Weights(g, dtype=DTYPES[job.dtype], device=device, cache=False)  # a rank keeps only its shards
     base = tp.Plan(weights, cfg, tp.RULES[job.rules], t)
     ref = job.ref
     inputs = {k: v.to(device) for k, v in ref.inputs.items()}

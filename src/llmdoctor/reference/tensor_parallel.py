@@ -175,7 +175,7 @@ class Plan:
             return w
         idx = [slice(None)] * w.ndim
         idx[split.dim] = shard_slice(split, tuple(w.shape), rank, self.t, self.cfg)
-        return w[tuple(idx)]
+        return w[tuple(idx)].clone()  # not a view: the whole tensor is freed
 
     def vocab_start(self, name: str, rank: int) -> int:
         """First vocabulary row of the rank's shard of a vocab-parallel tensor."""
@@ -243,8 +243,9 @@ class Substituted(PlanWrapper):
 # ---- one rank -------------------------------------------------------------------------------------
 
 class RankWeights:
-    """One rank's weights for a `forward.Step`: `get`/`slab` hand out its shards (kept for the run, so
-    their storage addresses identify them to the product hook) and record which tensors were used."""
+    """One rank's weights for a `forward.Step`: `get`/`slab` hand out its shards (kept while the point
+    runs, so that their storage addresses identify them to the product hook) and record which tensors
+    were used."""
 
     def __init__(self, plan: Plan, rank: int):
         self.plan, self.rank = plan, rank
@@ -340,11 +341,12 @@ class Rank:
         self.vocab_chunk, self.kv_chunk = vocab_chunk, kv_chunk
         self.cfg = plan.cfg
         self.local = local_config(plan.cfg, plan.t)
-        self.weights = RankWeights(plan, rank)
         self.extra: dict = {}  # per-run state the blocks share (the DSA indexer's last selection)
 
     def run(self, point: str, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
-        """The joined output of `point`; `inputs`: token ids ("ids") and the reference's activations."""
+        """The joined output of `point`; `inputs`: token ids ("ids") and the reference's activations.
+        The rank holds the shards of one point at a time (`self.weights`, with the names it used)."""
+        self.weights = RankWeights(self.plan, self.rank)
         if point == EMBED:
             return self._embed(inputs["ids"])
         if point == LOGITS:
@@ -354,14 +356,13 @@ class Rank:
         attention, ffn = halves(self.cfg, il)
         fn, src = (attention, "attn_norm") if kind == "attn_out" else (ffn, "ffn_norm")
         st = fw.Step(self.local, il, self.positions, self.weights, fw.Recorder(None), self.kv_chunk, self.extra)
-        self.weights.used = []
         with fw.product_hook(rank_hook(self.weights)):
             return fn(st, inputs[f"{src}-{il}"])
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
         """Vocab-parallel lookup: the rank's ids from its shard, zeros elsewhere, all-reduced."""
         name = fw.tensor_name(MODEL_TENSOR.TOKEN_EMBD)
-        self.weights.used = [name]
+        self.weights._use(name)
         lo, hi = vocab_range(self.cfg.n_vocab, self.rank, self.plan.t, self.plan.rules)
         mine = (ids >= lo) & (ids < hi)
         x = torch.zeros(len(ids), self.cfg.n_embd, dtype=self.weights.dtype, device=self.weights.device)
@@ -374,7 +375,7 @@ class Rank:
         """Vocab-parallel lm_head: the rank's logits, padded to the shard size, all-gathered in rank order."""
         out = fw.tensor_name(MODEL_TENSOR.OUTPUT)
         name = out if self.plan.has(out) else fw.tensor_name(MODEL_TENSOR.TOKEN_EMBD)
-        self.weights.used = [name]
+        self.weights._use(name)
         t, rules = self.plan.t, self.plan.rules
         per = vocab_per_rank(self.cfg.n_vocab, t, rules)
         local = torch.zeros(h.shape[0], per, dtype=h.dtype, device=h.device)  # [T, V/T] padded
