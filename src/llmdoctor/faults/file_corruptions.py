@@ -14,10 +14,14 @@ from pathlib import Path
 
 import numpy as np
 from gguf import GGMLQuantizationType as QT
+from gguf import GGUFValueType as VT
 
 from ..checks.forensics import SCALE_FIELDS
 from ..gguf import open_gguf
 from . import register
+
+
+_INT_TYPES = {VT.UINT32: "<u4", VT.INT32: "<i4", VT.UINT64: "<u8", VT.INT64: "<i8"}
 
 
 def _patch(src: Path, out_dir: Path, tag: str, tensor: str) -> tuple[Path, np.memmap, object]:
@@ -80,4 +84,23 @@ def rows_shuffled(src: Path, out_dir: Path, *, tensor: str = "blk.7.attn_output.
     rows = mm[offset:offset + nbytes].reshape(int(np.prod(shape[:-1])), -1)  # [rows, row bytes]
     rows[:] = rows[np.random.default_rng(seed).permutation(rows.shape[0])]
     mm.flush()
+    return dst
+
+
+@register("head-count-kv-3", "file", "<arch>.attention.head_count_kv set to 3 (does not divide head_count)",
+          expect="metadata")
+def head_count_kv_3(src: Path, out_dir: Path, *, value: int = 3) -> Path:
+    """Overwrite the integer `<arch>.attention.head_count_kv` in a copy (same size, same layout)."""
+    with open_gguf(src) as g:
+        key = f"{g.architecture}.attention.head_count_kv"
+        f = g.fields.get(key)
+        if f is None or f.type not in _INT_TYPES:
+            raise ValueError(f"{src}: no integer {key}")
+        # KV record: key length (u64), key bytes, value type (u32), value
+        offset, dtype = f.offset + 8 + len(key.encode()) + 4, _INT_TYPES[f.type]
+    dst = Path(out_dir) / f"{Path(src).stem}.head-count-kv-{value}.gguf"
+    shutil.copyfile(src, dst)
+    with open(dst, "r+b") as fh:
+        fh.seek(offset)
+        fh.write(np.array([value], dtype).tobytes())
     return dst

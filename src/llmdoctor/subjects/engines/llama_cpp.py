@@ -254,3 +254,40 @@ def _silent_log():
 
         _LOG_CB = L.llama_log_callback(lambda level, text, user: None)
     return _LOG_CB
+
+
+class VocabPieces:
+    """llama.cpp's rendering of single tokens (llama_token_to_piece, no lstrip) from a model's vocab
+    only (no weights loaded): `pieces(token_id, special) -> bytes`. A context manager."""
+
+    def __init__(self, model_path: str | os.PathLike):
+        import llama_cpp as L
+
+        self._L = L
+        L.llama_backend_init()
+        L.llama_log_set(_silent_log(), ctypes.c_void_p())
+        params = L.llama_model_default_params()
+        params.vocab_only = True
+        self._model = L.llama_model_load_from_file(os.fsencode(model_path), params)
+        if not self._model:
+            raise EngineError(f"llama.cpp could not load the vocab of {model_path}")
+        self._vocab = L.llama_model_get_vocab(self._model)
+        self._buf = ctypes.create_string_buffer(256)
+
+    def __call__(self, token_id: int, special: bool) -> bytes:
+        n = self._L.llama_token_to_piece(self._vocab, token_id, self._buf, len(self._buf), 0, special)
+        if n < 0:  # the piece is longer than the buffer: -n bytes are needed
+            self._buf = ctypes.create_string_buffer(-n)
+            n = self._L.llama_token_to_piece(self._vocab, token_id, self._buf, len(self._buf), 0, special)
+        return self._buf.raw[:n]
+
+    def close(self) -> None:
+        if self._model:
+            self._L.llama_model_free(self._model)
+            self._model = None
+
+    def __enter__(self) -> "VocabPieces":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
