@@ -1,7 +1,7 @@
-"""The reference: trusted logits and per-layer activations straight from a GGUF file.
+"""The reference: trusted logits and per-layer activations straight from a GGUF file or an HF checkpoint.
 
     from llmdoctor.reference import load
-    model = load(path, dtype=torch.float64)          # device="cuda" works too
+    model = load(path, dtype=torch.float64)          # device="cuda" works too; path: a .gguf or a checkpoint dir
     logits, acts = model.forward(ids, capture={"l_out-*", "result_norm"})
     model.stats                                       # per-layer max |activation|, inf/NaN counts
 
@@ -18,7 +18,8 @@ from .forward import ReferenceModel, register_block
 
 def load(path, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
          cache: bool = False, emulate=None, dequantizer=None) -> ReferenceModel:
-    """Open a GGUF for the reference forward pass (weights are dequantized lazily, block by block;
+    """Open a GGUF, or an HF checkpoint directory (config.json + safetensors, reference/checkpoint.py),
+    for the reference forward pass (weights are dequantized lazily, block by block;
     `cache=True` keeps the dequantized blocks for repeated runs; `emulate` an EnginePrecision from
     reference/emulate.py reproduces an engine's arithmetic, to calibrate noise budgets;
     `dequantizer` swaps in another dequantizer, for op substitution)."""

@@ -1,4 +1,5 @@
-"""The reference forward pass: layer streaming over a GGUF mmap, activation capture, overflow stats.
+"""The reference forward pass: layer streaming over a GGUF mmap (or an HF checkpoint's safetensors,
+reference/checkpoint.py), activation capture, overflow stats.
 
 Weights are dequantized from the read-only mmap one block at a time and dropped after the block ran
 (`cache=True` keeps them), so peak memory is about one block + the activations + a slice of the output
@@ -41,6 +42,7 @@ from contextlib import contextmanager
 from contextvars import ContextVar
 import math
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
 import numpy as np
@@ -370,7 +372,9 @@ def dense_block(st: Step, x: torch.Tensor) -> torch.Tensor:
 # ---- the model ----------------------------------------------------------------------------------
 
 class ReferenceModel:
-    """A GGUF model run layer by layer from its mmap. `forward(ids, capture) -> (logits, captured)`.
+    """A model run layer by layer from its mmap: a GGUF file, or an HF checkpoint directory (config.json
+    + safetensors, read through gguf/layout.py's forward transforms: reference/checkpoint.py).
+    `forward(ids, capture) -> (logits, captured)`.
 
     `vocab_chunk` rows of the output matrix are dequantized and multiplied at a time: 2048 rows of the
     demo's 640 columns (5 MB in float32) stay in cache between the dequantization and the matmul and
@@ -385,20 +389,29 @@ class ReferenceModel:
         if dtype not in (torch.float64, torch.float32, torch.bfloat16, torch.float16):
             raise InputError(f"dtype {dtype} not supported (float64, float32, bfloat16, float16)")
         self.path = path
-        self.g = open_gguf(path)
-        self.config = from_gguf(self.g)
+        self.dtype, self.device = dtype, torch.device(device)
+        if Path(path).is_dir():  # an HF checkpoint: no GGUF (`g` is None), no dequantizer to swap
+            from .checkpoint import Checkpoint, CheckpointWeights
+
+            if dequantizer is not None:
+                raise InputError(f"{path}: a dequant kernel applies to GGUF weights, not to an HF checkpoint")
+            self.g, self.source = None, Checkpoint(path)
+            self.config = self.source.config
+            self.weights = CheckpointWeights(self.source, dtype=dtype, device=self.device, cache=cache)
+        else:
+            self.g = self.source = open_gguf(path)
+            self.config = from_gguf(self.g)
+            self.weights = Weights(self.g, dtype=dtype, device=self.device, cache=cache, dequantizer=dequantizer)
         self.block = _BLOCKS.get(self.config.arch)
         if self.block is None:
             raise InputError(f"{path}: no reference block for architecture {self.config.arch!r}")
-        self.dtype, self.device = dtype, torch.device(device)
-        self.weights = Weights(self.g, dtype=dtype, device=self.device, cache=cache, dequantizer=dequantizer)
         self.emulate = emulate
         self.vocab_chunk, self.kv_chunk = vocab_chunk, kv_chunk
         self.stats: list[LayerStats] = []
 
     def close(self) -> None:
         self.weights._cached.clear()
-        self.g.close()
+        self.source.close()
 
     def __enter__(self) -> "ReferenceModel":
         return self

@@ -20,10 +20,11 @@ def top_k(tok: Any, logprobs: torch.Tensor, k: int) -> list[dict]:
             for v, i in zip(vals, idx)]
 
 
-def report(model: ReferenceModel, tok: Any, prompt: str, *, top: int = 5, greedy: int = 0,
-           prompt_logprobs: bool = False, add_bos: bool | None = None) -> dict:
-    """Run the prompt (and `greedy` further steps) through the reference; return a JSON-ready dict."""
-    ids = tok.encode(prompt, add_bos)
+def report(model: ReferenceModel, tok: Any, prompt: str | None, *, top: int = 5, greedy: int = 0,
+           prompt_logprobs: bool = False, add_bos: bool | None = None, ids: list[int] | None = None) -> dict:
+    """Run the prompt (and `greedy` further steps) through the reference; return a JSON-ready dict.
+    `ids`: the prompt as token ids, used as given instead of encoding `prompt` (models without a tokenizer)."""
+    ids = list(ids) if ids is not None else tok.encode(prompt, add_bos)
     if not ids:
         from ..errors import InputError
 

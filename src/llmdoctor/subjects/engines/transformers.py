@@ -1,5 +1,6 @@
 """transformers as an engine under test: the GGUF's own (dequantized) weights, mapped back to the HF
-checkpoint layout by gguf/layout.py's inverse transforms, run by transformers' own modeling code.
+checkpoint layout by gguf/layout.py's inverse transforms, run by transformers' own modeling code; or an
+HF checkpoint directory loaded by transformers itself (`from_pretrained`), as a deployment serving it does.
 
 This is what a deployment that serves a GGUF through transformers computes, minus transformers' GGUF
 reader (which takes ~80 s on the demo file here): the weights are ours (bit-exact with gguf-py),
@@ -75,6 +76,21 @@ def build(path: str | os.PathLike, dtype: torch.dtype = torch.float32, dequantiz
     return model, cfg
 
 
+def from_checkpoint(directory: str | os.PathLike, dtype: torch.dtype = torch.float32):
+    """(model, config) of an HF checkpoint directory as a deployment serving it loads it:
+    `AutoModelForCausalLM.from_pretrained` (local files only) in `dtype`, on the CPU."""
+    import transformers
+
+    from ...reference.config import from_hf
+
+    cfg = from_hf(directory)
+    try:
+        model = transformers.AutoModelForCausalLM.from_pretrained(str(directory), dtype=dtype, local_files_only=True)
+    except Exception as e:  # transformers raises OSError/ValueError/KeyError/RuntimeError for what it cannot load
+        raise EngineError(f"transformers cannot load {directory}: {type(e).__name__}: {e}") from None
+    return model.eval(), cfg
+
+
 def _fused_experts(name: str, tensor) -> torch.Tensor:
     """transformers 5's fused expert parameter `model.layers.{L}.mlp.experts.gate_up_proj`
     [E, 2*ff, n_embd] (gate rows, then up rows: its forward chunks the product in two) or `.down_proj`
@@ -117,13 +133,18 @@ def _routing_hook(into: dict[str, np.ndarray], il: int):
 def run(path: str | os.PathLike, tokens: list[int], *, dtype: str = "float32",
         n_threads: int | None = None, dequant_kernel: str | None = None) -> EngineRun:
     """One forward pass of `tokens` through transformers in `dtype`: logits [T, V] and l_out-{i}.
+    `path`: a GGUF (built with our dequantized weights) or an HF checkpoint directory (from_pretrained).
     `dequant_kernel`: a kernel spec the deployment loads the GGUF with (run isolated)."""
     torch_dtype = getattr(torch, dtype, None)
     if not isinstance(torch_dtype, torch.dtype):
         raise InputError(f"unknown dtype {dtype!r}")
     if n_threads:
         torch.set_num_threads(n_threads)
-    if dequant_kernel:
+    if os.path.isdir(path):  # an HF checkpoint: transformers loads it itself
+        if dequant_kernel:
+            raise EngineError("a dequant kernel applies to GGUF weights: the engine runs an HF checkpoint")
+        model, cfg = from_checkpoint(path, torch_dtype)
+    elif dequant_kernel:
         from ..substitution import KernelDequantizer
 
         with KernelDequantizer(dequant_kernel) as kd:
