@@ -291,9 +291,10 @@ def test_glm_nextn_block(mla, tmp_path):
 
 
 class StandInGGUFModelLoader:
-    """vLLM is not installed here (and its 0.33.0 wheel has no GGUF loader): a stand-in with the contract of
-    vLLM's GGUFModelLoader._get_gguf_weights_map (model_config.hf_config -> {GGUF name: HF name}). Like
-    vLLM it maps through gguf-py's table, stacked experts under expert 0's name, and kv_b_proj whole."""
+    """A stand-in with the contract of the vllm-gguf-plugin's name map (subjects/engines/vllm.py
+    `gguf_name_map`: HF config -> {GGUF name: HF name}), so that the diff is tested for every map shape;
+    tests/test_engine_vllm.py asks the real one. Like vLLM it maps through gguf-py's table, stacked
+    experts under expert 0's name, and kv_b_proj whole."""
 
     def _get_gguf_weights_map(self, model_config):
         c = model_config.hf_config
@@ -310,12 +311,16 @@ class StandInGGUFModelLoader:
 def test_engine_vllm_map_diffed_against_ours(tmp_path, monkeypatch, legacy):
     """--engine vllm: a map that keeps kv_b_proj whole agrees with a file converted before the MLA split
     and names each tensor it cannot place in a file with k_b / v_b."""
-    import sys
     import types
 
-    mod = types.ModuleType(mapping.VLLM_LOADER)
-    mod.GGUFModelLoader = StandInGGUFModelLoader
-    monkeypatch.setitem(sys.modules, mapping.VLLM_LOADER, mod)
+    from llmdoctor.subjects.engines import vllm as vllm_engine
+
+    def name_map(python, config):
+        model_config = types.SimpleNamespace(hf_config=mapping.config_object(config))
+        return {"map": StandInGGUFModelLoader()._get_gguf_weights_map(model_config)}
+
+    monkeypatch.setattr(vllm_engine, "find_python", lambda explicit=None: "python")
+    monkeypatch.setattr(vllm_engine, "gguf_name_map", name_map)
     f = fx.build("deepseek", tmp_path, legacy=legacy)
     res = mapping.run(f.gguf_path, tmp_path / "hf-deepseek" / "config.json", engine="vllm")
     vllm = [x for x in res.findings if x.subject == "vllm"]
@@ -388,7 +393,7 @@ def test_cli_exit_codes(mla, tmp_path):
     r = CliRunner().invoke(app, ["check", "mapping", str(gguf_path), "--hf", str(hf), "--engine", "vllm", "--json"])
     [v] = [f for f in json.loads(r.stdout)["findings"] if f["subject"] == "vllm"]
     # the named engine could not run: its map was not compared, so nothing healthy is concluded (exit 2)
-    assert r.exit_code == 2 and v["status"] == "skip" and "GGUF loader is not importable" in v["reason"]
+    assert r.exit_code == 2 and v["status"] == "skip" and "name map could not be asked" in v["reason"]
     for bad_config, says in (("[1, 2]", "not a JSON object"), ('{"model_type": "llama"}', "lacks"),
                              ('{"model_type": "llama", "num_hidden_layers": 2, "rope_parameters": 5}', "")):
         (tmp_path / "bad.json").write_text(bad_config)

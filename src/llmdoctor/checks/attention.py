@@ -766,10 +766,19 @@ def builtin_subjects(names: str, device: str) -> list[tuple[str, Optional[str]]]
 
 
 def engine_explainer(shape: Shape, dtype: str) -> dict[str, Any]:
-    """Which attention backends vLLM would select for this shape and dtype (its own selection code)."""
+    """Which attention backends vLLM selects for this shape and dtype: its own selection code, asked in
+    the `python` on PATH that imports vllm (subjects/engines/vllm.py); {"skipped": why} elsewhere."""
+    from ..subjects.engines import vllm
+
     m = shape.mla
     head = (m.kv_lora_rank + m.qk_rope) if m else shape.head_dim
-    return subj.vllm_backends(head, dtype, use_mla=m is not None, use_sparse=bool(shape.top_k))
+    python, why = vllm.default_python_or_reason()
+    if python is None:
+        return {"skipped": f"vLLM is not available: {why}"}
+    try:
+        return vllm.select(python, head, dtype, use_mla=m is not None, use_sparse=bool(shape.top_k))
+    except vllm.EngineError as e:
+        return {"skipped": f"vLLM's selection could not run: {e}"}
 
 
 def count_line(findings: list[Finding]) -> str:

