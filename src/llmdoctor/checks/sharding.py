@@ -291,7 +291,8 @@ def reference(path: Path, ids: torch.Tensor, rules: tp.Rules, *, n_layer: int | 
         for p in points[1:]:
             roundings[p] = chain_roundings(cfg, p, len(ids))
             bound[p] = metrics.reordered_sum_bound(mags.magnitude(p, tuple(want[p].shape)), dtype, roundings[p])
-    return Reference(n, points, inputs, want, bound, roundings, time.perf_counter() - t0)
+    cpu = lambda d: {k: v.cpu() for k, v in d.items()}  # noqa: E731  (the ranks get them pickled)
+    return Reference(n, points, cpu(inputs), cpu(want), cpu(bound), roundings, time.perf_counter() - t0)
 
 
 def judge(point: str, got: torch.Tensor, want: torch.Tensor, bound: torch.Tensor, subject: str) -> Finding:
@@ -501,7 +502,8 @@ def run(path: Path, t: int, *, rules: str = "vllm", engine_shards: Path | None =
             base = tp.Plan(fw.Weights(g, dtype=DTYPES[dtype], device=torch.device("cpu"), cache=False), cfg, r, t)
             findings += compare_saved(EngineShards(base, engine_shards), base)
         ids = prompt_ids(cfg.n_vocab, n_tokens, seed)
-    ref = reference(path, ids, r, n_layer=n_layer, dtype=DTYPES[dtype])
+    ref = reference(path, ids, r, n_layer=n_layer, dtype=DTYPES[dtype],
+                    device="cuda" if device.startswith("cuda") else "cpu")
     plans = [("engine-shards", str(engine_shards)) if engine_shards else ("rules", None)]
     plans += [("fault", f) for f in faults or ()]
     results = tp.launch(t, worker, (Job(str(path), dtype, rules, plans, ref, localize),), device=device)
