@@ -16,7 +16,7 @@ import typer
 
 from .errors import InputError, LLMDoctorError
 from .report import terminal
-from .report.envelope import dumps, envelope
+from .report.envelope import check_writable, dumps, envelope, write_atomic
 
 app = typer.Typer(
     add_completion=False,
@@ -259,11 +259,11 @@ def diagnose(
     attention_impl: Optional[str] = typer.Option(None, "--attention-impl", help="Attention kernel spec."),
     attention_contract: Optional[str] = typer.Option(None, "--attention-contract", help="Its contract."),
     prompt: Optional[str] = typer.Option(None, "--prompt", help="The text run through engine and reference."),
-    token_ids: Optional[str] = typer.Option(None, "--token-ids", help="The prompt as token ids, e.g. 1,2,3 "
-                                            "(for a checkpoint without a tokenizer)."),
     demo_fault: Optional[str] = typer.Option(None, "--demo-fault", help="Diagnose a deliberately broken demo "
                                              "deployment; 'list' lists them."),
     threads: Optional[int] = typer.Option(None, "--threads", help="CPU threads for the engines."),
+    manifest: Optional[Path] = typer.Option(None, "--manifest", help="A manifest of a known-good copy "
+                                            "(llmdoctor manifest): every tensor and key that differs is named."),
     seed: int = typer.Option(0, "--seed"),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object on stdout."),
     json_path: Optional[Path] = typer.Option(None, "--json-out", help="Write the JSON report to PATH."),
@@ -274,8 +274,6 @@ def diagnose(
 
     from . import diagnose as dg
     from .faults import demo as demo_faults
-    from .reference.checkpoint import is_checkpoint
-    from .reference.hf_tokenizer import parse_token_ids
     from .report import diagnosis as diag_report
     from .report import html as html_report
     from .report.envelope import check_writable, write_atomic
@@ -296,15 +294,15 @@ def diagnose(
         return
     inputs = dg.Inputs(gguf=gguf, hf=hf, endpoint=endpoint, engine=engine, engine_dtype=engine_dtype,
                        dequant_kernel=dequant_kernel, attention_impl=attention_impl,
-                       attention_contract=attention_contract, seed=seed, threads=threads)
+                       attention_contract=attention_contract, seed=seed, threads=threads, manifest=manifest)
+    if manifest is not None:
+        from .checks.manifest import load
+
+        load(manifest)  # a bad manifest is bad input, found before the diagnosis
     if prompt:
         inputs.prompt = prompt
-    if token_ids is not None:
-        if prompt:
-            raise InputError("--prompt and --token-ids: give one")
-        inputs.token_ids = parse_token_ids(token_ids)
-    if inputs.gguf is None and not (hf is not None and is_checkpoint(hf)):
-        inputs.gguf = model_file(None)  # without a GGUF, an HF checkpoint is the reference's model
+    if inputs.gguf is None:
+        inputs.gguf = model_file(None)
     if not any((engine, endpoint, dequant_kernel, attention_impl, hf)):
         inputs.engine = "llama.cpp"  # the demo deployment: the file in the built-in engine
     with tempfile.TemporaryDirectory(prefix="llmdoctor-demo-") as tmp:
@@ -332,12 +330,8 @@ _DTYPES = {"float64": "float64", "float32": "float32", "bfloat16": "bfloat16", "
 @app.command()
 @guarded("logits")
 def logits(
-    prompt: Optional[str] = typer.Argument(None, help="The prompt text (or --token-ids)."),
+    prompt: str = typer.Argument(..., help="The prompt text."),
     gguf: Optional[Path] = typer.Option(None, "--gguf", help="GGUF file (default: the demo model)."),
-    hf: Optional[Path] = typer.Option(None, "--hf", help="HF checkpoint directory (config.json + safetensors) "
-                                      "instead of a GGUF."),
-    token_ids: Optional[str] = typer.Option(None, "--token-ids", help="The prompt as token ids, e.g. 1,2,3 "
-                                            "(for a model without a tokenizer)."),
     top: int = typer.Option(5, "--top", min=1, help="How many most likely tokens to show per position."),
     greedy: int = typer.Option(0, "--greedy", min=0, help="Continue greedily for N tokens."),
     prompt_logprobs: bool = typer.Option(False, "--prompt-logprobs", help="Logprob and rank of each prompt token."),
@@ -349,8 +343,6 @@ def logits(
     import torch
 
     from .reference import load
-    from .reference.checkpoint import is_checkpoint
-    from .reference.hf_tokenizer import checkpoint_tokenizer, parse_token_ids
     from .reference.logits import render_text, report
     from .reference.tokenizer import Tokenizer
 
@@ -360,21 +352,13 @@ def logits(
         raise InputError(f"--device {device!r}: expected cpu or cuda[:N]")
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise InputError(f"--device {device}: CUDA is not available")
-    if (prompt is None) == (token_ids is None):
-        raise InputError("give the prompt as PROMPT or as --token-ids (one of them)")
-    if hf is not None and gguf is not None:
-        raise InputError("--gguf and --hf: give one model")
-    if hf is not None and not is_checkpoint(hf):
-        raise InputError(f"{hf}: not an HF checkpoint directory (config.json and *.safetensors)")
-    ids = parse_token_ids(token_ids) if token_ids is not None else None
-    path = hf if hf is not None else model_file(gguf)
+    path = model_file(gguf)
     with load(path, dtype=getattr(torch, _DTYPES[dtype]), device=device, cache=greedy > 0) as model:
-        tok = checkpoint_tokenizer(path) if hf is not None else Tokenizer.from_gguf(model.g)
-        result = report(model, tok, prompt, top=top, greedy=greedy, prompt_logprobs=prompt_logprobs, ids=ids)
-    source = None if hf is not None else path  # provenance hashes one file: a checkpoint directory has none
+        result = report(model, Tokenizer.from_gguf(model.g), prompt, top=top, greedy=greedy,
+                        prompt_logprobs=prompt_logprobs)
     result.update(dtype=dtype, device=device)
     if json_out:
-        print(dumps(envelope("logits", argv=sys.argv[1:], verdict="computed", exit_code=0, file=source,
+        print(dumps(envelope("logits", argv=sys.argv[1:], verdict="computed", exit_code=0, file=path,
                              result=result)))
     else:
         print(render_text(result))
@@ -537,6 +521,142 @@ def check_sharding(
     c = count(res.findings)
     terminal.stdout.print(f"{verdict}: {c['passed']} passed, {c['failed']} failed, {c['skipped']} skipped "
                           f"in {res.seconds:.1f} s")
+    raise typer.Exit(code)
+
+
+def _byte_progress(what: str) -> Any:
+    """(a transient progress bar on stderr with bytes done and GB/s, its callback (done, total, name))."""
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
+
+    bar = Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(binary_units=False),
+                   TransferSpeedColumn(), TimeRemainingColumn(), console=terminal.stderr, transient=True)
+    task = bar.add_task(what, total=None)
+
+    def step(done: int, total: int, name: str) -> None:
+        bar.update(task, completed=done, total=total, description=f"{what} {name[:40]}")
+
+    return bar, step
+
+
+def _findings_table(findings: list, title: str) -> None:
+    from rich.table import Table
+
+    table = Table("status", "target", "what", title=title, title_justify="left")
+    for f in findings:
+        if f.status != "pass":
+            table.add_row(f.status, f.target, f.explanation or f.reason)
+    if table.row_count:
+        terminal.stdout.print(table)
+
+
+@app.command()
+@guarded("verify")
+def verify(
+    file: Optional[Path] = typer.Argument(None, help="GGUF file or any shard of a split model (default: the demo model)."),
+    device: str = typer.Option("cpu", "--device", help="cpu or cuda: where the blocks are decoded."),
+    manifest: Optional[Path] = typer.Option(None, "--manifest", help="Also name every tensor and key that differs "
+                                            "from this manifest (llmdoctor manifest)."),
+    json_out: bool = typer.Option(False, "--json", help="Print one JSON object on stdout."),
+    json_path: Optional[Path] = typer.Option(None, "--json-out", help="Write the JSON object to PATH (atomically)."),
+) -> None:
+    """Decode every block of every tensor: finite values, per-tensor statistics, forensics; exit 1 on a fault."""
+    from .checks import verify as V
+    from .checks.base import count, exit_code
+
+    check_writable(json_path)
+    path = model_file(file)
+    if manifest is not None:
+        from .checks.manifest import load
+
+        load(manifest)  # a bad manifest is bad input, found before the pass
+    bar, step = _byte_progress("verify")
+    try:
+        with bar:
+            res = V.run(path, device=device, progress=step, manifest=manifest)
+    except KeyboardInterrupt:
+        terminal.error_line("interrupted: nothing was written")
+        raise typer.Exit(130) from None
+    code = exit_code(res.findings)
+    verdict = {0: "intact", 1: "corrupted", 2: "skipped"}[code]
+    # file=None: the envelope would hash the whole file once more; the per-tensor hashes are `manifest`'s job
+    doc = envelope("verify", argv=sys.argv[1:], verdict=verdict, exit_code=code, findings=res.findings,
+                   model={"path": str(path), "shards": res.shards}, totals=res.totals(),
+                   tensors=[t.__dict__ for t in res.tensors])
+    if json_path is not None:
+        write_atomic(json_path, dumps(doc))
+    if json_out:
+        print(dumps(doc))
+    if not json_out:
+        _findings_table(res.findings, f"verify {path.name}: {len(res.shards)} file(s), {len(res.tensors)} tensors")
+        c, tot = count(res.findings), res.totals()
+        terminal.stdout.print(f"{verdict}: {c['passed']} passed, {c['failed']} failed, {c['skipped']} skipped; "
+                              f"{tot['values']:,} values, {tot['non_finite']} non-finite; {res.bytes / 1e9:.2f} GB in "
+                              f"{res.seconds:.2f} s ({res.gb_per_s:.2f} GB/s, {device})")
+    raise typer.Exit(code)
+
+
+@app.command("manifest")
+@guarded("manifest")
+def manifest_cmd(
+    file: Optional[Path] = typer.Argument(None, help="GGUF file or any shard of a split model (default: the demo model)."),
+    out: Optional[Path] = typer.Option(None, "--out", help="Write the manifest to PATH (default: stdout)."),
+) -> None:
+    """Per-tensor sha256 and metadata digests of a known-good copy, for `verify/diagnose --manifest`."""
+    from .checks import manifest as MF
+    from .gguf import open_gguf
+
+    check_writable(out)
+    path = model_file(file)
+    bar, step = _byte_progress("sha256")
+    try:
+        with open_gguf(path) as g, bar:
+            doc = MF.build(g, step)
+    except KeyboardInterrupt:
+        terminal.error_line("interrupted: nothing was written")
+        raise typer.Exit(130) from None
+    if out is None:
+        print(dumps(doc))
+    else:
+        write_atomic(out, dumps(doc))
+        terminal.stderr.print(f"{out}: {len(doc['tensors'])} tensors, {len(doc['metadata'])} metadata keys")
+
+
+@app.command()
+@guarded("diff")
+def diff(
+    a: Path = typer.Argument(..., help="GGUF file (or any shard of a split model)."),
+    b: Path = typer.Argument(..., help="GGUF file (or shard), or an HF checkpoint directory."),
+    json_out: bool = typer.Option(False, "--json", help="Print one JSON object on stdout."),
+    json_path: Optional[Path] = typer.Option(None, "--json-out", help="Write the JSON object to PATH (atomically)."),
+) -> None:
+    """Are A and B the same model? Metadata and tensors added, removed or changed, with the numbers."""
+    from .checks import diff as D
+    from .checks.base import count, exit_code
+
+    check_writable(json_path)
+    for p in (a, b):
+        if not p.exists():
+            raise InputError(f"{p}: no such file or directory")
+    bar, step = _byte_progress("diff")
+    try:
+        with bar:
+            res = D.run(a, b, progress=step)
+    except KeyboardInterrupt:
+        terminal.error_line("interrupted: nothing was written")
+        raise typer.Exit(130) from None
+    code = exit_code(res.findings)
+    verdict = {0: "same", 1: "different", 2: "skipped"}[code]
+    doc = envelope("diff", argv=sys.argv[1:], verdict=verdict, exit_code=code, findings=res.findings,
+                   a=res.a, b=res.b, kind=res.kind, summary=res.summary, seconds=res.seconds)
+    if json_path is not None:
+        write_atomic(json_path, dumps(doc))
+    if json_out:
+        print(dumps(doc))
+    if not json_out:
+        _findings_table(res.findings, f"{a} vs {b}")
+        c = count(res.findings)
+        terminal.stdout.print(f"{verdict}: {c['failed']} difference(s), {c['passed']} passed, {c['skipped']} skipped "
+                              f"in {res.seconds:.1f} s")
     raise typer.Exit(code)
 
 

@@ -1,0 +1,116 @@
+"""verify: every block of every tensor decoded; a planted non-finite block scale is found with its block
+and file offset (also inside a split set); the CLI's exit codes, JSON, and Ctrl-C leaving nothing behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from llmdoctor import faults
+from llmdoctor.checks import verify as V
+from llmdoctor.cli import app
+from llmdoctor.gguf import open_gguf
+from split_builders import copy_model
+
+SUBSET = ["blk.0.attn_q.weight", "blk.0.attn_k.weight", "blk.0.attn_norm.weight", "blk.1.attn_q.weight",
+          "blk.1.ffn_down.weight", "output_norm.weight"]
+BAD = "blk.0.attn_q.weight"
+
+
+@pytest.fixture(scope="module")
+def subset(demo_path, tmp_path_factory):
+    return copy_model(demo_path, tmp_path_factory.mktemp("verify") / "sub.gguf", only=SUBSET)[0]
+
+
+@pytest.fixture(scope="module")
+def planted(subset, tmp_path_factory):
+    """The subset with block 3 of BAD's scale d set to +inf (the registry's scale-inf fault)."""
+    return faults.get("scale-inf").build(subset, tmp_path_factory.mktemp("planted"), tensor=BAD, block=3)
+
+
+def test_demo_every_block_decoded(demo_path):
+    res = V.run(demo_path)
+    with open_gguf(demo_path) as g:
+        assert [t.name for t in res.tensors] == sorted((t.name for t in g.tensors), key=lambda n: g.tensor(n).offset)
+        assert sum(t.values for t in res.tensors) == sum(t.n_elements for t in g.tensors)
+        assert res.bytes == sum(t.nbytes for t in g.tensors)
+    own = [f for f in res.findings if f.check == "verify"]
+    assert len(own) == len(res.tensors) and all(f.status == "pass" for f in own)
+    assert all(t.stats and t.stats["rms"] > 0 for t in res.tensors)  # forensics' statistics, same pass
+    assert any(f.check == "forensics" for f in res.findings)
+
+
+def _bad(res: V.Result) -> V.TensorReport:
+    (rep,) = [t for t in res.tensors if t.non_finite]
+    return rep
+
+
+def test_planted_inf_scale_found_with_block_and_offset(planted):
+    res = V.run(planted)
+    rep = _bad(res)
+    with open_gguf(planted) as g:
+        t = g.tensor(BAD)
+        assert rep.name == BAD and rep.first_bad_block == 3 and rep.first_bad_offset == t.offset + 3 * t.type_size
+        assert rep.non_finite == t.block_size  # inf * q and inf * 0: every value of that block
+    f = next(f for f in res.findings if f.check == "verify" and f.target == BAD)
+    assert f.status == "fail" and f"offset {rep.first_bad_offset}" in f.explanation
+
+
+def test_planted_fault_in_a_split_set_names_its_shard(planted, tmp_path):
+    parts = copy_model(planted, tmp_path / "p.gguf", max_tensors=2)
+    rep = _bad(V.run(parts[-1]))
+    with open_gguf(parts[0]) as g:
+        t = g.tensor(BAD)
+        assert rep.shard == t.path in map(str, parts) and rep.first_bad_offset == t.offset + 3 * t.type_size
+
+
+def test_cli_exit_codes_and_json(subset, planted, tmp_path):
+    r = CliRunner().invoke(app, ["verify", str(subset), "--json", "--json-out", str(tmp_path / "v.json")])
+    doc = json.loads(r.stdout)
+    assert r.exit_code == doc["exit_code"] and doc["schema"] == "llmdoctor.verify/1"
+    assert json.loads((tmp_path / "v.json").read_text())["totals"] == doc["totals"]
+    assert doc["totals"]["non_finite"] == 0 and doc["totals"]["tensors"] == len(SUBSET)
+    r = CliRunner().invoke(app, ["verify", str(planted)])
+    assert r.exit_code == 1 and "corrupted" in r.stdout and BAD in r.stdout
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="skipped: tests the path without CUDA")
+def test_cuda_without_cuda_is_a_clean_skip(subset):
+    r = CliRunner().invoke(app, ["verify", str(subset), "--device", "cuda", "--json"])
+    doc = json.loads(r.stdout)
+    assert r.exit_code == 2 and doc["counts"] == {"passed": 0, "failed": 0, "skipped": 1}
+    assert "CUDA is not available" in doc["findings"][0]["reason"]
+
+
+@pytest.mark.gpu
+def test_cuda_same_report_as_cpu(planted):
+    cpu, gpu = V.run(planted), V.run(planted, device="cuda")
+    assert [(t.name, t.values, t.non_finite, t.first_bad_block, t.first_bad_offset) for t in cpu.tensors] == \
+           [(t.name, t.values, t.non_finite, t.first_bad_block, t.first_bad_offset) for t in gpu.tensors]
+
+
+def test_ctrl_c_leaves_nothing_behind(demo_path, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    p = subprocess.Popen([sys.executable, "-m", "llmdoctor.cli", "verify", str(demo_path), "--json-out",
+                          str(out / "v.json")], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 60
+    while time.time() < deadline:  # interrupt once the model file is mapped: the pass has begun
+        try:
+            if str(demo_path) in open(f"/proc/{p.pid}/maps").read():
+                break
+        except FileNotFoundError:
+            break
+        time.sleep(0.05)
+    p.send_signal(signal.SIGINT)
+    _, err = p.communicate(timeout=60)
+    assert p.returncode == 130 and "interrupted" in err, err
+    assert os.listdir(out) == []
