@@ -259,6 +259,8 @@ def diagnose(
     attention_impl: Optional[str] = typer.Option(None, "--attention-impl", help="Attention kernel spec."),
     attention_contract: Optional[str] = typer.Option(None, "--attention-contract", help="Its contract."),
     prompt: Optional[str] = typer.Option(None, "--prompt", help="The text run through engine and reference."),
+    token_ids: Optional[str] = typer.Option(None, "--token-ids", help="The prompt as token ids, e.g. 1,2,3 "
+                                            "(for a checkpoint without a tokenizer)."),
     demo_fault: Optional[str] = typer.Option(None, "--demo-fault", help="Diagnose a deliberately broken demo "
                                              "deployment; 'list' lists them."),
     threads: Optional[int] = typer.Option(None, "--threads", help="CPU threads for the engines."),
@@ -274,6 +276,8 @@ def diagnose(
 
     from . import diagnose as dg
     from .faults import demo as demo_faults
+    from .reference.checkpoint import is_checkpoint
+    from .reference.hf_tokenizer import parse_token_ids
     from .report import diagnosis as diag_report
     from .report import html as html_report
     from .report.envelope import check_writable, write_atomic
@@ -301,8 +305,12 @@ def diagnose(
         load(manifest)  # a bad manifest is bad input, found before the diagnosis
     if prompt:
         inputs.prompt = prompt
-    if inputs.gguf is None:
-        inputs.gguf = model_file(None)
+    if token_ids is not None:
+        if prompt:
+            raise InputError("--prompt and --token-ids: give one")
+        inputs.token_ids = parse_token_ids(token_ids)
+    if inputs.gguf is None and not (hf is not None and is_checkpoint(hf)):
+        inputs.gguf = model_file(None)  # without a GGUF, an HF checkpoint is the reference's model
     if not any((engine, endpoint, dequant_kernel, attention_impl, hf)):
         inputs.engine = "llama.cpp"  # the demo deployment: the file in the built-in engine
     with tempfile.TemporaryDirectory(prefix="llmdoctor-demo-") as tmp:
@@ -330,8 +338,12 @@ _DTYPES = {"float64": "float64", "float32": "float32", "bfloat16": "bfloat16", "
 @app.command()
 @guarded("logits")
 def logits(
-    prompt: str = typer.Argument(..., help="The prompt text."),
+    prompt: Optional[str] = typer.Argument(None, help="The prompt text (or --token-ids)."),
     gguf: Optional[Path] = typer.Option(None, "--gguf", help="GGUF file (default: the demo model)."),
+    hf: Optional[Path] = typer.Option(None, "--hf", help="HF checkpoint directory (config.json + safetensors) "
+                                      "instead of a GGUF."),
+    token_ids: Optional[str] = typer.Option(None, "--token-ids", help="The prompt as token ids, e.g. 1,2,3 "
+                                            "(for a model without a tokenizer)."),
     top: int = typer.Option(5, "--top", min=1, help="How many most likely tokens to show per position."),
     greedy: int = typer.Option(0, "--greedy", min=0, help="Continue greedily for N tokens."),
     prompt_logprobs: bool = typer.Option(False, "--prompt-logprobs", help="Logprob and rank of each prompt token."),
@@ -343,6 +355,8 @@ def logits(
     import torch
 
     from .reference import load
+    from .reference.checkpoint import is_checkpoint
+    from .reference.hf_tokenizer import checkpoint_tokenizer, parse_token_ids
     from .reference.logits import render_text, report
     from .reference.tokenizer import Tokenizer
 
@@ -352,13 +366,21 @@ def logits(
         raise InputError(f"--device {device!r}: expected cpu or cuda[:N]")
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise InputError(f"--device {device}: CUDA is not available")
-    path = model_file(gguf)
+    if (prompt is None) == (token_ids is None):
+        raise InputError("give the prompt as PROMPT or as --token-ids (one of them)")
+    if hf is not None and gguf is not None:
+        raise InputError("--gguf and --hf: give one model")
+    if hf is not None and not is_checkpoint(hf):
+        raise InputError(f"{hf}: not an HF checkpoint directory (config.json and *.safetensors)")
+    ids = parse_token_ids(token_ids) if token_ids is not None else None
+    path = hf if hf is not None else model_file(gguf)
     with load(path, dtype=getattr(torch, _DTYPES[dtype]), device=device, cache=greedy > 0) as model:
-        result = report(model, Tokenizer.from_gguf(model.g), prompt, top=top, greedy=greedy,
-                        prompt_logprobs=prompt_logprobs)
+        tok = checkpoint_tokenizer(path) if hf is not None else Tokenizer.from_gguf(model.g)
+        result = report(model, tok, prompt, top=top, greedy=greedy, prompt_logprobs=prompt_logprobs, ids=ids)
+    source = None if hf is not None else path  # provenance hashes one file: a checkpoint directory has none
     result.update(dtype=dtype, device=device)
     if json_out:
-        print(dumps(envelope("logits", argv=sys.argv[1:], verdict="computed", exit_code=0, file=path,
+        print(dumps(envelope("logits", argv=sys.argv[1:], verdict="computed", exit_code=0, file=source,
                              result=result)))
     else:
         print(render_text(result))

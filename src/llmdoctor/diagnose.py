@@ -34,6 +34,7 @@ DEFAULT_PROMPT = (
     "Paris is the capital of France, and Berlin is the capital of"
 )
 FP16_MAX = 65504.0
+NO_GGUF = "no GGUF file (the reference reads the HF checkpoint)"
 ENGINES = ("llama.cpp", "transformers", "vllm")
 CONFIDENCE_ORDER = {"high": 0, "medium": 1, "low": 2, "": 3}
 # Reference capture points compared with an engine's (checks/layers.py POINTS).
@@ -52,6 +53,7 @@ class Inputs:
     endpoint: str | None = None
     engine: str | None = None
     engine_gguf: Path | None = None  # the file the engine loads when it differs from --gguf (demo faults)
+    engine_hf: Path | None = None  # the checkpoint the engine loads when it differs from --hf (planted faults)
     engine_dtype: str | None = None
     manifest: Path | None = None  # a manifest of a known-good copy (llmdoctor manifest): compared in file-integrity
     dequant_kernel: str | None = None
@@ -104,23 +106,52 @@ class Session:
         return self._cache[key]
 
     # ---- evidence ----------------------------------------------------------------------------
+    def checkpoint(self) -> Path | None:
+        """The HF checkpoint directory the reference reads (--hf DIR with safetensors and no --gguf), or None."""
+        from .reference.checkpoint import is_checkpoint
+
+        hf = self.inputs.hf
+        return Path(hf) if self.inputs.gguf is None and hf is not None and is_checkpoint(hf) else None
+
+    def gguf_path(self) -> Path:
+        """--gguf, or a Skip saying why a hypothesis that needs a GGUF cannot run."""
+        if self.inputs.gguf is None:
+            raise Skip(NO_GGUF if self.checkpoint() is not None else "no model file (--gguf)")
+        return self.inputs.gguf
+
+    def reference_path(self) -> Path:
+        """What the reference reads: the GGUF, else the HF checkpoint directory (reference/checkpoint.py)."""
+        if self.inputs.gguf is not None:
+            return self.inputs.gguf
+        ckpt = self.checkpoint()
+        if ckpt is None:
+            raise Skip("no model for the reference (--gguf FILE, or --hf DIR with config.json and safetensors)")
+        return ckpt
+
     def gguf(self):
         from .gguf import open_gguf
 
-        if self.inputs.gguf is None:
-            raise Skip("no model file (--gguf)")
-        return self.once("gguf", lambda: open_gguf(self.inputs.gguf))
+        path = self.gguf_path()
+        return self.once("gguf", lambda: open_gguf(path))
 
     def config(self):
-        from .reference.config import from_gguf
+        from .reference.config import from_gguf, from_hf
 
+        if self.inputs.gguf is None:
+            return self.once("config", lambda: from_hf(self.reference_path()))
         return self.once("config", lambda: from_gguf(self.gguf()))
 
     def tokens(self) -> list[int]:
+        """--token-ids as given, else the prompt through the model's own tokenizer (the GGUF's, or the
+        checkpoint's: reference/hf_tokenizer.py, an InputError when it ships none)."""
         if self.inputs.token_ids is not None:
             return list(self.inputs.token_ids)
 
         def make() -> list[int]:
+            if self.inputs.gguf is None:
+                from .reference.hf_tokenizer import checkpoint_tokenizer
+
+                return checkpoint_tokenizer(self.reference_path()).encode(self.inputs.prompt)
             from .reference.tokenizer import Tokenizer
 
             return Tokenizer.from_gguf(self.gguf()).encode(self.inputs.prompt)
@@ -134,7 +165,7 @@ class Session:
 
             from .reference import load
 
-            return load(self.inputs.gguf, dtype=getattr(torch, dtype), cache=True)
+            return load(self.reference_path(), dtype=getattr(torch, dtype), cache=True)
 
         return self.once(f"model-{dtype}", make)
 
@@ -167,6 +198,8 @@ class Session:
             raise Skip("no in-process engine (--engine)")
         if name not in ("llama.cpp", "transformers"):
             raise Skip(f"engine {name!r} cannot run here: vLLM is not installed")
+        if name == "llama.cpp" and self.inputs.gguf is None:
+            raise Skip("llama.cpp runs GGUF files only: no --gguf given")
 
         def make():
             from .subjects.engines.llama_cpp import EngineError
@@ -181,8 +214,14 @@ class Session:
             raise result
         return result
 
+    def engine_model(self) -> Path:
+        """What the engine loads: its own copy when one is given (a planted fault), else the reference's model."""
+        if self.inputs.gguf is None:
+            return self.inputs.engine_hf or self.reference_path()
+        return self.inputs.engine_gguf or self.inputs.gguf
+
     def _run_engine(self, name: str):
-        path = self.inputs.engine_gguf or self.inputs.gguf
+        path = self.engine_model()
         if name == "llama.cpp":
             from .checks.layers import LLAMA_CPP_ALIASES, engine_names_to_reference
             from .subjects.engines import llama_cpp
@@ -247,7 +286,12 @@ class Session:
         """The reference run with the engine's arithmetic: how far a healthy engine may be."""
         if self.inputs.engine == "llama.cpp":
             return self.reference("float32", emulate="llama.cpp")
-        return self.reference(_torch_dtype_name(self.inputs.engine_dtype or "float32"))
+        # transformers in float32: the same argument (its eager ops, SDPA and grouped expert GEMMs sum in
+        # other orders). Measured on DeepSeek-V3 with real MLA dims (tests/test_reference_hf.py): its l_out-1
+        # is 1.1e-6 (rel. L2) from our float32 run, over the 1e-6 floor a bit-exact budget leaves, but 8.6e-7
+        # from float64 arithmetic, where our float32 run itself is 9.0e-7 from it.
+        dtype = _torch_dtype_name(self.inputs.engine_dtype or "float32")
+        return self.reference("float64" if dtype == "float32" else dtype)
 
 
 def _torch_dtype_name(name: str) -> str:
@@ -314,6 +358,7 @@ def _manifest_findings(s: Session, g: Any) -> list[Finding]:
 
 def h_engine_file(s: Session) -> list[Finding]:
     """When the engine loads another file than the reference: does it describe the same model?"""
+    s.gguf_path()
     other = s.inputs.engine_gguf
     if other is None or s.inputs.engine is None:
         raise Skip("the engine loads the reference file itself")
@@ -383,8 +428,7 @@ def h_mapping(s: Session) -> list[Finding]:
     also each tensor's numbers. The passing numeric findings are summarized in one."""
     from .checks import mapping
 
-    if s.inputs.gguf is None:
-        raise Skip("no model file (--gguf)")
+    s.gguf_path()
     s.progress("name map, shapes and metadata vs " + (str(s.inputs.hf) if s.inputs.hf else "the file's own metadata"))
     res = mapping.run(s.inputs.gguf, s.inputs.hf, consumer=s.inputs.engine)
     config_only = s.inputs.hf is not None and Path(s.inputs.hf).is_file()
@@ -425,6 +469,7 @@ def h_dequant(s: Session) -> list[Finding]:
     """The engine's dequant kernel against the reference, on every tensor of the file."""
     from .checks import dequant
 
+    s.gguf_path()
     kernel = s.inputs.dequant_kernel or ("ggml" if s.inputs.engine == "llama.cpp" else None)
     if kernel is None:
         raise Skip("no dequant kernel to check (--dequant-kernel, or an engine whose kernel is built in)")
@@ -689,7 +734,7 @@ def substitutions(s: Session, point) -> list[dict[str, Any]]:
         else f"{_torch_dtype_name(s.inputs.engine_dtype or 'float32')} precision"
     ok, err = reproduces(s.budget_reference()[1])
     out.append({"swap": f"the engine's {precision}", "reproduces": ok, "error": err})
-    if s.inputs.dequant_kernel:
+    if s.inputs.dequant_kernel and s.inputs.gguf is not None:
         from .subjects.substitution import KernelDequantizer
 
         s.progress(f"reference with the dequant kernel {s.inputs.dequant_kernel!r} swapped in")
@@ -725,7 +770,7 @@ def h_attention(s: Session) -> list[Finding]:
         raise Skip("no attention kernel given (--attention-impl)")
     from .checks import attention
 
-    shape = attention.shape_from_config(s.config(), Path(s.inputs.gguf).name)
+    shape = attention.shape_from_config(s.config(), Path(s.reference_path()).name)
     dtype = _torch_dtype_name(s.inputs.engine_dtype) if s.inputs.engine_dtype else "float32"
     res = attention.run(shape, [(s.inputs.attention_impl, s.inputs.attention_contract)],
                         dtypes=(dtype,), explicit=(s.inputs.attention_impl,), seed=s.inputs.seed,
@@ -799,7 +844,7 @@ def _named_subjects(inputs: Inputs) -> set[str]:
         named.add("attention")
     if inputs.endpoint:
         named.add("symptom-bisection")
-    if inputs.hf:
+    if inputs.hf and inputs.gguf is not None:  # an HF checkpoint alone is the reference's model, not a mapping
         named.add("mapping")
     if inputs.engine:
         named.add("engine-vs-reference")

@@ -71,6 +71,85 @@ def rel_l2_from_sums(sum_sq_err: float, sum_sq_ref: float) -> float:
     return math.sqrt(sum_sq_err / sum_sq_ref)
 
 
+def sq_sums(got: Any, want: Any) -> tuple[float, float]:
+    """(sum |got - want|^2, sum |want|^2): the pieces `rel_l2_from_sums` accumulates over chunks. A
+    difference that is NaN or inf (one side non-finite) counts as inf, so the accumulated rel_l2 is inf."""
+    g, w = _pair(got, want)
+    err = abs_diff(g, w).nan_to_num(math.inf)
+    return float((err * err).sum()), float((w * w).sum())
+
+
+def logsumexp(values: Any) -> float:
+    """log(sum(exp(v))) in float64 without overflow; -inf for no values (the probability of nothing)."""
+    v = _f64(values)
+    return float(torch.logsumexp(v, 0)) if v.numel() else -math.inf
+
+
+def grouped_logsumexp(values: Any, group: Any, n_groups: int) -> torch.Tensor:
+    """float64 [n_groups]: logsumexp of `values` [n] over each group (`group` [n]: indices in
+    0..n_groups-1), shifted by each group's max so nothing under- or overflows; -inf for an empty group."""
+    v, g = _f64(values), _t(group).reshape(-1).long()
+    top = torch.full((n_groups,), -math.inf, dtype=torch.float64).scatter_reduce(0, g, v, "amax")
+    shift = top.nan_to_num(0.0, neginf=0.0)  # empty (or all -inf) groups: no shift
+    sums = torch.zeros(n_groups, dtype=torch.float64).index_add_(0, g, (v - shift[g]).exp())
+    return sums.log() + shift
+
+
+def spearman(x: list[float], y: list[float]) -> float:
+    """Spearman's rank correlation (ties broken by order; 0 for fewer than 3 points)."""
+    n = len(x)
+    if n < 3:
+        return 0.0
+
+    def ranks(v: list[float]) -> list[int]:
+        order = sorted(range(n), key=lambda i: v[i])
+        r = [0] * n
+        for rank, i in enumerate(order):
+            r[i] = rank
+        return r
+
+    d2 = sum((a - b) ** 2 for a, b in zip(ranks(x), ranks(y)))
+    return 1.0 - 6.0 * d2 / (n * (n * n - 1))
+
+
+def nmse(got: Any, want: Any) -> float:
+    """Normalized mean squared error ||got - want||² / ||want||² (the square of rel_l2)."""
+    return rel_l2(got, want) ** 2
+
+
+def cosine(got: Any, want: Any) -> float:
+    """Cosine similarity of the two flattened tensors (1.0 when both are all zeros)."""
+    g, w = _pair(got, want)
+    ng, nw = torch.linalg.vector_norm(g), torch.linalg.vector_norm(w)
+    if ng == 0 and nw == 0:
+        return 1.0
+    if ng == 0 or nw == 0:
+        return 0.0
+    return float(torch.dot(g, w) / (ng * nw))
+
+
+# ----------------------------------------------------------------------------- distributions
+
+def kl_divergence(got: Any, want: Any, *, logprobs: bool = False, dim: int = -1) -> torch.Tensor:
+    """KL(P_want || P_got) per distribution (the reference is P), float64 with `dim` reduced.
+
+    Inputs are logits (softmax is applied) or, with `logprobs=True`, log-probabilities. This is the
+    direction llama.cpp's `llama-perplexity --kl-divergence` reports: sum_i p_i (log p_i - log q_i).
+    """
+    g, w = _t(got).to(torch.float64), _t(want).to(torch.float64)
+    if not logprobs:
+        g, w = torch.log_softmax(g, dim=dim), torch.log_softmax(w, dim=dim)
+    p = w.exp()
+    terms = torch.where(p > 0, p * (w - g), torch.zeros_like(p))
+    return terms.sum(dim=dim)
+
+
+def top1_agreement(got: Any, want: Any, *, dim: int = -1) -> float:
+    """Fraction of distributions whose argmax agrees (logits or logprobs alike)."""
+    a, b = _t(got).argmax(dim=dim), _t(want).argmax(dim=dim)
+    return float((a == b).to(torch.float64).mean()) if a.numel() else 1.0
+
+
 def spearman(x: list[float], y: list[float]) -> float:
     """Spearman's rank correlation (ties broken by order; 0 for fewer than 3 points)."""
     n = len(x)
@@ -128,12 +207,15 @@ def top1_agreement(got: Any, want: Any, *, dim: int = -1) -> float:
 
 # ----------------------------------------------------------------------------- bit-level
 
-def bit_mismatch(got: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
-    """bool [n]: elements whose bit patterns differ (the bit-exact judge). Both must share a float dtype."""
+def bit_mismatch(got: torch.Tensor, want: torch.Tensor, *, nan_equal: bool = False) -> torch.Tensor:
+    """bool [n]: elements whose bit patterns differ (the bit-exact judge). Both must share a float dtype.
+    With `nan_equal`, any NaN matches any NaN (payloads and signs may legitimately differ)."""
     if got.dtype != want.dtype or got.dtype not in _INT_VIEW:
         raise ValueError(f"bit comparison needs one float dtype, got {got.dtype} and {want.dtype}")
     iv = _INT_VIEW[got.dtype]
-    return got.reshape(-1).contiguous().view(iv) != want.reshape(-1).contiguous().view(iv)
+    g, w = got.reshape(-1).contiguous(), want.reshape(-1).contiguous()
+    differ = g.view(iv) != w.view(iv)
+    return differ & ~(torch.isnan(g) & torch.isnan(w)) if nan_equal else differ
 
 
 def ulp_distance(got: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
