@@ -53,6 +53,15 @@ def test_scale_noise_found(demo_path, demo_stats, tmp_path):
     assert "of block scales negative" in found[0].explanation and "17 siblings" in found[0].explanation
 
 
+@pytest.mark.parametrize("tensor,metric", [("blk.1.ffn_down.weight", "d_jitter"),  # Q6_K: d signed, at the end
+                                           ("blk.7.attn_q.weight", "d_jitter")])  # Q5_0: d signed, first
+def test_scale_noise_found_on_signed_scale_types(demo_path, demo_stats, tmp_path, tensor, metric):
+    bad = faults.get("scale-noise").build(demo_path, tmp_path, tensor=tensor)
+    found = _failed(F.compare(_restat(bad, demo_path, demo_stats[1])))
+    assert [f.target for f in found] == [tensor]
+    assert metric in {o["metric"] for o in found[0].metrics["outliers"]}
+
+
 def test_inf_scale_found_end_to_end(demo_path, tmp_path):
     bad = faults.get("scale-inf").build(demo_path, tmp_path, tensor="blk.7.attn_output.weight", block=3)
     found = _failed(F.analyze(bad)[0])
@@ -121,7 +130,8 @@ def test_streaming_equals_whole(demo_path):
             chunk = blocks[b0:b0 + 1000]
             acc.add(chunk, dequantize(chunk.reshape(-1), int(t.type), (chunk.shape[0] * t.block_size,)))
         part = acc.finish()
-    assert part.scales == whole.scales and part.n_values == whole.n_values
+    jit = [(x["d"].pop("jitter"), y["d"].pop("jitter")) for x, y in ((part.scales, whole.scales),)][0]
+    assert part.scales == whole.scales and part.n_values == whole.n_values and np.isclose(*jit, rtol=1e-9)
     assert np.isclose(part.rms, whole.rms, rtol=1e-6) and np.isclose(part.kurtosis, whole.kurtosis, rtol=1e-5)
 
 

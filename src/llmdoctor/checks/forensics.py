@@ -98,7 +98,9 @@ _LO, _HI = -40, 40  # binades covered; scales outside are counted in the end bin
 @dataclass
 class ScaleStats:
     """Distribution of one scale field over a tensor's blocks, streamed: counts and a histogram of
-    log2 |s| in 1/16-binade bins (quantiles and the median from it). `huge` counts scales more than
+    log2 |s| in 1/16-binade bins (quantiles and the median from it), and the mean jump of log2 |s|
+    between adjacent blocks (`jitter`: neighbours in a row see similar weights, so their scales are
+    close; the demo's tensors jump 0.19..0.95 binades on average). `huge` counts scales more than
     2^HUGE_BINADES times the tensor's median |scale|: a block 8 binades above its tensor's typical
     block has weights ~256x larger than its neighbours', which trained weights do not produce but a
     flipped exponent bit does."""
@@ -109,6 +111,9 @@ class ScaleStats:
     subnormal: int = 0
     nonfinite: int = 0
     hist: np.ndarray = field(default_factory=lambda: np.zeros(int((_HI - _LO) / BIN) + 1, np.int64))
+    jump_sum: float = 0.0  # sum over adjacent blocks (file order) of |log2 |s_i| - log2 |s_i+1||
+    jumps: int = 0
+    _last: float = math.nan  # log2 |s| of the previous chunk's last block (NaN: none, zero or non-finite)
 
     def add(self, s: np.ndarray) -> None:
         a = np.abs(s)
@@ -118,9 +123,16 @@ class ScaleStats:
         self.zero += int((s == 0).sum())
         self.subnormal += int(((a > 0) & (a < F16_MIN_NORMAL)).sum())
         self.nonfinite += int((~finite).sum())
-        nz = a[finite & (a > 0)]
-        i = np.clip(np.floor((np.log2(nz) - _LO) / BIN), 0, len(self.hist) - 1).astype(np.int64)
+        ok = finite & (a > 0)
+        lg = np.log2(np.where(ok, a, 1.0))
+        i = np.clip(np.floor((lg[ok] - _LO) / BIN), 0, len(self.hist) - 1).astype(np.int64)
         self.hist += np.bincount(i, minlength=len(self.hist))
+        lg = np.where(ok, lg, np.nan)
+        steps = np.abs(np.diff(np.concatenate(([self._last], lg))))
+        steps = steps[np.isfinite(steps)]
+        self.jump_sum += float(steps.sum())
+        self.jumps += steps.size
+        self._last = float(lg[-1]) if lg.size else self._last
 
     def _binade(self, i: int) -> float:
         return _LO + (i + 0.5) * BIN  # the bin's center
@@ -138,6 +150,8 @@ class ScaleStats:
                        log2_p01=self._binade(q[0.01]), log2_median=self._binade(q[0.5]),
                        log2_p99=self._binade(q[0.99]),
                        huge=float(self.hist[q[0.5] + int(HUGE_BINADES / BIN) + 1:].sum()) / n)
+        if self.jumps:
+            out["jitter"] = self.jump_sum / self.jumps
         return out
 
 
@@ -265,6 +279,7 @@ METRICS = (
     Metric("dmin_negative", "of block minimum scales negative", "fraction", True),
     Metric("d_huge", f"of block scales over 2^{HUGE_BINADES} x the median", "fraction", True),
     Metric("d_spread", "binades between the 1st and 99th percentile |block scale|", "binades", True),
+    Metric("d_jitter", "binades between adjacent blocks' scales (mean)", "log2", True),
     Metric("dmin_over_d", "binades of median dmin over median d", "binades", True),
     Metric("rms", "RMS of the weights", "log2", False),
     Metric("mean_over_rms", "mean / RMS of the weights", "plain", False),
@@ -282,8 +297,12 @@ MAD_TO_SIGMA = 1.4826  # MAD of a normal sample x 1.4826 estimates its standard 
 #   weights are twice as wide, which trained layers are (the demo's Q4_K attn_output 1%..99% spans
 #   are 1..3 binades). Noise U(-2, 2) on the scales stretches the span by log2 of |u|'s 99%/1%
 #   quantiles ratio, log2(1.98 / 0.02) = 6.6 binades; exchanging d and dmin flips the dmin/d ratio's
-#   sign (3 binades on the demo -> -3);
-# - log2 (RMS): the change a legitimately different quantization of the same weights makes: a role
+#   sign (3 binades on the demo -> -3). The noise also adds log2|u1| - log2|u2| to each adjacent
+#   jump, a Laplace variable of scale 1/ln 2 (log2 of a uniform is an exponential): the mean jump grows
+#   by about 1/ln 2 = 1.44 binades, which finds noise on types whose scales are signed anyway
+#   (Q5_0, Q6_K: their d takes the sign of the block's extreme weight);
+# - log2 (RMS, and the jitter of adjacent block scales, compared as magnitudes): the change a
+#   legitimately different quantization of the same weights makes: a role
 #   stored at two types (llama.cpp's Q4_K_M puts some ffn_down / attn_v at Q6_K) sees its RMS move by
 #   the coarser type's relative error, <= 0.12 for 4-bit types (the mapping check's band), i.e.
 #   log2(1.12) = 0.16 binades;
@@ -304,6 +323,8 @@ def metric_values(st: TensorStats) -> dict[str, tuple[float, int]]:
         if fname == "d" and "log2_p99" in s:
             out["d_huge"] = (s["huge"], n)
             out["d_spread"] = (s["log2_p99"] - s["log2_p01"], n)
+        if fname == "d" and s.get("jitter"):
+            out["d_jitter"] = (s["jitter"], n)
     if "d" in st.scale_medians and "dmin" in st.scale_medians:
         out["dmin_over_d"] = (st.scale_medians["dmin"] - st.scale_medians["d"], st.n_values)
     if st.rms > 0:

@@ -150,61 +150,6 @@ def top1_agreement(got: Any, want: Any, *, dim: int = -1) -> float:
     return float((a == b).to(torch.float64).mean()) if a.numel() else 1.0
 
 
-def spearman(x: list[float], y: list[float]) -> float:
-    """Spearman's rank correlation (ties broken by order; 0 for fewer than 3 points)."""
-    n = len(x)
-    if n < 3:
-        return 0.0
-
-    def ranks(v: list[float]) -> list[int]:
-        order = sorted(range(n), key=lambda i: v[i])
-        r = [0] * n
-        for rank, i in enumerate(order):
-            r[i] = rank
-        return r
-
-    d2 = sum((a - b) ** 2 for a, b in zip(ranks(x), ranks(y)))
-    return 1.0 - 6.0 * d2 / (n * (n * n - 1))
-
-
-def nmse(got: Any, want: Any) -> float:
-    """Normalized mean squared error ||got - want||² / ||want||² (the square of rel_l2)."""
-    return rel_l2(got, want) ** 2
-
-
-def cosine(got: Any, want: Any) -> float:
-    """Cosine similarity of the two flattened tensors (1.0 when both are all zeros)."""
-    g, w = _pair(got, want)
-    ng, nw = torch.linalg.vector_norm(g), torch.linalg.vector_norm(w)
-    if ng == 0 and nw == 0:
-        return 1.0
-    if ng == 0 or nw == 0:
-        return 0.0
-    return float(torch.dot(g, w) / (ng * nw))
-
-
-# ----------------------------------------------------------------------------- distributions
-
-def kl_divergence(got: Any, want: Any, *, logprobs: bool = False, dim: int = -1) -> torch.Tensor:
-    """KL(P_want || P_got) per distribution (the reference is P), float64 with `dim` reduced.
-
-    Inputs are logits (softmax is applied) or, with `logprobs=True`, log-probabilities. This is the
-    direction llama.cpp's `llama-perplexity --kl-divergence` reports: sum_i p_i (log p_i - log q_i).
-    """
-    g, w = _t(got).to(torch.float64), _t(want).to(torch.float64)
-    if not logprobs:
-        g, w = torch.log_softmax(g, dim=dim), torch.log_softmax(w, dim=dim)
-    p = w.exp()
-    terms = torch.where(p > 0, p * (w - g), torch.zeros_like(p))
-    return terms.sum(dim=dim)
-
-
-def top1_agreement(got: Any, want: Any, *, dim: int = -1) -> float:
-    """Fraction of distributions whose argmax agrees (logits or logprobs alike)."""
-    a, b = _t(got).argmax(dim=dim), _t(want).argmax(dim=dim)
-    return float((a == b).to(torch.float64).mean()) if a.numel() else 1.0
-
-
 # ----------------------------------------------------------------------------- bit-level
 
 def bit_mismatch(got: torch.Tensor, want: torch.Tensor, *, nan_equal: bool = False) -> torch.Tensor:

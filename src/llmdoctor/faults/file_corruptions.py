@@ -3,8 +3,8 @@
 Every builder has the signature `build(src, out_dir, *, tensor=..., seed=0) -> Path`: it copies `src`
 (opened read-only) into `out_dir` and patches bytes of the copy in place (same size, same layout).
 `expect` says whether a lone file's statistics can find it ("forensics") or cannot ("unseen: ...").
-The registry's other file faults complete the set: `attn-block-scales` (block scales x U(-2, 2)) and
-`mapping-swap-layers` (two layers' tensors exchanged).
+The registry's other file faults complete the set: `attn-block-scales` (block scales x U(-2, 2) on
+the types whose d comes first) and `mapping-swap-layers` (two layers' tensors exchanged).
 """
 
 from __future__ import annotations
@@ -46,6 +46,21 @@ def _d_field(qtype: QT):
     if not fields:
         raise ValueError(f"{QT(qtype).name} has no float16 block scale d")
     return fields[0]
+
+
+@register("scale-noise", "file", "one tensor's block scales d multiplied by U(-2, 2) noise (seeded), any block type",
+          expect="forensics")
+def scale_noise(src: Path, out_dir: Path, *, tensor: str = "blk.1.ffn_down.weight", seed: int = 0) -> Path:
+    """Like `attn-block-scales` (faults/endpoint.py), which perturbs the types whose d comes first in
+    the block, but at d's own offset for every type (Q6_K, Q3_K, Q2_K keep it at the end)."""
+    dst, mm, info = _patch(src, out_dir, "scale-noise", tensor)
+    f = _d_field(info[2])
+    field = _blocks(mm, info)[:, f.offset:f.offset + 2]  # [n_blocks, 2] bytes of d
+    d = np.ascontiguousarray(field).view("<f2")[:, 0].astype(np.float32)
+    d *= np.random.default_rng(seed).uniform(-2.0, 2.0, size=d.shape).astype(np.float32)
+    field[:] = d.astype("<f2").view(np.uint8).reshape(-1, 2)
+    mm.flush()
+    return dst
 
 
 @register("scale-inf", "file", "one block scale d of one tensor set to +inf", expect="forensics")
