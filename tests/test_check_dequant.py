@@ -8,6 +8,7 @@ import json
 import numpy as np
 import pytest
 import torch
+from bitcheck import bits_equal
 from typer.testing import CliRunner
 
 from llmdoctor import faults
@@ -151,7 +152,7 @@ def test_layout_bug_candidates_on_min_types():
     got = layout_bugs.reference(layout_bugs.T.Q4_1, swapped)
 
     def exact(expected, keep):
-        return np.array_equal(expected[keep].view(np.uint32), got[keep].view(np.uint32))
+        return bits_equal(got[keep], expected[keep], nan_equal=False)
 
     assert layout_bugs.explain(t, idx, exact).name == "d/dmin from the wrong half"
     got = layout_bugs.reference(layout_bugs.T.Q4_1, raw) * 1.5
@@ -273,8 +274,8 @@ def test_block_candidates_change_the_output_and_are_told_apart(tname):
         got = c.expected(t, idx)
         if got is None:
             continue
-        assert not np.array_equal(got.view(np.uint32), ref.view(np.uint32)), c.name
-        found = layout_bugs.explain(t, idx, lambda e, keep: np.array_equal(e[keep].view(np.uint32), got[keep].view(np.uint32)))
+        assert not bits_equal(got, ref, nan_equal=False), c.name
+        found = layout_bugs.explain(t, idx, lambda e, keep: bits_equal(got[keep], e[keep], nan_equal=False))
         assert found is c, (c.name, found and found.name)
         named.add(c.name)
     assert named == BYTE_CANDIDATES_BY_TYPE[tname]

@@ -128,3 +128,27 @@ def test_spearman_ranks():
     assert spearman([1, 2, 3, 4], [4, 3, 2, 1]) == -1.0
     assert spearman([1, 2, 3, 4, 5], [1, 3, 2, 5, 4]) == pytest.approx(0.8)
     assert spearman([1, 2], [2, 1]) == 0.0
+
+
+def test_logsumexp_and_its_grouped_form():
+    import math
+
+    assert M.logsumexp([-1000.0, -1000.0]) == pytest.approx(-1000.0 + math.log(2))  # no underflow to -inf
+    assert M.logsumexp([]) == -math.inf
+    lp = torch.tensor([-1.0, -2.0, -800.0, -801.0, -3.0], dtype=torch.float64)
+    got = M.grouped_logsumexp(lp, [0, 0, 1, 1, 2], 4)
+    assert got[0] == pytest.approx(M.logsumexp([-1.0, -2.0])) and got[1] == pytest.approx(M.logsumexp([-800.0, -801.0]))
+    assert got[2] == -3.0 and got[3] == -math.inf
+
+
+def test_sq_sums_accumulate_rel_l2_and_nan_equal_bits():
+    got, want = torch.tensor([1.0, 2.0, 3.0, 5.0]), torch.tensor([1.0, 2.5, 3.0, 4.0])
+    pieces = [M.sq_sums(got[:2], want[:2]), M.sq_sums(got[2:], want[2:])]
+    assert M.rel_l2_from_sums(*map(sum, zip(*pieces))) == pytest.approx(M.rel_l2(got, want), rel=1e-12)
+    assert M.sq_sums(torch.tensor([float("nan")]), torch.tensor([1.0]))[0] == float("inf")
+    a = torch.tensor([float("nan"), 1.0])
+    b = torch.tensor([1.0, 1.0]).view(torch.int32)
+    b[0] = 0x7FC00001  # another NaN payload
+    b = b.view(torch.float32)
+    assert M.bit_mismatch(a, b).tolist() == [True, False]
+    assert M.bit_mismatch(a, b, nan_equal=True).tolist() == [False, False]

@@ -309,8 +309,9 @@ class _Tally:
         self.failing += int(bad.sum())
         self.nonfinite += int(metrics.nonfinite_where_finite(got, want).sum())
         err = diff.nan_to_num(math.inf)
-        self.sum_sq_err += float((err ** 2).sum())
-        self.sum_sq_ref += float((want.double() ** 2).sum())
+        sq_err, sq_ref = metrics.sq_sums(got, want)
+        self.sum_sq_err += sq_err
+        self.sum_sq_ref += sq_ref
         if err.numel():
             j = int(err.argmax())
             if float(err[j]) > self.worst[0]:

@@ -429,12 +429,12 @@ def _rows(t: Any) -> torch.Tensor | None:
 
 
 def _dequant(t: Any, rows: torch.Tensor | None = None) -> torch.Tensor:
-    from ..reference.forward import dequantize_raw
+    from ..gguf import dequantize
 
     if rows is None:
-        return dequantize_raw(t.data, t.type, t.shape, device="cpu")
+        return dequantize(t.data, t.type, t.shape, device="cpu")
     raw = t.data.reshape(t.shape[0], -1)[rows.numpy()]  # [n, row_bytes]
-    return dequantize_raw(np.ascontiguousarray(raw).reshape(-1), t.type, (len(rows), t.shape[1]), device="cpu")
+    return dequantize(np.ascontiguousarray(raw).reshape(-1), t.type, (len(rows), t.shape[1]), device="cpu")
 
 
 @dataclass
@@ -580,12 +580,12 @@ def _numeric_experts(r: layout.Rule, t: Any, hf: HFSide) -> Finding:
     """A stacked-experts tensor [E, out, in] one expert at a time (the memory of one expert): slot e
     against checkpoint expert e, under the band of expert 0 (the experts of one tensor share their
     distribution). A failing slot is then matched against the layer's other experts (stored out of order)."""
-    from ..reference.forward import dequantize_raw
+    from ..gguf import dequantize
 
     slab = t.nbytes // t.shape[0]
 
     def slot(e: int) -> torch.Tensor:  # expert e's bytes are contiguous: [out, in]
-        return dequantize_raw(t.data[e * slab:(e + 1) * slab], t.type, t.shape[1:], device="cpu")
+        return dequantize(t.data[e * slab:(e + 1) * slab], t.type, t.shape[1:], device="cpu")
 
     b, budget, rel_w, cos_w, worst, bad = 0.0, {}, 0.0, 1.0, 0, []
     for e, src in enumerate(r.sources):
