@@ -96,10 +96,9 @@ def _numeric(a: TensorInfo, b: TensorInfo) -> dict[str, Any]:
         r1 = min(r0 + step, n_rows)
         va = dequantize(ra[r0:r1].reshape(-1), a.type, (r1 - r0, row), out=buf_a[: (r1 - r0) * row].view(r1 - r0, row))
         vb = dequantize(rb[r0:r1].reshape(-1), b.type, (r1 - r0, row), out=buf_b[: (r1 - r0) * row].view(r1 - r0, row))
-        d = M.abs_diff(vb, va)  # float64 [n]: NaN where one side is NaN, inf where one side is inf
-        err += float(d.nan_to_num(math.inf).square().sum())  # a NaN difference makes the rel L2 inf
-        ref += float(va.double().square().sum())
-        m = float(d.max())
+        e, w = M.sq_sums(vb, va)
+        err, ref = err + e, ref + w
+        m = M.max_abs_diff(vb, va)
         if math.isnan(m) or m > worst:  # a NaN, once seen, stays
             worst = m
         if first is None:
