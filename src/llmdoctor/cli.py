@@ -44,21 +44,40 @@ def model_file(path: Optional[Path]) -> Path:
     return model_path()
 
 
+def json_path_option() -> Any:
+    """The `--json-out PATH` option every command with `--json` takes (parameter name `json_path`)."""
+    return typer.Option(None, "--json-out", help="Write the JSON object of --json to PATH (atomically).")
+
+
+def emit(doc: dict, json_out: bool, json_path: Optional[Path]) -> None:
+    """The envelope to --json-out PATH (temp file + rename) and, with --json, to stdout."""
+    if json_path is not None:
+        write_atomic(json_path, dumps(doc))
+    if json_out:
+        print(dumps(doc))
+
+
 def guarded(command: str) -> Callable:
-    """Turn LLMDoctorError into one line on stderr (and an envelope with --json) and exit code 2."""
+    """Turn LLMDoctorError into one line on stderr (and an envelope with --json / --json-out) and exit
+    code 2. A --json-out folder that cannot be written is found before the work."""
 
     def deco(fn: Callable) -> Callable:
         @functools.wraps(fn)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             try:
+                check_writable(kwargs.get("json_path"))
                 return fn(*args, **kwargs)
             except LLMDoctorError as e:
                 if _state["debug"]:
                     raise
                 terminal.error_line(str(e))
-                if kwargs.get("json_out"):
+                path = kwargs.get("json_path")
+                if kwargs.get("json_out") or path:
                     env = envelope(command, argv=sys.argv[1:], verdict="error", exit_code=2, error=str(e))
-                    print(dumps(env))
+                    try:
+                        emit(env, bool(kwargs.get("json_out")), path)
+                    except LLMDoctorError:
+                        pass  # the report's own path is what failed: already said
                 raise typer.Exit(2) from None
 
         return wrapper
@@ -71,6 +90,7 @@ def guarded(command: str) -> Callable:
 def inspect(
     file: Optional[Path] = typer.Argument(None, help="GGUF file (default: the demo model)."),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object on stdout."),
+    json_path: Optional[Path] = json_path_option(),
     tensors: bool = typer.Option(False, "--tensors", help="Include the tensor table."),
 ) -> None:
     """Architecture, hyperparameters, tokenizer and tensor statistics of a GGUF file."""
@@ -80,10 +100,10 @@ def inspect(
     path = model_file(file)
     with open_gguf(path) as g:
         summary = summarize(g, tensors=tensors)
-    if json_out:
-        print(dumps(envelope("inspect", argv=sys.argv[1:], verdict="parsed", exit_code=0,
-                             file=path, result=summary)))
-    else:
+    if json_out or json_path:
+        emit(envelope("inspect", argv=sys.argv[1:], verdict="parsed", exit_code=0, file=path, result=summary),
+             json_out, json_path)
+    if not json_out:
         terminal.render_inspect(summary)
 
 
@@ -101,6 +121,7 @@ def check_dequant(
     seed: int = typer.Option(0, "--seed", help="Seed of the block sample."),
     timeout: float = typer.Option(120.0, "--timeout", help="Seconds one kernel call may take."),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object on stdout."),
+    json_path: Optional[Path] = json_path_option(),
 ) -> None:
     """Does a dequant kernel give the reference's numbers? Names the layout bug when not."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -124,13 +145,12 @@ def check_dequant(
     code = exit_code(res.findings, required_ran=res.loaded)
     verdict = {0: "passed", 1: "failed", 2: "skipped"}[code]
     by_type = dequant.summary(res)
-    if json_out:
-        print(dumps(envelope("check.dequant", argv=sys.argv[1:], verdict=verdict, exit_code=code,
-                             findings=res.findings, file=path, seed=seed,
-                             kernel={"spec": kernel, "device": device, "dtype": dtype,
-                                     "restarts": res.restarts}, by_type=by_type,
-                             seconds=res.seconds)))
-    else:
+    if json_out or json_path:
+        emit(envelope("check.dequant", argv=sys.argv[1:], verdict=verdict, exit_code=code,
+                      findings=res.findings, file=path, seed=seed,
+                      kernel={"spec": kernel, "device": device, "dtype": dtype, "restarts": res.restarts},
+                      by_type=by_type, seconds=res.seconds), json_out, json_path)
+    if not json_out:
         terminal.render_dequant(kernel, by_type, res.findings, verdict)
     raise typer.Exit(code)
 
@@ -144,6 +164,7 @@ def check_mapping(
     arch: Optional[str] = typer.Option(None, "--arch", help="GGUF architecture of the name map (default: the file's)."),
     engine: Optional[str] = typer.Option(None, "--engine", help="vllm: also diff vLLM's own GGUF name map."),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object on stdout."),
+    json_path: Optional[Path] = json_path_option(),
 ) -> None:
     """Do the GGUF and the HF model describe the same network? Names, shapes, types, metadata, numbers."""
     from rich.table import Table
@@ -157,10 +178,11 @@ def check_mapping(
     engine_ran = engine is None or any(f.subject == engine and f.status != "skip" for f in res.findings)
     code = exit_code(res.findings, required_ran=engine_ran)
     verdict = {0: "consistent", 1: "inconsistent", 2: "skipped"}[code]
+    if json_out or json_path:
+        emit(envelope("check.mapping", argv=sys.argv[1:], verdict=verdict, exit_code=code,
+                      findings=res.findings, file=path, arch=res.arch, hf_source=res.hf_source,
+                      seconds=res.seconds), json_out, json_path)
     if json_out:
-        print(dumps(envelope("check.mapping", argv=sys.argv[1:], verdict=verdict, exit_code=code,
-                             findings=res.findings, file=path, arch=res.arch, hf_source=res.hf_source,
-                             seconds=res.seconds)))
         raise typer.Exit(code)
     terminal.stdout.print(f"{path.name} ({res.arch}) vs {res.hf_source}")
     table = Table("status", "target", "what")
@@ -187,6 +209,7 @@ def probe(
     echo: bool = typer.Option(False, "--echo", help="Also ask for the prompt's own log-probs (echo): "
                               "prefill vs decode and per-position reference KL (slow on llama-cpp-python)."),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object on stdout."),
+    json_path: Optional[Path] = json_path_option(),
 ) -> None:
     """Black-box checks of a live OpenAI-compatible endpoint: healthy, degraded, garbage or inconclusive."""
     from .checks.probes import DEFAULT_STEPS
@@ -209,10 +232,10 @@ def probe(
     rep = run_probe(url, model=model, gguf=gguf, api_key_env=api_key_env, concurrency=concurrency,
                     timeout=timeout, seed=seed, progress=lambda msg: terminal.stderr.print(msg),
                     steps=[*DEFAULT_STEPS, "echo"] if echo else None)
-    if json_out:
-        print(dumps(envelope("probe", argv=sys.argv[1:], verdict=rep.verdict, exit_code=rep.exit_code,
-                             findings=rep.findings, file=gguf, seed=seed, result=rep.to_dict())))
-    else:
+    if json_out or json_path:
+        emit(envelope("probe", argv=sys.argv[1:], verdict=rep.verdict, exit_code=rep.exit_code,
+                      findings=rep.findings, file=gguf, seed=seed, result=rep.to_dict()), json_out, json_path)
+    if not json_out:
         _render_probe(rep)
     raise typer.Exit(rep.exit_code)
 
@@ -240,6 +263,8 @@ def _render_probe(rep: Any) -> None:
         else:
             detail = f.explanation or ", ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}"
                                                 for k, v in m.items() if k != "symptom" and not isinstance(v, list))
+        if f.status == "fail" and f.explanation and detail != f.explanation:
+            detail = f"{f.explanation} ({detail})"
         table.add_row(f.status, f.target, m.get("symptom", ""), detail)
     out.print(table)
     out.print("thresholds: " + "; ".join(f"{k} {v['value']:.3g}" for k, v in rep.thresholds.items()))
@@ -268,7 +293,7 @@ def diagnose(
                                             "(llmdoctor manifest): every tensor and key that differs is named."),
     seed: int = typer.Option(0, "--seed"),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object on stdout."),
-    json_path: Optional[Path] = typer.Option(None, "--json-out", help="Write the JSON report to PATH."),
+    json_path: Optional[Path] = json_path_option(),
     html_path: Optional[Path] = typer.Option(None, "--html", help="Write a self-contained HTML report to PATH."),
 ) -> None:
     """Find the first broken layer of a deployment. No arguments: the demo model in llama.cpp."""
@@ -280,11 +305,9 @@ def diagnose(
     from .reference.hf_tokenizer import parse_token_ids
     from .report import diagnosis as diag_report
     from .report import html as html_report
-    from .report.envelope import check_writable, write_atomic
     from .subjects.kernels import validate_spec
 
-    for out_path in (json_path, html_path):
-        check_writable(out_path)
+    check_writable(html_path)
     if gguf is not None and not gguf.is_file():
         raise InputError(f"{gguf}: no such file")
     if dequant_kernel:
@@ -321,13 +344,10 @@ def diagnose(
             result = dg.run(inputs, progress=lambda msg: status.update(msg))
     doc = envelope("diagnose", argv=sys.argv[1:], verdict=result.verdict, exit_code=result.exit_code,
                    findings=result.findings, file=inputs.gguf, seed=seed, **result.to_dict())
-    if json_path:
-        write_atomic(json_path, dumps(doc))
+    emit(doc, json_out, json_path)
     if html_path:
         write_atomic(html_path, html_report.render(doc))
-    if json_out:
-        print(dumps(doc))
-    else:
+    if not json_out:
         diag_report.render(doc, terminal.stdout)
     raise typer.Exit(result.exit_code)
 
@@ -350,6 +370,7 @@ def logits(
     dtype: str = typer.Option("float32", "--dtype", help="float64 | float32 | bfloat16 | float16."),
     device: str = typer.Option("cpu", "--device", help="cpu or cuda."),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object on stdout."),
+    json_path: Optional[Path] = json_path_option(),
 ) -> None:
     """Top-K next-token logprobs of a prompt from the reference forward pass (and greedy steps)."""
     import torch
@@ -379,10 +400,10 @@ def logits(
         result = report(model, tok, prompt, top=top, greedy=greedy, prompt_logprobs=prompt_logprobs, ids=ids)
     source = None if hf is not None else path  # provenance hashes one file: a checkpoint directory has none
     result.update(dtype=dtype, device=device)
-    if json_out:
-        print(dumps(envelope("logits", argv=sys.argv[1:], verdict="computed", exit_code=0, file=source,
-                             result=result)))
-    else:
+    if json_out or json_path:
+        emit(envelope("logits", argv=sys.argv[1:], verdict="computed", exit_code=0, file=source, result=result),
+             json_out, json_path)
+    if not json_out:
         print(render_text(result))
 
 
@@ -404,6 +425,7 @@ def check_attention(
     seed: int = typer.Option(0, "--seed", help="Seed of the case inputs."),
     timeout: float = typer.Option(300.0, "--timeout", help="Seconds one kernel call may take."),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object on stdout."),
+    json_path: Optional[Path] = json_path_option(),
 ) -> None:
     """Attention kernels (prefill, MLA decode, sparse MLA) against the float64 reference, case by case."""
     from rich.table import Table
@@ -444,10 +466,12 @@ def check_attention(
     code = exit_code(res.findings, required_ran=loaded)
     verdict = {0: "passed", 1: "failed", 2: "skipped"}[code]
     engine = ca.engine_explainer(shape, dtypes[0] if dtypes[0] != "float32" else "bfloat16")
+    if json_out or json_path:
+        emit(envelope("check.attention", argv=sys.argv[1:], verdict=verdict, exit_code=code,
+                      findings=res.findings, seed=seed, shape=_shape_dict(shape), device=device,
+                      subjects=res.subjects, patterns=res.patterns, engine=engine, seconds=res.seconds),
+             json_out, json_path)
     if json_out:
-        print(dumps(envelope("check.attention", argv=sys.argv[1:], verdict=verdict, exit_code=code,
-                             findings=res.findings, seed=seed, shape=_shape_dict(shape), device=device,
-                             subjects=res.subjects, patterns=res.patterns, engine=engine, seconds=res.seconds)))
         raise typer.Exit(code)
     import torch
 
