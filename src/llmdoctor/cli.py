@@ -602,6 +602,8 @@ def verify(
     device: str = typer.Option("cpu", "--device", help="cpu or cuda: where the blocks are decoded."),
     manifest: Optional[Path] = typer.Option(None, "--manifest", help="Also name every tensor and key that differs "
                                             "from this manifest (llmdoctor manifest)."),
+    gpus: Optional[int] = typer.Option(None, "--gpus", help="Spread the tensors over N ranks (one per GPU with "
+                                       "--device cuda, N processes on the CPU), gathered into one report."),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object on stdout."),
     json_path: Optional[Path] = typer.Option(None, "--json-out", help="Write the JSON object to PATH (atomically)."),
 ) -> None:
@@ -618,7 +620,12 @@ def verify(
     bar, step = _byte_progress("verify")
     try:
         with bar:
-            res = V.run(path, device=device, progress=step, manifest=manifest)
+            if gpus is None:
+                res = V.run(path, device=device, progress=step, manifest=manifest)
+            else:  # torch.distributed: NCCL on GPUs, gloo on the CPU; each rank verifies its share
+                from .checks import verify_ranks
+
+                res = verify_ranks.run(path, gpus, device=device, manifest=manifest)
     except KeyboardInterrupt:
         terminal.error_line("interrupted: nothing was written")
         raise typer.Exit(130) from None
@@ -627,7 +634,7 @@ def verify(
     # file=None: the envelope would hash the whole file once more; the per-tensor hashes are `manifest`'s job
     doc = envelope("verify", argv=sys.argv[1:], verdict=verdict, exit_code=code, findings=res.findings,
                    model={"path": str(path), "shards": res.shards}, totals=res.totals(),
-                   tensors=[t.__dict__ for t in res.tensors])
+                   tensors=[t.__dict__ for t in res.tensors], ranks=gpus or 1)
     if json_path is not None:
         write_atomic(json_path, dumps(doc))
     if json_out:
@@ -637,7 +644,7 @@ def verify(
         c, tot = count(res.findings), res.totals()
         terminal.stdout.print(f"{verdict}: {c['passed']} passed, {c['failed']} failed, {c['skipped']} skipped; "
                               f"{tot['values']:,} values, {tot['non_finite']} non-finite; {res.bytes / 1e9:.2f} GB in "
-                              f"{res.seconds:.2f} s ({res.gb_per_s:.2f} GB/s, {device})")
+                              f"{res.seconds:.2f} s ({res.gb_per_s:.2f} GB/s, {device}{f', {gpus} ranks' if gpus else ''})")
     raise typer.Exit(code)
 
 

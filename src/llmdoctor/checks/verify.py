@@ -32,7 +32,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Collection, Iterator
 
 import numpy as np
 import torch
@@ -278,18 +278,20 @@ def _decode_cpu(t: TensorInfo, pipe: _Pipeline, ahead: _ReadAhead, done: int, pr
     return rep
 
 
-def _tensors_in_file_order(g: GGUFFile) -> Iterator[tuple[GGUFFile, TensorInfo]]:
+def _tensors_in_file_order(g: GGUFFile, names: Collection[str] | None = None) -> Iterator[tuple[GGUFFile, TensorInfo]]:
     for s in g.shards:
         for t in sorted(s.file_tensors, key=lambda t: t.offset):
-            yield s, t
+            if names is None or t.name in names:
+                yield s, t
 
 
-def _run_cpu(g: GGUFFile, progress: Callable, fx: Any) -> tuple[list[TensorReport], list[Any]]:
+def _run_cpu(g: GGUFFile, progress: Callable, fx: Any, names: Collection[str] | None = None
+             ) -> tuple[list[TensorReport], list[Any]]:
     reports, done, ahead = [], 0, None
     pipe = _Pipeline(fx, CHUNK_VALUES)
     try:
         with _Threads() as threads:
-            for s, t in _tensors_in_file_order(g):
+            for s, t in _tensors_in_file_order(g, names):
                 if ahead is None or ahead.shard is not s:
                     ahead = _ReadAhead(s)
                 rep = _report(t)
@@ -307,9 +309,9 @@ def _run_cpu(g: GGUFFile, progress: Callable, fx: Any) -> tuple[list[TensorRepor
 
 # ---- CUDA ------------------------------------------------------------------------------------------
 
-def _chunks(g: GGUFFile, limit: int) -> Iterator[tuple[TensorInfo, int, int]]:
+def _chunks(g: GGUFFile, limit: int, names: Collection[str] | None = None) -> Iterator[tuple[TensorInfo, int, int]]:
     """(tensor, first block, end block) pieces of at most `limit` bytes, in file order."""
-    for _, t in _tensors_in_file_order(g):
+    for _, t in _tensors_in_file_order(g, names):
         if t.type in _INTEGER:
             yield t, 0, 0
             continue
@@ -318,12 +320,12 @@ def _chunks(g: GGUFFile, limit: int) -> Iterator[tuple[TensorInfo, int, int]]:
             yield t, b0, min(b0 + step, t.n_blocks)
 
 
-def _reader(g: GGUFFile, bufs: list[torch.Tensor], free: queue.Queue, full: queue.Queue, stop: threading.Event
-            ) -> None:
+def _reader(g: GGUFFile, bufs: list[torch.Tensor], free: queue.Queue, full: queue.Queue, stop: threading.Event,
+            names: Collection[str] | None = None) -> None:
     """Fill free pinned buffers with the next chunk's bytes (one large pread each); None ends."""
     fds: dict[str, int] = {}
     try:
-        for t, b0, b1 in _chunks(g, bufs[0].numel()):
+        for t, b0, b1 in _chunks(g, bufs[0].numel(), names):
             i = free.get()
             if stop.is_set():
                 return
@@ -345,7 +347,8 @@ def _reader(g: GGUFFile, bufs: list[torch.Tensor], free: queue.Queue, full: queu
             os.close(fd)
 
 
-def _run_cuda(g: GGUFFile, progress: Callable, fx: Any) -> tuple[list[TensorReport], list[Any]]:
+def _run_cuda(g: GGUFFile, progress: Callable, fx: Any, names: Collection[str] | None = None
+              ) -> tuple[list[TensorReport], list[Any]]:
     """Double buffering: the reader thread fills one pinned buffer while the other is copied (on its
     own stream) and decoded by the Triton kernels; a buffer goes back to the reader once its copy is done."""
     from ..gguf.dequant import dequantize
@@ -362,7 +365,7 @@ def _run_cuda(g: GGUFFile, progress: Callable, fx: Any) -> tuple[list[TensorRepo
     for i in range(2):
         free.put(i)
     stop = threading.Event()
-    th = threading.Thread(target=_reader, args=(g, bufs, free, full, stop), daemon=True, name="verify-read")
+    th = threading.Thread(target=_reader, args=(g, bufs, free, full, stop, names), daemon=True, name="verify-read")
     th.start()
     reports, stats, done = [], [], 0
     cur: tuple[TensorInfo, TensorReport, _Stats] | None = None
@@ -411,8 +414,13 @@ def _run_cuda(g: GGUFFile, progress: Callable, fx: Any) -> tuple[list[TensorRepo
 # ---- entry point -------------------------------------------------------------------------------------
 
 def run(path: Path, *, device: str = "cpu", progress: Progress = lambda done, total, name: None,
-        manifest: Path | None = None) -> Result:
-    """Verify every tensor of the model at `path` (any shard of a split set) on `device`."""
+        manifest: Path | None = None, tensors: Collection[str] | None = None,
+        combine: Callable[[list, list], tuple[list, list] | None] | None = None) -> Result | None:
+    """Verify every tensor of the model at `path` (any shard of a split set) on `device`.
+
+    Spread over ranks (checks/verify_ranks.py): `tensors` restricts the pass to a rank's share, and
+    `combine(reports, stats)` gathers every rank's before the findings are built, returning them all
+    on the rank that reports and None on the others (run then returns None)."""
     if device not in ("cpu", "cuda"):
         raise InputError(f"--device {device!r}: expected cpu or cuda")
     fx = _forensics()
@@ -425,7 +433,12 @@ def run(path: Path, *, device: str = "cpu", progress: Progress = lambda done, to
         t0 = time.perf_counter()
         with torch.inference_mode():
             step = lambda done, name: progress(done, total, name)  # noqa: E731
-            reports, stats = (_run_cuda if device == "cuda" else _run_cpu)(g, step, fx)
+            reports, stats = (_run_cuda if device == "cuda" else _run_cpu)(g, step, fx, tensors)
+        if combine is not None:
+            joined = combine(reports, stats)
+            if joined is None:
+                return None
+            reports, stats = joined
         seconds = time.perf_counter() - t0
         findings = [r.finding() for r in reports]
         if fx is None:
