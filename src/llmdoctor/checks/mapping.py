@@ -61,6 +61,7 @@ from ..errors import InputError
 from ..hf_config import config_path, read_hf_config, text_config
 from ..reference.config_hf import hf_config, main_layers, nextn_layers
 from ..gguf import layout, open_gguf
+from ..reference.checkpoint import SafetensorsDir
 from ..reference.config import ModelConfig, from_gguf, from_hf
 from . import metrics as M
 from .base import Finding
@@ -90,38 +91,19 @@ class HFSide:
     shapes: dict[str, tuple[int, ...]]  # checkpoint name -> torch shape
     source: str  # where names and shapes came from
     from_gguf: bool = False  # the config was written from the GGUF's own metadata
-    files: dict[str, Path] = field(default_factory=dict)  # checkpoint name -> safetensors file
     checkpoint: Path | None = None  # the --hf directory
+    tensors: SafetensorsDir | None = field(default=None, repr=False)  # its safetensors (reference/checkpoint.py)
 
-    _open: dict[Path, Any] = field(default_factory=dict, repr=False)  # one safe_open handle per file
+    @property
+    def files(self) -> dict[str, Path]:
+        """Checkpoint name -> safetensors file ({} without a checkpoint)."""
+        return self.tensors.files if self.tensors is not None else {}
 
     def tensor(self, name: str, rows: torch.Tensor | None = None) -> torch.Tensor | None:
         """The checkpoint tensor (only `rows` of it when given), or None when absent."""
-        from safetensors import safe_open
-
-        path = self.files.get(name)
-        if path is None:
+        if name not in self.files:
             return None
-        if path not in self._open:  # header parsed once per shard, not once per tensor
-            self._open[path] = safe_open(str(path), framework="pt")
-        f = self._open[path]
-        if rows is None:
-            return f.get_tensor(name)
-        sl = f.get_slice(name)
-        return torch.stack([sl[int(i):int(i) + 1][0] for i in rows])
-
-
-def _safetensors_files(d: Path) -> dict[str, Path]:
-    from safetensors import safe_open
-
-    out: dict[str, Path] = {}
-    for p in sorted(d.glob("*.safetensors")):
-        try:
-            with safe_open(str(p), framework="pt") as f:
-                out.update((k, p) for k in f.keys())
-        except Exception as e:  # safetensors raises its own SafetensorError (an Exception) on a bad file
-            raise InputError(f"{p}: not a readable safetensors file ({e})") from None
-    return out
+        return self.tensors.tensor(name) if rows is None else self.tensors.rows(name, [int(i) for i in rows])
 
 
 def config_object(config: dict) -> Any:
@@ -156,14 +138,15 @@ def meta_shapes(config: dict) -> dict[str, tuple[int, ...]] | None:
 
 def load_hf(hf: Path | None, g: Any, cfg: ModelConfig) -> HFSide:
     """The HF side from a checkpoint directory, a config.json, or (None) the GGUF's own metadata."""
-    files: dict[str, Path] = {}
+    tensors = None
     if hf is None:
         config, origin = hf_config(cfg, g), "the GGUF's own metadata written as a config.json"
     else:
         path = Path(hf)
         config, origin = read_hf_config(path), str(config_path(path))
         if path.is_dir():
-            files = _safetensors_files(path)
+            tensors = SafetensorsDir(path)
+    files = tensors.files if tensors is not None else {}
     config = text_config(config)
     shapes = meta_shapes(config)
     source = f"transformers (meta device) from {origin}"
@@ -171,22 +154,16 @@ def load_hf(hf: Path | None, g: Any, cfg: ModelConfig) -> HFSide:
         if not files:
             raise InputError(f"transformers does not know model_type {config.get('model_type')!r} and no "
                              "safetensors checkpoint was given: no HF parameter list")
-        shapes, source = _checkpoint_shapes(files, files), f"the checkpoint's tensor list ({path})"
+        shapes, source = _checkpoint_shapes(tensors, files), f"the checkpoint's tensor list ({path})"
     else:  # NextN/MTP layers past num_hidden_layers: in the checkpoint, but transformers builds no module
         n = int(config.get("num_hidden_layers") or 0)
-        shapes.update(_checkpoint_shapes(files, [k for k in files if (b := _layer(k)) is not None and b >= n]))
-    return HFSide(config, shapes, source, from_gguf=hf is None, files=files,
-                  checkpoint=Path(hf) if hf is not None and Path(hf).is_dir() else None)
+        shapes.update(_checkpoint_shapes(tensors, [k for k in files if (b := _layer(k)) is not None and b >= n]))
+    return HFSide(config, shapes, source, from_gguf=hf is None,
+                  checkpoint=Path(hf) if hf is not None and Path(hf).is_dir() else None, tensors=tensors)
 
 
-def _checkpoint_shapes(files: dict[str, Path], names: Any) -> dict[str, tuple[int, ...]]:
-    from safetensors import safe_open
-
-    out = {}
-    for name in names:
-        with safe_open(str(files[name]), framework="pt") as f:
-            out[name] = tuple(f.get_slice(name).get_shape())
-    return out
+def _checkpoint_shapes(tensors: SafetensorsDir | None, names: Any) -> dict[str, tuple[int, ...]]:
+    return {name: tensors.shape(name) for name in names}
 
 
 def _layer(name: str) -> int | None:

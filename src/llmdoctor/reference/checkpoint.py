@@ -40,7 +40,7 @@ _FLOAT_DTYPES = {"F64", "F32", "F16", "BF16"}
 
 class SafetensorsDir:
     """Every tensor of the `*.safetensors` files in a directory (a sharded checkpoint's shards too),
-    read on demand through safe_open's mmap."""
+    read on demand through safe_open's mmap, as stored (the reference's and `check mapping`'s reader)."""
 
     def __init__(self, directory: str | os.PathLike):
         from safetensors import safe_open
@@ -63,17 +63,17 @@ class SafetensorsDir:
         path = self.files.get(name)
         if path is None:
             raise InputError(f"{self.directory}: the checkpoint has no tensor {name!r}")
-        sl = self._open[path].get_slice(name)
-        if sl.get_dtype() not in _FLOAT_DTYPES:
-            raise InputError(f"{path}: tensor {name!r} is {sl.get_dtype()}: quantized checkpoints are not supported "
-                             f"by the reference (only {', '.join(sorted(_FLOAT_DTYPES))} weights)")
-        return sl
+        return self._open[path].get_slice(name)
 
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self._slice(name).get_shape())
 
+    def dtype(self, name: str) -> str:
+        """The header's dtype name: F32, BF16, F8_E4M3, ..."""
+        return self._slice(name).get_dtype()
+
     def tensor(self, name: str) -> torch.Tensor:
-        self._slice(name)  # dtype check
+        self._slice(name)  # InputError when absent
         return self._open[self.files[name]].get_tensor(name)
 
     def row_range(self, name: str, start: int, stop: int) -> torch.Tensor:
@@ -133,6 +133,7 @@ class CheckpointWeights(Weights):
         self.qtypes: dict[int, int] = {}
         self._names = set(self.rules)
         self._cached: dict[str, torch.Tensor] = {}
+        self._checked: set[str] = set()  # GGUF names whose sources' dtypes were checked
         # widened precision of the transforms: float32, or float64 for a float64 run
         self._wide = torch.float64 if dtype == torch.float64 else torch.float32
 
@@ -140,6 +141,12 @@ class CheckpointWeights(Weights):
         rule = self.rules.get(name)
         if rule is None:
             raise InputError(f"{self.ckpt.path}: no checkpoint tensor maps to {name} (architecture {self.ckpt.config.arch})")
+        if name not in self._checked:
+            for src in rule.sources:
+                if (dt := self.ckpt.tensors.dtype(src)) not in _FLOAT_DTYPES:
+                    raise InputError(f"{self.ckpt.path}: tensor {src!r} is {dt}: quantized checkpoints are not supported "
+                                     f"by the reference (only {', '.join(sorted(_FLOAT_DTYPES))} weights)")
+            self._checked.add(name)
         return rule
 
     def _out(self, w: torch.Tensor) -> torch.Tensor:
