@@ -191,8 +191,10 @@ _POOL: tuple[int, int, ThreadPoolExecutor] | None = None  # (pid, helpers, pool)
 
 
 def _cpu_pool(helpers: int) -> ThreadPoolExecutor:
-    """Chunk workers that help the calling thread, each running torch single-threaded (torch's
-    thread count is per thread).
+    """Chunk workers that help the calling thread. They run torch single-threaded because the caller
+    holds `_single_threaded` while they work: torch's thread count is one for the whole process (a
+    pool thread that set it would race with the caller's restore and leave every later op of the
+    process on one thread, so that the bits of multi-threaded reductions would depend on timing).
 
     One chunk per worker beats splitting every op over torch's intra-op threads: there, each of the
     dozen ops per chunk waits for all threads, and on a busy machine one descheduled thread stalls
@@ -202,7 +204,7 @@ def _cpu_pool(helpers: int) -> ThreadPoolExecutor:
     if _POOL is None or _POOL[:2] != (os.getpid(), helpers):
         if _POOL is not None and _POOL[0] == os.getpid():
             _POOL[2].shutdown(wait=False)  # the thread count changed: retire the old workers
-        _POOL = (os.getpid(), helpers, ThreadPoolExecutor(helpers, "dequant", torch.set_num_threads, (1,)))
+        _POOL = (os.getpid(), helpers, ThreadPoolExecutor(helpers, "dequant"))
     return _POOL[2]
 
 
@@ -211,7 +213,8 @@ def _share(task: Callable[[int], None], starts: range, workers: int) -> None:
 
     Each thread takes the next chunk when it is done with one (no fixed split), so a descheduled
     thread delays no more than its own chunk; the caller works too rather than waiting for a
-    hand-off, and runs torch single-threaded meanwhile so that the threads do not oversubscribe.
+    hand-off. torch runs single-threaded until every helper is done, so that the threads do not
+    oversubscribe.
     """
     chunks = iter(starts)
     lock = threading.Lock()
@@ -226,13 +229,13 @@ def _share(task: Callable[[int], None], starts: range, workers: int) -> None:
                     return
                 task(start)
 
-    helpers = [_cpu_pool(workers - 1).submit(drain) for _ in range(min(workers, len(starts)) - 1)]
-    try:
-        with _single_threaded():
+    with _single_threaded():  # for the pool threads too: torch's thread count is the process's
+        helpers = [_cpu_pool(workers - 1).submit(drain) for _ in range(min(workers, len(starts)) - 1)]
+        try:
             drain()
-    finally:
-        for h in helpers:
-            h.result()
+        finally:
+            for h in helpers:
+                h.result()
 
 
 @contextlib.contextmanager
