@@ -158,8 +158,25 @@ class Session:
 
         return self.once("tokens", make)
 
+    def inconsistency(self) -> str | None:
+        """The first hard metadata problem of the GGUF (checks/plausibility.py), or None: a model whose
+        metadata contradicts its tensors is neither built nor run."""
+        def make():
+            from .checks.plausibility import hard_problems
+
+            problems = hard_problems(self.gguf()) if self.inputs.gguf is not None else []
+            return problems[0].message if problems else None
+
+        return self.once("inconsistency", make)
+
+    def require_consistent(self) -> None:
+        if (why := self.inconsistency()) is not None:
+            raise Skip(f"the metadata is inconsistent ({why})")
+
     def model(self, dtype: str = "float32"):
         """The reference model in `dtype`, its dequantized weights cached for every later use."""
+        self.require_consistent()
+
         def make():
             import torch
 
@@ -200,6 +217,7 @@ class Session:
             raise Skip(f"engine {name!r} cannot run here: vLLM is not installed")
         if name == "llama.cpp" and self.inputs.gguf is None:
             raise Skip("llama.cpp runs GGUF files only: no --gguf given")
+        self.require_consistent()
 
         def make():
             from .subjects.engines.llama_cpp import EngineError
@@ -309,10 +327,11 @@ def _finding(check: str, subject: str, target: str, status: str, **kw: Any) -> F
 
 
 def h_file_integrity(s: Session) -> list[Finding]:
-    """The file parses under the hardened reader and every weight decodes to finite numbers."""
-    import torch
-
-    from .gguf import GGUFError, dequantize
+    """The file parses under the hardened reader, every weight decodes to finite numbers, and no tensor
+    stands out from its role siblings (checks/forensics.py: block scales and weight statistics). When
+    the reference reads this same file, one more finding says what that cannot see."""
+    from .checks import forensics
+    from .gguf import GGUFError
 
     try:
         g = s.gguf()
@@ -322,28 +341,36 @@ def h_file_integrity(s: Session) -> list[Finding]:
                          hypothesis="the model file is intact", confidence="high",
                          metrics={"problem": e.problem, "offset": e.offset},
                          explanation=f"the model file is broken: {e.problem}{at} (no engine can load it correctly)")]
-    s.progress(f"decoding all {len(g.tensors)} tensors")
-    bad = []
-    n_values = 0
-    weights = s.model().weights if s.inputs.gguf else None  # decoded once, reused by the reference runs
-    for t in g.tensors:
-        if not t.supported:
-            continue
-        w = weights.get(t.name) if weights is not None and weights.has(t.name) else \
-            dequantize(t.data, int(t.type), t.shape)
-        n_values += w.numel()
-        n_bad = int((~torch.isfinite(w)).sum())
-        if n_bad:
-            bad.append({"tensor": t.name, "type": t.type.name, "non_finite": n_bad, "offset": t.offset})
-    status = "fail" if bad else "pass"
-    return [_finding(
-        "file-integrity", "gguf", str(s.inputs.gguf), status,
+    s.progress(f"decoding all {len(g.tensors)} tensors (finite values, block-scale forensics)")
+    # decoded once, reused by the reference runs (a model whose metadata is inconsistent is not built)
+    weights = s.model().weights if s.inconsistency() is None else None
+    stats = [forensics.tensor_stats(t, weights.get(t.name) if weights is not None and weights.has(t.name) else None)
+             for t in g.tensors if t.supported]
+    found = forensics.compare(stats, file=s.inputs.gguf)
+    nonfinite = [f for f in found if f.status == "fail" and "outliers" not in f.metrics]
+    out = [_finding(
+        "file-integrity", "gguf", str(s.inputs.gguf), "fail" if nonfinite else "pass", confidence="high",
         hypothesis="the model file is intact: it parses and every weight is finite",
-        metrics={"tensors": len(g.tensors), "values": n_values, "tensors_with_non_finite": len(bad)},
-        evidence=bad[:5], confidence="high",
-        explanation=(f"{len(bad)} tensor(s) decode to inf/NaN: the file is corrupted" if bad
-                     else f"{len(g.tensors)} tensors parse and decode to finite values"),
-    )] + _manifest_findings(s, g)
+        metrics={"tensors": len(g.tensors), "values": sum(st.n_values for st in stats),
+                 "tensors_with_non_finite": len(nonfinite)},
+        evidence=[{"tensor": f.target, "problem": f.explanation} for f in nonfinite[:5]],
+        explanation=(nonfinite[0].explanation + (f" (and {len(nonfinite) - 1} more tensors)" if len(nonfinite) > 1
+                                                 else "") if nonfinite
+                     else f"{len(g.tensors)} tensors parse and decode to finite values"))]
+    for f in found:  # sibling outliers are this step's suspects too; the forensics summary stays itself
+        if f.status == "fail" and "outliers" in f.metrics:
+            f.check, f.confidence = "file-integrity", "medium"
+        if not any(f is n for n in nonfinite):
+            out.append(f)
+    if s.inputs.engine is not None and s.inputs.engine_gguf is None and s.inputs.hf is None \
+            and s.inputs.manifest is None:
+        out.append(_finding(
+            "file-provenance", "reference", str(s.inputs.gguf), "skip", hypothesis="the file is the model that was published",
+            reason="the reference reads the deployment's own file: a corrupted or mis-converted file misleads engine "
+                   "and reference alike, so their agreement cannot see it (only the forensics above look at the "
+                   "file itself). Close it with --hf DIR (the original checkpoint), --manifest m.json (hashes of a "
+                   "known-good copy) or `llmdoctor diff FILE KNOWN_GOOD.gguf`"))
+    return out + _manifest_findings(s, g)
 
 
 def _manifest_findings(s: Session, g: Any) -> list[Finding]:
@@ -394,33 +421,31 @@ def _meta_value(v: Any) -> Any:
 
 
 def h_metadata(s: Session) -> list[Finding]:
-    """Metadata semantics: the hyperparameters agree with the tensor shapes they describe."""
-    from gguf import MODEL_TENSOR, TENSOR_NAMES
+    """Metadata plausibility (checks/plausibility.py): hard inconsistencies between the hyperparameters
+    and the tensors (the steps that need a consistent model are then skipped), and advisories for values
+    far from the architecture's published configs; then the front end the file carries
+    (checks/frontend.py): chat template, vocab, and llama.cpp's decoding of a sample of tokens."""
+    from .checks import frontend, plausibility
 
-    g, cfg = s.gguf(), s.config()
-    problems = []
+    s.gguf_path()
+    g = s.gguf()
+    out = plausibility.run(g, s.inputs.gguf)
+    try:
+        from .subjects.engines.llama_cpp import VocabPieces
 
-    def shape(kind: MODEL_TENSOR, il: int | None = None) -> tuple[int, ...] | None:
-        name = TENSOR_NAMES[kind].format(bid=il) + ".weight"
-        return g.tensor(name).shape if g.has_tensor(name) else None
-
-    emb = shape(MODEL_TENSOR.TOKEN_EMBD)
-    if emb and emb != (cfg.n_vocab, cfg.n_embd):
-        problems.append(f"token_embd is {emb}, metadata says vocab {cfg.n_vocab} x n_embd {cfg.n_embd}")
-    if cfg.mla is None:
-        for il in range(cfg.n_layer):
-            q, k = shape(MODEL_TENSOR.ATTN_Q, il), shape(MODEL_TENSOR.ATTN_K, il)
-            if q and q != (cfg.n_head * cfg.head_dim, cfg.n_embd):
-                problems.append(f"blk.{il}.attn_q is {q}, metadata says {cfg.n_head} heads x {cfg.head_dim}")
-            if k and k != (cfg.n_head_kv * cfg.head_dim, cfg.n_embd):
-                problems.append(f"blk.{il}.attn_k is {k}, metadata says {cfg.n_head_kv} kv heads x {cfg.head_dim}")
-    status = "fail" if problems else "pass"
-    return [_finding("metadata", "gguf", str(s.inputs.gguf), status, confidence="high",
-                     hypothesis="the metadata describes the tensors the file holds",
-                     evidence=problems[:5], metrics={"problems": len(problems)},
-                     explanation="; ".join(problems[:2]) if problems else
-                     f"{cfg.arch}: {cfg.n_layer} layers, {cfg.n_head}/{cfg.n_head_kv} heads x {cfg.head_dim}, "
-                     f"vocab {cfg.n_vocab} match the tensor shapes")]
+        pieces = VocabPieces(s.inputs.gguf)
+    except Exception:  # no llama-cpp-python, or it cannot read this vocab: parity is then a skip
+        pieces = None
+    try:
+        fe = frontend.run(g, s.inputs.gguf, pieces, sample=frontend.PARITY_SAMPLE)
+    finally:
+        if pieces is not None:
+            pieces.close()
+    for f in fe:  # a front-end fault ranks with this step (its own check stays in the target)
+        f.confidence = f.confidence or "high"
+        if f.status == "fail":
+            f.check, f.target = "metadata", f"{f.check}: {f.target}"
+    return out + fe
 
 
 def h_mapping(s: Session) -> list[Finding]:
