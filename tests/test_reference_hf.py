@@ -81,6 +81,23 @@ def test_bf16_and_sharded_checkpoints(built, tmp_path):
         assert torch.equal(a.forward(IDS)[0], b.forward(IDS)[0])
 
 
+def test_multimodal_wrapper_reads_its_text_model(built, tmp_path):
+    """A Gemma3ForConditionalGeneration-style checkpoint (text config under text_config, text tensors
+    under model.language_model., a vision tower beside them) runs as its text model."""
+    from safetensors.torch import load_file, save_file
+
+    ckpt, _ = built("gemma3")
+    mm = tmp_path / "mm"
+    mm.mkdir()
+    text = json.loads((ckpt / "config.json").read_text())
+    (mm / "config.json").write_text(json.dumps({"model_type": "gemma3", "text_config": text}))
+    sd = {k.replace("model.", "model.language_model.", 1): v for k, v in load_file(ckpt / "model.safetensors").items()}
+    sd["model.vision_tower.vision_model.post_layernorm.weight"] = torch.ones(8)
+    save_file(sd, mm / "model.safetensors")
+    with load(ckpt) as a, load(mm) as b:
+        assert torch.equal(a.forward(IDS)[0], b.forward(IDS)[0])
+
+
 def test_quantized_checkpoint_tensor_is_refused_by_name(built, tmp_path):
     from safetensors.torch import load_file, save_file
 

@@ -20,7 +20,8 @@ Transforms (convert_hf_to_gguf.py / conversion/*.py of llama.cpp):
   (DeepseekV2Model.modify_tensors, "MLA with the absorption optimization").
 - experts: the per-expert 2-D tensors stacked into one [E, out, in] tensor per projection
   (ffn_{gate,up,down}_exps).
-- `e_score_correction_bias` is renamed `e_score_correction.bias` before mapping (-> exp_probs_b.bias).
+- `e_score_correction_bias` is renamed `e_score_correction.bias` before mapping (-> exp_probs_b.bias);
+  a multimodal wrapper's `language_model.` is dropped (its text model's names remain).
 - a tied lm_head is not written (the GGUF reuses token_embd); deepseek2 drops the multi-token-prediction
   layers past num_hidden_layers, glm-dsa keeps them as extra blocks (nextn tensors).
 """
@@ -76,6 +77,9 @@ def name_map(arch: str, n_blocks: int) -> gguf.TensorNameMap:
 def gguf_name(arch: str, n_blocks: int, hf_name: str) -> str | None:
     """GGUF tensor name of an HF checkpoint tensor name (after the converter's renames), or None."""
     hf_name = re.sub(r"e_score_correction_bias$", "e_score_correction.bias", hf_name)
+    # a multimodal wrapper's text model (Gemma3ForConditionalGeneration: model.language_model.* in
+    # transformers 5, language_model.model.* before); the converter drops "language_model." (Gemma3Model)
+    hf_name = hf_name.replace("language_model.", "")
     return name_map(arch, n_blocks).get_name(hf_name, try_suffixes=(".weight", ".bias"))
 
 
