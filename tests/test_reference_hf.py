@@ -152,6 +152,9 @@ def test_checkpoint_tokenizer(built, tmp_path):
     fixtures_hf.with_tokenizer(tok_dir, ["<s>", "<unk>"] + [f"w{i}" for i in range(2, 96)])
     s = dg.Session(dg.Inputs(hf=tok_dir, prompt="w5 w7 w9 nothing"))
     assert s.tokens() == [0, 5, 7, 9, 1]
+    r = CliRunner().invoke(app, ["logits", "w5 w7", "--hf", str(tok_dir), "--json"])
+    res = json.loads(r.stdout)["result"]
+    assert [(t["id"], t["text"]) for t in res["tokens"]] == [(0, "<s>"), (5, "w5"), (7, "w7")], r.output
     with pytest.raises(InputError, match="--token-ids"):
         dg.Session(dg.Inputs(hf=ckpt, prompt="w5")).tokens()
 

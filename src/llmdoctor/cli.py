@@ -546,8 +546,9 @@ def check_sharding(
                            seed=seed, dtype=dtype, device=device, faults=fault)
     code = exit_code(res.findings)
     verdict = {0: "consistent", 1: "inconsistent", 2: "skipped"}[code]
+    # file=None: the envelope would hash the whole (possibly 400 GB) file; the path is in `model`
     doc = envelope("check.sharding", argv=sys.argv[1:], verdict=verdict, exit_code=code, findings=res.findings,
-                   file=path, seed=seed, tp=tp_size, rules=rules, device=device, dtype=dtype,
+                   model={"path": str(path)}, seed=seed, tp=tp_size, rules=rules, device=device, dtype=dtype,
                    layers=res.reference.n_layer, points=res.reference.points, roundings=res.reference.roundings,
                    plans=[{"plan": p.plan, "first_divergence": p.first, "seconds": p.seconds} for p in res.plans],
                    seconds=res.seconds)
