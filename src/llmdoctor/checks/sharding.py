@@ -24,7 +24,11 @@ exact value, M the point's magnitude Σ|x_k||w_k| of its row-parallel products (
 reference's own |x| @ |W|^T, captured through the product hook), n the roundings of the longest chain
 that leads to it: the row-parallel sum (K), the column-parallel products before it (n_embd, and MLA's
 q_lora / nope / latent lengths), and for attention the score dot product and the two sums over the T
-keys. MoE outputs use a per-column bound of the routed experts (max over experts of the row maxima,
+keys. Only the row-parallel sums are bounded rigorously this way; the column side (each rank's
+heads, computed on narrower matrices) enters through the chain's n to first order: on this CPU its
+float32 products are bit-identical to the single device's columns (measured), its float64 ones are
+not, and the correct sharding then still uses at most 3% of the budget (bench/RESULTS.md).
+MoE outputs use a per-column bound of the routed experts (max over experts of the row maxima,
 times n_used and the routing scale: the routing weights are at most the scale) plus the shared
 expert's. The embedding lookup is exact (one rank contributes each row, the others zeros), so its
 budget is 0; the logits are a column-parallel product (n = n_embd).
