@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize, quantize
@@ -38,3 +39,25 @@ def test_vec_dot_types_and_dispatch():
     assert quantize_activations(x, Q.Q8_0).dtype == torch.float64
     y = torch.randn(2, 512, dtype=torch.float64)
     assert torch.equal(quantize_activations(y, Q.Q6_K), q8_K(y))
+
+
+@pytest.mark.parametrize("legacy", [False, True], ids=["absorbed", "legacy-kv_b"])
+def test_mla_attention_is_rounded_to_the_f16_kv_cache(tmp_path, legacy):
+    """llama.cpp keeps MLA's KV cache ([latent, k_pe], or the expanded K and V of a legacy file) in F16
+    and multiplies Q and P against it in F16: the emulated run must round there (issue 16's debt; done
+    in e433153, end to end in tests/test_moe_routing.py). On an F32 file no activation is quantized, so
+    the layer input is bit-identical and the attention output carries f16's rounding alone."""
+    import fixtures_mla
+    from llmdoctor.checks.metrics import rel_l2
+    from llmdoctor.reference import load
+    from llmdoctor.reference.emulate import LLAMA_CPP_CPU
+
+    path = fixtures_mla.build("deepseek", tmp_path, legacy=legacy).gguf_path
+    ids = [int(i) for i in np.random.default_rng(0).integers(1, 90, size=16)]
+    capture = {"attn_norm-0", "kqv_out-0"}
+    with load(path, cache=True) as m:
+        _, ref = m.forward(ids, capture=capture)
+        _, emu = m.forward(ids, capture=capture, emulate=LLAMA_CPP_CPU)
+    assert torch.equal(emu["attn_norm-0"], ref["attn_norm-0"])
+    err = rel_l2(emu["kqv_out-0"], ref["kqv_out-0"])
+    assert 1e-5 < err < 1e-2, err  # f16's unit roundoff is 4.9e-4; float32 alone would be ~1e-7
