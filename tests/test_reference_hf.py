@@ -175,3 +175,5 @@ def test_cli_diagnose_and_logits_from_a_checkpoint(built):
     assert [c["id"] for c in res["next"]] == want and res["next"][0]["text"] == f"[{want[0]}]"
     r = runner.invoke(app, ["logits", "some text", "--hf", str(ckpt)])
     assert r.exit_code == 2 and "--token-ids" in r.output
+    r = runner.invoke(app, ["diagnose", "--hf", str(ckpt.parent), "--engine", "transformers"])  # no safetensors
+    assert r.exit_code == 2 and "no config.json with *.safetensors" in r.output

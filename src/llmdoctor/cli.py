@@ -332,6 +332,9 @@ def diagnose(
         if prompt:
             raise InputError("--prompt and --token-ids: give one")
         inputs.token_ids = parse_token_ids(token_ids)
+    if gguf is None and hf is not None and hf.is_dir() and not is_checkpoint(hf):
+        raise InputError(f"{hf}: no config.json with *.safetensors: without --gguf, the reference runs from an HF "
+                         "checkpoint's safetensors")
     if inputs.gguf is None and not (hf is not None and is_checkpoint(hf)):
         inputs.gguf = model_file(None)  # without a GGUF, an HF checkpoint is the reference's model
     if not any((engine, endpoint, dequant_kernel, attention_impl, hf)):
