@@ -553,6 +553,19 @@ def h_fp16_overflow(s: Session) -> list[Finding]:
                                  f"(deployment precision: {dtype or 'unknown'}); use bfloat16 there.")]
 
 
+def h_engine_finite(s: Session) -> list[Finding]:
+    """inf/NaN in the engine's logits or captured activations where the reference's are finite: their own
+    finding in words (checks/finite.py), never a "KL nan" or an "off by nan"."""
+    from .checks import finite
+
+    logits, caps, _ = s.engine_run()
+    ref, ref_caps, _ = s.reference("float32")
+    out = [finite.logits_finding(s.inputs.engine, logits, ref)]
+    if (acts := finite.captures_finding(s.inputs.engine, caps, ref_caps)) is not None:
+        out.append(acts)
+    return out
+
+
 def h_engine_vs_reference(s: Session) -> list[Finding]:
     """The engine's next-token distributions match the reference within the engine's own noise."""
     import torch
@@ -842,6 +855,7 @@ def plan(inputs: Inputs) -> list[Hypothesis]:
         Hypothesis("dsa-selection", "Does the engine's sparse-attention indexer select the reference's keys?",
                    h_dsa_selection),
         Hypothesis("moe-routing", "Does the engine route tokens to the reference's experts?", h_moe_routing),
+        Hypothesis("engine-finite", "Does the engine compute finite numbers?", h_engine_finite),
         Hypothesis("engine-vs-reference", "Does the engine compute the model's distribution?",
                    h_engine_vs_reference),
         Hypothesis("symptom-bisection", "Which symptom class does the endpoint show?", h_symptom_bisection),
