@@ -37,20 +37,19 @@ def test_shares_are_contiguous_runs_of_equal_bytes(demo_path):
         assert all(abs(sum(size[x] for x in p) - total / n) <= largest for p in parts)
 
 
-def test_two_ranks_give_the_one_process_report(planted):
-    one, two = V.run(planted), VR.run(planted, 2)
-    assert [t.__dict__ for t in two.tensors] == [t.__dict__ for t in one.tensors]
-    assert [(f.check, f.target, f.status) for f in two.findings] == [(f.check, f.target, f.status) for f in one.findings]
-    assert BAD in VR.shares(planted, 2)[1]  # the bad block is found by the second rank
-    (bad,) = [t for t in two.tensors if t.non_finite]
-    assert bad.name == BAD and bad.first_bad_block == 5 and two.bytes == one.bytes
-
-
-def test_cli_gpus_on_cpu(planted, tmp_path):
+def test_two_ranks_give_the_one_process_report(planted, tmp_path):
+    """Through the CLI (one launch): the JSON's tensors and findings are the one-process run's."""
     from llmdoctor.cli import app
 
+    one = V.run(planted)
     out = tmp_path / "v.json"
     r = CliRunner().invoke(app, ["verify", str(planted), "--gpus", "2", "--json-out", str(out)])
     assert r.exit_code == 1, r.output
     doc = json.loads(out.read_text())
-    assert doc["ranks"] == 2 and any(f["status"] == "fail" and f["target"] == BAD for f in doc["findings"])
+    assert doc["ranks"] == 2 and doc["totals"]["bytes"] == one.bytes
+    assert doc["tensors"] == json.loads(json.dumps([t.__dict__ for t in one.tensors]))
+    assert [(f["check"], f["target"], f["status"]) for f in doc["findings"]] == \
+        [(f.check, f.target, f.status) for f in one.findings]
+    assert BAD in VR.shares(planted, 2)[1]  # the bad block is found by the second rank
+    (bad,) = [t for t in doc["tensors"] if t["non_finite"]]
+    assert bad["name"] == BAD and bad["first_bad_block"] == 5
