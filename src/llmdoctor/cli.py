@@ -49,10 +49,20 @@ def json_path_option() -> Any:
     return typer.Option(None, "--json-out", help="Write the JSON object of --json to PATH (atomically).")
 
 
-def emit(doc: dict, json_out: bool, json_path: Optional[Path]) -> None:
-    """The envelope to --json-out PATH (temp file + rename) and, with --json, to stdout."""
+def sarif_option() -> Any:
+    """The `--sarif PATH` option (parameter name `sarif_path`): the findings as SARIF 2.1.0 (report/sarif.py)."""
+    return typer.Option(None, "--sarif", help="Write the findings as SARIF 2.1.0 to PATH (atomically).")
+
+
+def emit(doc: dict, json_out: bool, json_path: Optional[Path], sarif_path: Optional[Path] = None) -> None:
+    """The envelope to --json-out PATH (temp file + rename), as SARIF to --sarif PATH, and, with --json,
+    to stdout."""
     if json_path is not None:
         write_atomic(json_path, dumps(doc))
+    if sarif_path is not None:
+        from .report import sarif
+
+        sarif.write(sarif_path, doc)
     if json_out:
         print(dumps(doc))
 
@@ -66,6 +76,7 @@ def guarded(command: str) -> Callable:
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             try:
                 check_writable(kwargs.get("json_path"))
+                check_writable(kwargs.get("sarif_path"))
                 return fn(*args, **kwargs)
             except LLMDoctorError as e:
                 if _state["debug"]:
@@ -122,6 +133,7 @@ def check_dequant(
     timeout: float = typer.Option(120.0, "--timeout", help="Seconds one kernel call may take."),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object on stdout."),
     json_path: Optional[Path] = json_path_option(),
+    sarif_path: Optional[Path] = sarif_option(),
 ) -> None:
     """Does a dequant kernel give the reference's numbers? Names the layout bug when not."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -145,11 +157,11 @@ def check_dequant(
     code = exit_code(res.findings, required_ran=res.loaded)
     verdict = {0: "passed", 1: "failed", 2: "skipped"}[code]
     by_type = dequant.summary(res)
-    if json_out or json_path:
+    if json_out or json_path or sarif_path:
         emit(envelope("check.dequant", argv=sys.argv[1:], verdict=verdict, exit_code=code,
                       findings=res.findings, file=path, seed=seed,
                       kernel={"spec": kernel, "device": device, "dtype": dtype, "restarts": res.restarts},
-                      by_type=by_type, seconds=res.seconds), json_out, json_path)
+                      by_type=by_type, seconds=res.seconds), json_out, json_path, sarif_path)
     if not json_out:
         terminal.render_dequant(kernel, by_type, res.findings, verdict)
     raise typer.Exit(code)
@@ -165,6 +177,7 @@ def check_mapping(
     engine: Optional[str] = typer.Option(None, "--engine", help="vllm: also diff vLLM's own GGUF name map."),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object on stdout."),
     json_path: Optional[Path] = json_path_option(),
+    sarif_path: Optional[Path] = sarif_option(),
 ) -> None:
     """Do the GGUF and the HF model describe the same network? Names, shapes, types, metadata, numbers."""
     from rich.table import Table
@@ -178,10 +191,10 @@ def check_mapping(
     engine_ran = engine is None or any(f.subject == engine and f.status != "skip" for f in res.findings)
     code = exit_code(res.findings, required_ran=engine_ran)
     verdict = {0: "consistent", 1: "inconsistent", 2: "skipped"}[code]
-    if json_out or json_path:
+    if json_out or json_path or sarif_path:
         emit(envelope("check.mapping", argv=sys.argv[1:], verdict=verdict, exit_code=code,
                       findings=res.findings, file=path, arch=res.arch, hf_source=res.hf_source,
-                      seconds=res.seconds), json_out, json_path)
+                      seconds=res.seconds), json_out, json_path, sarif_path)
     if json_out:
         raise typer.Exit(code)
     terminal.stdout.print(f"{path.name} ({res.arch}) vs {res.hf_source}")
@@ -294,6 +307,7 @@ def diagnose(
     seed: int = typer.Option(0, "--seed"),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object on stdout."),
     json_path: Optional[Path] = json_path_option(),
+    sarif_path: Optional[Path] = sarif_option(),
     html_path: Optional[Path] = typer.Option(None, "--html", help="Write a self-contained HTML report to PATH."),
 ) -> None:
     """Find the first broken layer of a deployment. No arguments: the demo model in llama.cpp."""
@@ -347,7 +361,7 @@ def diagnose(
             result = dg.run(inputs, progress=lambda msg: status.update(msg))
     doc = envelope("diagnose", argv=sys.argv[1:], verdict=result.verdict, exit_code=result.exit_code,
                    findings=result.findings, file=inputs.gguf, seed=seed, **result.to_dict())
-    emit(doc, json_out, json_path)
+    emit(doc, json_out, json_path, sarif_path)
     if html_path:
         write_atomic(html_path, html_report.render(doc))
     if not json_out:
@@ -429,6 +443,7 @@ def check_attention(
     timeout: float = typer.Option(300.0, "--timeout", help="Seconds one kernel call may take."),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object on stdout."),
     json_path: Optional[Path] = json_path_option(),
+    sarif_path: Optional[Path] = sarif_option(),
 ) -> None:
     """Attention kernels (prefill, MLA decode, sparse MLA) against the float64 reference, case by case."""
     from rich.table import Table
@@ -469,11 +484,11 @@ def check_attention(
     code = exit_code(res.findings, required_ran=loaded)
     verdict = {0: "passed", 1: "failed", 2: "skipped"}[code]
     engine = ca.engine_explainer(shape, dtypes[0] if dtypes[0] != "float32" else "bfloat16")
-    if json_out or json_path:
+    if json_out or json_path or sarif_path:
         emit(envelope("check.attention", argv=sys.argv[1:], verdict=verdict, exit_code=code,
                       findings=res.findings, seed=seed, shape=_shape_dict(shape), device=device,
                       subjects=res.subjects, patterns=res.patterns, engine=engine, seconds=res.seconds),
-             json_out, json_path)
+             json_out, json_path, sarif_path)
     if json_out:
         raise typer.Exit(code)
     import torch
@@ -522,6 +537,7 @@ def check_sharding(
                                               "'list' lists them)."),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object on stdout."),
     json_path: Optional[Path] = typer.Option(None, "--json-out", help="Write the JSON object to PATH (atomically)."),
+    sarif_path: Optional[Path] = sarif_option(),
 ) -> None:
     """Is the model sharded across T tensor-parallel ranks as the engine's rules say? Saved shards, and a
     reference TP forward (each rank only its shards, the engine's collectives) against one device."""
@@ -530,9 +546,7 @@ def check_sharding(
     from .checks import sharding
     from .checks.base import count, exit_code
     from .faults import all_faults
-    from .report.envelope import check_writable, write_atomic
 
-    check_writable(json_path)
     if fault and "list" in fault:
         for f in all_faults("sharding"):
             print(f"{f.name}\t{f.description}")
@@ -555,8 +569,7 @@ def check_sharding(
                    layers=res.reference.n_layer, points=res.reference.points, roundings=res.reference.roundings,
                    plans=[{"plan": p.plan, "first_divergence": p.first, "seconds": p.seconds} for p in res.plans],
                    seconds=res.seconds)
-    if json_path is not None:
-        write_atomic(json_path, dumps(doc))
+    emit(doc, False, json_path, sarif_path)
     if json_out:
         print(dumps(doc))
         raise typer.Exit(code)
@@ -610,12 +623,12 @@ def verify(
                                        "--device cuda, N processes on the CPU), gathered into one report."),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object on stdout."),
     json_path: Optional[Path] = typer.Option(None, "--json-out", help="Write the JSON object to PATH (atomically)."),
+    sarif_path: Optional[Path] = sarif_option(),
 ) -> None:
     """Decode every block of every tensor: finite values, per-tensor statistics, forensics; exit 1 on a fault."""
     from .checks import verify as V
     from .checks.base import count, exit_code
 
-    check_writable(json_path)
     path = model_file(file)
     if manifest is not None:
         from .checks.manifest import load
@@ -639,10 +652,7 @@ def verify(
     doc = envelope("verify", argv=sys.argv[1:], verdict=verdict, exit_code=code, findings=res.findings,
                    model={"path": str(path), "shards": res.shards}, totals=res.totals(),
                    tensors=[t.__dict__ for t in res.tensors], ranks=gpus or 1)
-    if json_path is not None:
-        write_atomic(json_path, dumps(doc))
-    if json_out:
-        print(dumps(doc))
+    emit(doc, json_out, json_path, sarif_path)
     if not json_out:
         _findings_table(res.findings, f"verify {path.name}: {len(res.shards)} file(s), {len(res.tensors)} tensors")
         c, tot = count(res.findings), res.totals()
@@ -722,6 +732,89 @@ def _shape_dict(shape: Any) -> dict[str, Any]:
 
     return {k: (dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v)
             for k, v in ((f.name, getattr(shape, f.name)) for f in dataclasses.fields(shape))}
+
+
+def _lone_file_report(command: str, path: Path, findings: list, json_out: bool, json_path: Optional[Path],
+                      sarif_path: Optional[Path], **extra: Any) -> None:
+    """Report the findings of a check that reads one model file (forensics, metadata, frontend) and exit."""
+    from .checks.base import count, exit_code
+
+    code = exit_code(findings)
+    verdict = {0: "passed", 1: "failed", 2: "skipped"}[code]
+    emit(envelope(command, argv=sys.argv[1:], verdict=verdict, exit_code=code, findings=findings, file=path, **extra),
+         json_out, json_path, sarif_path)
+    if not json_out:
+        _findings_table(findings, f"{command.split('.')[-1]} {path.name}")
+        c = count(findings)
+        terminal.stdout.print(f"{verdict}: {c['passed']} passed, {c['failed']} failed, {c['skipped']} skipped")
+    raise typer.Exit(code)
+
+
+@check_app.command("forensics")
+@guarded("check.forensics")
+def check_forensics(
+    file: Optional[Path] = typer.Argument(None, help="GGUF file (default: the demo model)."),
+    json_out: bool = typer.Option(False, "--json", help="Print one JSON object on stdout."),
+    json_path: Optional[Path] = json_path_option(),
+    sarif_path: Optional[Path] = sarif_option(),
+) -> None:
+    """What a lone file betrays: non-finite block scales or weights, and tensors whose block scales or
+    weight statistics stand out from their role siblings (blk.N.attn_output vs every other attn_output)."""
+    from .checks import forensics
+
+    path = model_file(file)
+    with terminal.stderr.status("decoding every tensor"):
+        findings, stats = forensics.analyze(path)
+    _lone_file_report("check.forensics", path, findings, json_out, json_path, sarif_path,
+                      tensors=[st.as_dict() for st in stats])
+
+
+@check_app.command("metadata")
+@guarded("check.metadata")
+def check_metadata(
+    file: Optional[Path] = typer.Argument(None, help="GGUF file (default: the demo model)."),
+    json_out: bool = typer.Option(False, "--json", help="Print one JSON object on stdout."),
+    json_path: Optional[Path] = json_path_option(),
+    sarif_path: Optional[Path] = sarif_option(),
+) -> None:
+    """Is the metadata consistent with the tensors (hard faults), and near the architecture's published values?"""
+    from .checks import plausibility
+    from .gguf import open_gguf
+
+    path = model_file(file)
+    with open_gguf(path) as g:
+        findings = plausibility.run(g, path)
+    _lone_file_report("check.metadata", path, findings, json_out, json_path, sarif_path)
+
+
+@check_app.command("frontend")
+@guarded("check.frontend")
+def check_frontend(
+    file: Optional[Path] = typer.Argument(None, help="GGUF file (default: the demo model)."),
+    sample: Optional[int] = typer.Option(None, "--sample", help="Compare only N seeded normal tokens (and every "
+                                         "special and byte token) with llama.cpp (default: every token)."),
+    json_out: bool = typer.Option(False, "--json", help="Print one JSON object on stdout."),
+    json_path: Optional[Path] = json_path_option(),
+    sarif_path: Optional[Path] = sarif_option(),
+) -> None:
+    """The chat template (sandbox escapes, BOS) and the vocab (special ids, types, merges, llama.cpp decode parity)."""
+    from .checks import frontend
+    from .gguf import open_gguf
+
+    path = model_file(file)
+    try:
+        from .subjects.engines.llama_cpp import VocabPieces
+
+        pieces = VocabPieces(path)
+    except Exception:  # no llama-cpp-python, or it cannot read this vocab: parity is then a skip
+        pieces = None
+    try:
+        with open_gguf(path) as g:
+            findings = frontend.run(g, path, pieces, sample=sample)
+    finally:
+        if pieces is not None:
+            pieces.close()
+    _lone_file_report("check.frontend", path, findings, json_out, json_path, sarif_path)
 
 
 def main() -> None:
