@@ -57,6 +57,17 @@ def test_checkpoint_reference_is_the_gguf_reference(built, kind):
     assert all(torch.equal(ca[k], cb[k]) for k in ca), [k for k in ca if not torch.equal(ca[k], cb[k])][:3]
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["llama", "deepseek"])
+def test_checkpoint_reference_on_cuda(built, kind):
+    """On CUDA too: the checkpoint's tensors are copied to the device, the GGUF's decoded there; the same
+    float32 values through the same kernels (not run yet: no GPU in this session)."""
+    ckpt, gguf = built(kind)
+    with load(ckpt, device="cuda") as hf, load(gguf, device="cuda") as gg:
+        a, b = hf.forward(IDS)[0], gg.forward(IDS)[0]
+    assert a.is_cuda and torch.equal(a, b), float((a - b).abs().max())
+
+
 def test_checkpoint_reads_only_what_it_needs_and_caches_the_same(built):
     """An uncached run reads embedding rows, vocabulary slices and single experts (partial reads); a
     cached run reads whole tensors: both give the same logits."""
