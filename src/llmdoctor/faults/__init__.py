@@ -21,7 +21,7 @@ _MODULES = ("llmdoctor.faults.hostile_files", "llmdoctor.faults.reference", "llm
 @dataclass(frozen=True)
 class Fault:
     name: str
-    kind: str  # "hostile-file", "file", "kernel", "engine", "endpoint"
+    kind: str  # "hostile-file", "hostile-split", "file", "kernel", "engine", "endpoint"
     description: str
     build: Callable[..., Any]
     expect: str  # a substring (or name) the right diagnosis contains
