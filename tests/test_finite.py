@@ -32,17 +32,22 @@ def test_planted_nan_is_its_own_finding():
 
 
 def test_planted_nan_in_a_diagnosis(demo_path):
-    """diagnose's engine-finite step on the demo in llama.cpp: finite; with the engine's logits made NaN
-    it is the first suspect among the engine's, in words."""
+    """diagnose's engine-finite step, given an engine run whose logits are NaN and whose layer-2 output
+    is inf (planted in the session's evidence; the healthy demo diagnosis in tests/test_diagnose.py runs
+    the step on llama.cpp's real output and must pass it)."""
     import numpy as np
 
-    s = dg.Session(dg.Inputs(gguf=demo_path, engine="llama.cpp", threads=2, prompt="Paris is the capital of"))
+    rng = np.random.default_rng(1)
+    ref = rng.standard_normal((6, 50)).astype(np.float32)
+    ref_caps = {f"l_out-{i}": rng.standard_normal((6, 16)).astype(np.float32) for i in range(4)}
+    caps = {k: v.copy() for k, v in ref_caps.items()}
+    caps["l_out-2"][3] = np.inf
+    s = dg.Session(dg.Inputs(gguf=demo_path, engine="llama.cpp"))
     try:
-        assert [f.status for f in dg.h_engine_finite(s)] == ["pass", "pass"]
-        logits, caps, info = s.engine_run()
-        s._cache["engine"] = (np.full_like(np.asarray(logits), np.nan), caps, info)
-        f = dg.h_engine_finite(s)[0]
-        t = len(s.tokens())
-        assert f.status == "fail" and f.explanation.startswith(f"engine logits NaN at {t} of {t} positions")
+        s._cache["engine"] = (np.full_like(ref, np.nan), caps, {})
+        s._cache["reference-float32-None"] = (ref, ref_caps, [])
+        logits, acts = dg.h_engine_finite(s)
     finally:
         s.close()
+    assert logits.status == "fail" and logits.explanation.startswith("engine logits NaN at 6 of 6 positions")
+    assert acts.status == "fail" and acts.metrics["first_point"] == "l_out-2" and "inf in 16 of 96" in acts.explanation
