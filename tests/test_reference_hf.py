@@ -88,6 +88,11 @@ def test_bf16_and_sharded_checkpoints(built, tmp_path):
     model.to(torch.bfloat16).save_pretrained(tmp_path / "bf16")
     model.to(torch.float32).save_pretrained(tmp_path / "sharded", max_shard_size="40KB")
     assert len(list((tmp_path / "sharded").glob("*.safetensors"))) > 2
+    # a file the index does not name is not read (e.g. a repository's consolidated.safetensors beside the
+    # shards; named to sort last here, where it would override the shards' embedding if read)
+    from safetensors.torch import save_file
+
+    save_file({"model.embed_tokens.weight": torch.zeros(96, 64)}, tmp_path / "sharded" / "zz-stray.safetensors")
     with load(tmp_path / "bf16") as a, load(tmp_path / "sharded") as b:
         assert torch.equal(a.forward(IDS)[0], b.forward(IDS)[0])
 

@@ -21,6 +21,7 @@ the run's dtype.
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Any, Iterable
@@ -36,11 +37,14 @@ from .forward import Weights
 # safetensors dtype names (the header's "dtype") the reference widens exactly; a quantized checkpoint
 # (FP8 with weight_scale_inv, GPTQ/AWQ int packs) needs its scales applied first and is refused by name.
 _FLOAT_DTYPES = {"F64", "F32", "F16", "BF16"}
+INDEX = "model.safetensors.index.json"  # a sharded checkpoint's tensor -> shard map (transformers' name)
 
 
 class SafetensorsDir:
-    """Every tensor of the `*.safetensors` files in a directory (a sharded checkpoint's shards too),
-    read on demand through safe_open's mmap, as stored (the reference's and `check mapping`'s reader)."""
+    """Every tensor of a directory's safetensors files, read on demand through safe_open's mmap, as stored
+    (the reference's and `check mapping`'s reader). The files: the shards `model.safetensors.index.json`
+    names when there is one (as transformers loads a sharded checkpoint; a repository may carry other
+    files beside them, e.g. Mistral's consolidated.safetensors), else every `*.safetensors`."""
 
     def __init__(self, directory: str | os.PathLike):
         from safetensors import safe_open
@@ -48,7 +52,7 @@ class SafetensorsDir:
         self.directory = Path(directory)
         self.files: dict[str, Path] = {}  # tensor name -> its shard
         self._open: dict[Path, Any] = {}
-        for p in sorted(self.directory.glob("*.safetensors")):
+        for p in _shards(self.directory):
             try:
                 f = safe_open(str(p), framework="pt", device="cpu")
             except Exception as e:  # safetensors raises its own SafetensorError (an Exception) on a bad file
@@ -87,6 +91,17 @@ class SafetensorsDir:
 
     def close(self) -> None:
         self._open.clear()  # safe_open handles unmap when dropped
+
+
+def _shards(directory: Path) -> list[Path]:
+    index = directory / INDEX
+    if not index.is_file():
+        return sorted(directory.glob("*.safetensors"))
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return [directory / f for f in sorted(set(weight_map.values()))]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise InputError(f"{index}: not a safetensors index ({type(e).__name__}: {e})") from None
 
 
 def is_checkpoint(path: str | os.PathLike) -> bool:
