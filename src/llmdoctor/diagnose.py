@@ -38,8 +38,13 @@ NO_GGUF = "no GGUF file (the reference reads the HF checkpoint)"
 ENGINES = ("llama.cpp", "transformers", "vllm")
 CONFIDENCE_ORDER = {"high": 0, "medium": 1, "low": 2, "": 3}
 # Reference capture points compared with an engine's (checks/layers.py POINTS).
-REFERENCE_POINTS = ("l_out-*", "attn_norm-*", "kqv_out-*", "ffn_inp-*", "ffn_norm-*", "ffn_out-*", "ffn_moe_topk-*",
+REFERENCE_POINTS = ("l_out-*", "attn_norm-*", "Qcur-*", "Kcur-*", "kqv_out-*", "ffn_inp-*", "ffn_norm-*", "ffn_out-*", "ffn_moe_topk-*",
                     "top_k-*", "indexer_score-*", "result_norm")
+
+
+# The layer curve's points in graph order: the layer points of checks/layers.py plus q and k after RoPE
+# where an engine exposes them (vLLM), so a divergence inside attention is named to the op.
+CURVE_POINTS = ("attn_norm", "Qcur", "Kcur", "kqv_out", "ffn_inp", "ffn_out", "l_out")
 
 
 class Skip(Exception):
@@ -55,6 +60,7 @@ class Inputs:
     engine_gguf: Path | None = None  # the file the engine loads when it differs from --gguf (demo faults)
     engine_hf: Path | None = None  # the checkpoint the engine loads when it differs from --hf (planted faults)
     engine_dtype: str | None = None
+    engine_python: str | None = None  # the deployment's interpreter for engines run in their own environment (vLLM)
     manifest: Path | None = None  # a manifest of a known-good copy (llmdoctor manifest): compared in file-integrity
     dequant_kernel: str | None = None
     attention_impl: str | None = None
@@ -213,8 +219,6 @@ class Session:
         name = self.inputs.engine
         if name is None:
             raise Skip("no in-process engine (--engine)")
-        if name not in ("llama.cpp", "transformers"):
-            raise Skip(f"engine {name!r} cannot run here: vLLM is not installed")
         if name == "llama.cpp" and self.inputs.gguf is None:
             raise Skip("llama.cpp runs GGUF files only: no --gguf given")
         self.require_consistent()
@@ -251,6 +255,8 @@ class Session:
                 capture=("l_out-*", "attn_norm-*", "kqv_out-*", "sa_out-*", "ffn_norm-*", "ffn_out-*", "ffn_moe_topk-*",
                          "top_k-*", "result_norm"))
             return run.logits, engine_names_to_reference(run.captures, LLAMA_CPP_ALIASES), run.info
+        if name == "vllm":
+            return self._run_vllm(path)
         from .subjects.engines import transformers as hf_engine
 
         dtype = self.inputs.engine_dtype or "float32"
@@ -258,6 +264,28 @@ class Session:
         run = hf_engine.run(path, self.tokens(), dtype=dtype, n_threads=self.inputs.threads,
                             dequant_kernel=self.inputs.dequant_kernel)
         return run.logits, run.captures, run.info
+
+    def _run_vllm(self, path: Path):
+        """vLLM in the deployment's interpreter (subjects/engines/vllm.py). A GGUF it cannot run is a
+        skip quoting vLLM, unless an HF checkpoint (--hf DIR) is given too: vLLM then runs that."""
+        from .reference.checkpoint import is_checkpoint
+        from .subjects.engines import vllm
+
+        python = vllm.find_python(self.inputs.engine_python)
+        dtype = _torch_dtype_name(self.inputs.engine_dtype) if self.inputs.engine_dtype else None
+        self.progress(f"vLLM forward pass ({dtype or 'the model dtype'}, {python})")
+        try:
+            run = vllm.run(python, path, self.tokens(), dtype=dtype, threads=self.inputs.threads)
+        except vllm.EngineError as e:
+            hf = self.inputs.hf
+            if Path(path).suffix != ".gguf" or hf is None or not is_checkpoint(hf):
+                raise
+            self.progress(f"vLLM could not run the GGUF ({e}); running the checkpoint {hf}")
+            run = vllm.run(python, hf, self.tokens(), dtype=dtype, threads=self.inputs.threads)
+            run.info["gguf_error"] = str(e)
+        run.info["python"] = python
+        cfg = self.config()
+        return run.logits, vllm.reference_layout(run.captures, rope_neox=cfg.rope_neox, rope_dim=cfg.rope_dim), run.info
 
     def reference_extra(self) -> dict | None:
         """Per-run state for every reference forward pass of this diagnosis (the engine's DSA picks)."""
@@ -295,7 +323,7 @@ class Session:
             _, engine_caps, _ = self.engine_run()
             _, ref_caps, _ = self.reference("float32")
             _, emu_caps, _ = self.budget_reference()
-            curve = error_curve(ref_caps, emu_caps, engine_caps, self.config().n_layer)
+            curve = error_curve(ref_caps, emu_caps, engine_caps, self.config().n_layer, points=CURVE_POINTS)
             return (curve, *first_divergent_layer(curve)) if curve else (curve, None, None)
 
         return self.once("divergence", make)
@@ -304,6 +332,13 @@ class Session:
         """The reference run with the engine's arithmetic: how far a healthy engine may be."""
         if self.inputs.engine == "llama.cpp":
             return self.reference("float32", emulate="llama.cpp")
+        if self.inputs.engine == "vllm":
+            # vLLM's float32 kernels (oneDNN GEMMs, its own attention kernels, the fused add + RMSNorm)
+            # sum in other orders than the reference's torch ops: a healthy vLLM differs from the float32
+            # reference by another draw of float32 rounding, whose size is the float32 reference's own
+            # distance from float64 arithmetic. In another dtype: the reference in that dtype.
+            dtype = _torch_dtype_name(str(self.engine_run()[2].get("dtype") or "float32"))
+            return self.reference("float64" if dtype == "float32" else dtype)
         # transformers in float32: the same argument (its eager ops, SDPA and grouped expert GEMMs sum in
         # other orders). Measured on DeepSeek-V3 with real MLA dims (tests/test_reference_hf.py): its l_out-1
         # is 1.1e-6 (rel. L2) from our float32 run, over the 1e-6 floor a bit-exact budget leaves, but 8.6e-7
@@ -600,6 +635,42 @@ def h_engine_vs_reference(s: Session) -> list[Finding]:
     )]
 
 
+def h_engine_backends(s: Session) -> list[Finding]:
+    """Which attention backends vLLM selects for this model, dtype and platform, asked of vLLM's own
+    selection code in the deployment's interpreter, against the backends the running engine built
+    (subjects/engines/vllm.py). The finding lists what each backend setting would select instead."""
+    if s.inputs.engine != "vllm":
+        raise Skip("only --engine vllm selects attention backends at run time")
+    from .subjects.engines import vllm
+
+    try:  # the run asks vLLM's selection under the config the engine was built with
+        _, _, info = s.engine_run()
+        built, explained = info["backends"], info["explained"]
+    except Skip as e:  # ask the selection alone: vLLM's own reason the model cannot run
+        built, ran, dtype = None, str(e), s.inputs.engine_dtype
+        try:
+            python = vllm.find_python(s.inputs.engine_python)
+            s.progress("vLLM's own attention-backend selection")
+            explained = vllm.explain(python, s.engine_model(), dtype=_torch_dtype_name(dtype) if dtype else None)
+        except vllm.EngineError as e:
+            raise Skip(f"{ran}; vLLM's backend selection could not run either: {e}") from None
+    sel = explained["selected"]
+    metrics = {"kind": explained["kind"], "selected": sel, "built": built, "knobs": explained["knobs"],
+               "env": explained["env"], "vllm": explained["vllm"], "platform": explained["platform"]}
+    if built is None:
+        raise Skip(f"{ran}; vLLM's own selection for this model: "
+                   + (sel["error"] if sel.get("error") else f"{sel['decode']} (prefill {sel['prefill']})"))
+    wrong = vllm.built_matches_selected(built, explained)
+    what = f"{sel['decode']}" + (f", prefill {sel['prefill']}" if explained["kind"] == "mla" else "")
+    return [_finding("engine-backends", "vllm", f"{explained['kind']} attention", "fail" if wrong else "pass",
+                     confidence="high", hypothesis="the engine runs the attention backends vLLM selects for this model",
+                     metrics=metrics, evidence=[{"mismatch": w} for w in wrong[:5]],
+                     explanation=(f"the engine built other backends than vLLM's selection ({what}): {wrong[0]}"
+                                  if wrong else f"vLLM {explained['vllm']} on {explained['platform']} selects {what} "
+                                  f"for {explained['dtype']}, head size {explained['head_size']}, and built it in every "
+                                  f"layer; settings that change it: {', '.join(sorted(explained['knobs'])) or 'none'}"))]
+
+
 def h_dsa_selection(s: Session) -> list[Finding]:
     """Per layer with a DSA indexer (GLM-5 glm-dsa): whether the keys the engine's indexer selects for
     each query (`top_k-{i}`) are among the reference's top k by the reference's own index scores (ties
@@ -856,6 +927,8 @@ def plan(inputs: Inputs) -> list[Hypothesis]:
                    h_dsa_selection),
         Hypothesis("moe-routing", "Does the engine route tokens to the reference's experts?", h_moe_routing),
         Hypothesis("engine-finite", "Does the engine compute finite numbers?", h_engine_finite),
+        Hypothesis("engine-backends", "Which attention backends does vLLM select, and did it build them?",
+                   h_engine_backends),
         Hypothesis("engine-vs-reference", "Does the engine compute the model's distribution?",
                    h_engine_vs_reference),
         Hypothesis("symptom-bisection", "Which symptom class does the endpoint show?", h_symptom_bisection),

@@ -157,6 +157,17 @@ def gguf_name_map(python: str, hf_config: dict[str, Any]) -> dict[str, Any]:
         return _call(python, {"command": "namemap", "config_dir": tmp}, QUERY_TIMEOUT_S)
 
 
+def server_command(python: str, model: str | os.PathLike, port: int, *, dtype: str = "auto", name: str | None = None,
+                   max_model_len: int = 1024, kv_cache_bytes: int = 256 << 20) -> list[str]:
+    """The command line of vLLM's OpenAI-compatible server on 127.0.0.1:`port` (vLLM 0.32:
+    `vllm.entrypoints.openai.api_server`), with a fixed KV cache (on CPU a fraction of the machine's
+    memory must otherwise be free) and eager execution (no compilation at start)."""
+    cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", os.fspath(model), "--host", "127.0.0.1",
+           "--port", str(port), "--dtype", dtype, "--max-model-len", str(max_model_len),
+           "--kv-cache-memory-bytes", str(kv_cache_bytes), "--enforce-eager", "--max-logprobs", "20"]
+    return cmd + (["--served-model-name", name] if name else [])
+
+
 # ---- kernels in this process (vLLM installed with CUDA beside llmdoctor) -------------------------
 
 def dequant_kernel(device: str) -> Callable:
