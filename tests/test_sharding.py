@@ -147,6 +147,26 @@ def test_mla_tp2(deepseek, tmp_path):
     assert set(by_plan["fault:sharding-kv-b-latent-axis"]["tensors"]) == {"blk.0.attn_k_b.weight", "blk.0.attn_v_b.weight"}
 
 
+def test_saved_shards_of_the_wrong_shape(deepseek, tmp_path):
+    """k_b saved transposed ([H/T, Dn, R]): the comparison names it; the forward cannot run on it and
+    says so (a skip with the failing rank's error), the exit code still 1 from the comparison."""
+    from llmdoctor.checks.base import exit_code
+
+    base = _plan(deepseek.gguf_path, 2)
+
+    class Transposed(tp.PlanWrapper):
+        def shard(self, name, rank):
+            w = self.inner.shard(name, rank)
+            return w.transpose(1, 2) if name == "blk.0.attn_k_b.weight" else w
+
+    saved = _save(Transposed(base), tmp_path / "t", 2)
+    res = sharding.run(deepseek.gguf_path, 2, engine_shards=saved, n_tokens=3)
+    bad = {f.target: f for f in res.findings if f.status != "pass"}
+    assert "shape [2, 12, 16], the rule gives [2, 16, 12]" in bad["blk.0.attn_k_b.weight"].reason
+    assert bad["forward"].status == "skip" and "rank " in bad["forward"].reason
+    assert exit_code(res.findings) == 1
+
+
 def test_mla_tp4_expert_parallel(deepseek):
     """T=4 with whole experts per rank: the rules' plan passes (the last rank's vocabulary shard is all
     padding); experts on the wrong rank are found at the first MoE layer (1) and the expert tensors named."""

@@ -510,7 +510,15 @@ def run(path: Path, t: int, *, rules: str = "vllm", engine_shards: Path | None =
                     device="cuda" if device.startswith("cuda") else "cpu")
     plans = [("engine-shards", str(engine_shards)) if engine_shards else ("rules", None)]
     plans += [("fault", f) for f in faults or ()]
-    results = tp.launch(t, worker, (Job(str(path), dtype, rules, plans, ref, localize),), device=device)
+    try:
+        results = tp.launch(t, worker, (Job(str(path), dtype, rules, plans, ref, localize),), device=device)
+    except tp.RankFailed as e:
+        if engine_shards is None:
+            raise
+        # e.g. a saved shard of the wrong shape: its comparison finding above says which; the forward cannot run
+        findings.append(Finding(CHECK, f"engine-shards:{engine_shards}", "forward", "skip",
+                                reason=f"skipped: the tensor-parallel forward could not run on the saved shards ({e})"))
+        return Result(findings, [], ref, t, rules, time.perf_counter() - t0)
     layer_of = {p: ("the embedding" if p == tp.EMBED else "the logits" if p == tp.LOGITS
                     else f"layer {p.rsplit('-', 1)[1]}") for p in ref.points}
     for res in results:

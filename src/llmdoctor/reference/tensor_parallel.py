@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from gguf import MODEL_TENSOR, TENSOR_NAMES
 
-from ..errors import InputError
+from ..errors import InputError, LLMDoctorError
 from . import forward as fw
 from .config import ModelConfig
 
@@ -394,6 +394,10 @@ class Rank:
 
 # ---- launching ------------------------------------------------------------------------------------
 
+class RankFailed(LLMDoctorError):
+    """A rank of a launch raised or died (its error, in one line)."""
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -432,5 +436,11 @@ def launch(t: int, fn: Callable[..., Any], args: tuple, *, device: str = "cpu") 
 
     with tempfile.TemporaryDirectory(prefix="llmdoctor-tp-") as tmp:
         out = str(Path(tmp) / "rank0.pt")
-        mp.spawn(_entry, args=(t, _free_port(), device, fn, args, out), nprocs=t, join=True)
+        try:  # a rank that fails ends the others (spawn terminates them): one line says which and why
+            mp.spawn(_entry, args=(t, _free_port(), device, fn, args, out), nprocs=t, join=True)
+        except mp.ProcessRaisedException as e:
+            last = [line for line in str(e).splitlines() if line.strip()][-1]
+            raise RankFailed(f"rank {e.error_index} of {t} failed: {last.strip()}") from None
+        except mp.ProcessExitedException as e:
+            raise RankFailed(f"rank {e.error_index} of {t} exited with code {e.exit_code}") from None
         return torch.load(out, weights_only=False)
