@@ -126,6 +126,12 @@ def test_commands_same_answers_on_split_subset(subset, tmp_path):
     assert sorted(f["target"] for f in outs[0][1]["findings"]) == sorted(f["target"] for f in outs[1][1]["findings"])
 
 
+def test_reference_logits_same_on_split(demo_path, demo_split):
+    """The reference forward pass reads its weights from every shard: the same logits, bit for bit."""
+    runs = [run_json("logits", "Paris is", "--gguf", str(p), "--top", "5", "--json") for p in (demo_path, demo_split[3])]
+    assert [code for code, _ in runs] == [0, 0] and runs[0][1]["result"] == runs[1][1]["result"]
+
+
 @pytest.mark.parametrize("fault", HOSTILE_SETS, ids=lambda f: f.name)
 def test_hostile_shard_set_is_one_line_naming_the_shard(tmp_path, fault):
     sset = fault.build()
