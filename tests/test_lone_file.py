@@ -83,6 +83,16 @@ def test_soft_finding_names_expected_value_and_source(demo_path, tmp_path):
     assert adv[0].metrics["expected"] == "1e+06" and "Gemma3TextConfig" in adv[0].metrics["source"]
 
 
+def test_soft_finding_for_a_name(tiny_llama, tmp_path):
+    odd = _rewrite(tiny_llama, tmp_path / "yarn.gguf", lambda n, d, q: [(n, d, q)],
+                   {"llama.rope.scaling.type": ("yarn", VT.STRING)})
+    with open_gguf(odd) as g:
+        fs = plausibility.run(g, odd)
+    adv = [f for f in fs if f.metrics.get("advisory")]
+    assert _failed(fs) == [] and [f.target for f in adv] == ["llama.rope.scaling.type"]
+    assert "= yarn is far from what published configs use (none or linear" in adv[0].explanation
+
+
 def test_inconsistent_metadata_skips_what_needs_a_model(demo_path, tmp_path):
     """The crash a new user met (head_count_kv 3 in a demo copy: a traceback in reference/forward.py) is
     now the metadata finding, and every step that needs a consistent model says why it did not run."""

@@ -13,7 +13,9 @@ multiple of n_head_kv). Each rule names the key or tensor it read:
 - block-count: tensors of blocks beyond `{arch}.block_count`, or blocks without tensors.
 
 Soft findings (status pass, metrics.advisory true): values far from every value this architecture's
-published configs use (PUBLISHED, one citation per entry). "Far" is more than a factor FAR from each:
+published configs use (PUBLISHED, one citation per entry: rope base, local rope base, RMS eps, logit
+softcaps, rope scaling type). A name is far when it is none of them; a number is far when it is more
+than a factor FAR from each:
 published rope bases span 1e4..1e6 in steps of 10x or more between families, so a value within a
 factor 10 of one of them is a family member (or a fine-tune); one beyond is a different model or a
 corrupted key.
@@ -153,7 +155,7 @@ FAR = 10.0  # a value more than 10x from every published value (module docstring
 
 @dataclass(frozen=True)
 class Published:
-    values: tuple[float, ...]
+    values: tuple[float | str, ...]  # numbers (compared within a factor FAR) or names (compared exactly)
     source: str
 
 
@@ -166,6 +168,8 @@ PUBLISHED: dict[str, dict[str, Published]] = {
                                     "Meta-Llama-3-8B 5e5; CodeLlama-7b-hf 1e6"),
         "attention.layer_norm_rms_epsilon": Published((1e-5, 1e-6), "Llama-2 / Llama-3 config.json 1e-5; "
                                                       "LlamaConfig default 1e-6"),
+        "rope.scaling.type": Published(("none", "linear"), "Llama-2 / Llama-3 config.json rope_scaling null; "
+                                       "Llama 3.1's llama3 scaling travels as the rope_freqs tensor"),
     },
     "qwen2": {
         "rope.freq_base": Published((1e4, 1e6), "Qwen2Config default 1e4; Qwen2-7B, Qwen2.5-0.5B 1e6"),
@@ -181,10 +185,14 @@ PUBLISHED: dict[str, dict[str, Published]] = {
         "attention.layer_norm_rms_epsilon": Published((1e-6,), "Gemma3TextConfig default; gemma-3 config.json"),
         "attn_logit_softcapping": Published((), "Gemma3TextConfig: None (gemma 2 used 50)"),
         "final_logit_softcapping": Published((), "Gemma3TextConfig: None (gemma 2 used 30)"),
+        "rope.scaling.type": Published(("none", "linear"), "gemma-3-270m / 1b: none; gemma-3-4b and larger: "
+                                       "linear, factor 8 (config.json rope_scaling)"),
     },
     "deepseek2": {
         "rope.freq_base": Published((1e4,), "DeepseekV3Config default; DeepSeek-V2-Lite / DeepSeek-V3 config.json 1e4"),
         "attention.layer_norm_rms_epsilon": Published((1e-6,), "DeepSeek-V2-Lite / DeepSeek-V3 config.json 1e-6"),
+        "rope.scaling.type": Published(("yarn",), "DeepSeek-V2-Lite / DeepSeek-V3 config.json rope_scaling yarn, "
+                                       "factor 40"),
     },
 }
 
@@ -209,12 +217,17 @@ def soft_findings(g: Any, file: str | Path = "") -> list[Finding]:
             if v is not None and float(v) != 0.0:
                 out.append(_advice(key, v, "absent", pub, file))
             continue
+        if isinstance(pub.values[0], str):
+            if v is not None and str(v) not in pub.values:
+                out.append(_advice(key, v, " or ".join(map(str, pub.values)), pub, file))
+            continue
         if v is not None and _far(float(v), pub.values):
             out.append(_advice(key, v, " or ".join(f"{e:g}" for e in pub.values), pub, file))
     if not out:
         out.append(Finding(CHECK, "gguf", "published-values", "pass", hypothesis=HYPOTHESIS,
                            metrics={"keys": [f"{arch}.{s}" for s in table]},
-                           explanation=f"{len(table)} {arch} hyperparameters within a factor {FAR:g} of published values"))
+                           explanation=f"{len(table)} {arch} hyperparameters near published values (numbers within "
+                                       f"a factor {FAR:g}, names among them)"))
     return out
 
 
@@ -222,7 +235,8 @@ def _advice(key: str, value: Any, expected: str, pub: Published, file: str | Pat
     return Finding(CHECK, "gguf", key, "pass", hypothesis=HYPOTHESIS,
                    metrics={"advisory": True, "value": value, "expected": expected, "source": pub.source},
                    evidence=[{"key": key, "file": str(file)}],
-                   explanation=f"advisory: {key} = {value:g} is far from what published configs use "
+                   explanation=f"advisory: {key} = {value if isinstance(value, str) else f'{value:g}'} is far from "
+                               f"what published configs use "
                                f"({expected}; {pub.source})")
 
 
