@@ -12,8 +12,8 @@ For each file, cold (its pages evicted from the page cache before each run) and 
   manifest  checks.manifest.hash_tensors (every tensor's sha256, os.cpu_count() threads)
   sha256sum `sha256sum FILE` (the anchor of the hashing)
 Cold: `echo 3 > /proc/sys/vm/drop_caches` where the machine allows it, else posix_fadvise(DONTNEED)
-on the file (evicts its clean pages without privileges); the output says which, and checks with
-mincore-like timing that the pages were indeed gone (the cold read's rate). Prints one JSON object.
+on the file (evicts its clean pages without privileges); the output says which (the cold read's
+rate against the warm one shows that the pages were gone). Prints one JSON object.
 """
 
 from __future__ import annotations

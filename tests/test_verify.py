@@ -114,3 +114,20 @@ def test_ctrl_c_leaves_nothing_behind(demo_path, tmp_path):
     _, err = p.communicate(timeout=60)
     assert p.returncode == 130 and "interrupted" in err, err
     assert os.listdir(out) == []
+
+
+def test_integer_and_big_endian_tensors(tmp_path):
+    """Integer tensors pass as finite by type; a big-endian file's tensors are skipped with the reason."""
+    import numpy as np
+    from gguf import GGMLQuantizationType as Q
+
+    from gguf_builders import write_file
+
+    ints = write_file(tmp_path / "i.gguf", metadata=False, tensors={
+        "n": (Q.I32, (8,), np.arange(8, dtype=np.int32)), "w": (Q.F32, (32,), np.ones(32, np.float32))})
+    res = V.run(ints)
+    assert [(f.target, f.status) for f in res.findings if f.check == "verify"] == [("n", "pass"), ("w", "pass")]
+    big = write_file(tmp_path / "b.gguf", metadata=False, big_endian=True,
+                     tensors={"h": (Q.F16, (64,), np.ones(64, np.float16))})
+    (f,) = [f for f in V.run(big).findings if f.check == "verify"]
+    assert f.status == "skip" and "big-endian" in f.reason

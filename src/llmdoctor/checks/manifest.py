@@ -38,7 +38,7 @@ _PIECE = 16 << 20  # bytes handed to hashlib per call (the GIL is released for e
 
 def tensor_sha256(t: TensorInfo) -> str:
     """sha256 of the tensor's bytes as stored (read-ahead advised for the whole tensor first)."""
-    t._file.advise(t.offset, t.nbytes)
+    t.file.advise(t.offset, t.nbytes)
     h = hashlib.sha256()
     data = t.data
     for i in range(0, t.nbytes, _PIECE):

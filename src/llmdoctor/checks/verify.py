@@ -19,7 +19,8 @@ Threads: the decode uses every core (the native kernels' C pool); the checks and
 torch single-threaded on this thread: torch's intra-op threads, each op waiting for all of them, were
 20-60x slower on this 2-core machine when other processes kept it busy (1M-value sum: 18 ms on 2
 threads at load average 10, 0.12 ms on 1).
-Integer tensors (I8..I64) have no non-finite values by type: reported as such, not decoded.
+Integer tensors (I8..I64) have no non-finite values by type: reported as such, not decoded. Tensors
+of a big-endian file are skipped with that reason (the decoders read little-endian blocks).
 """
 
 from __future__ import annotations
@@ -70,9 +71,12 @@ class TensorReport:
     first_bad_block: int | None = None
     first_bad_offset: int | None = None  # file offset (in `shard`) of the first bad block
     stats: dict[str, Any] | None = None  # the forensics module's: rms, mean, max_abs, kurtosis, block scales
+    skipped: str = ""  # why the tensor was not decoded
 
     def finding(self) -> Finding:
         m = {k: v for k, v in self.__dict__.items() if k != "name"}
+        if self.skipped:
+            return Finding(CHECK, "gguf", self.name, "skip", reason=f"skipped: {self.skipped}", metrics=m)
         if self.type in {q.name for q in _INTEGER}:
             return Finding(CHECK, "gguf", self.name, "pass", metrics=m,
                            explanation=f"{self.type}: integers, finite by type")
@@ -233,7 +237,17 @@ def _check_chunk(rep: TensorReport, v: torch.Tensor, first_block: int, block_siz
 
 
 def _report(t: TensorInfo) -> TensorReport:
-    return TensorReport(t.name, t.type.name, t.path, t.offset, t.nbytes)
+    """The tensor's report before decoding; integer tensors and those that are not decoded are final."""
+    rep = TensorReport(t.name, t.type.name, t.path, t.offset, t.nbytes)
+    if t.file.byte_order != "<" and t.type not in _INTEGER:
+        rep.skipped = "a big-endian file: the decoders read little-endian blocks"
+    elif t.type in _INTEGER:
+        rep.values = t.n_elements
+    return rep
+
+
+def _decoded(t: TensorInfo) -> bool:
+    return t.type not in _INTEGER and t.file.byte_order == "<"
 
 
 # ---- CPU -------------------------------------------------------------------------------------------
@@ -294,11 +308,7 @@ def _run_cpu(g: GGUFFile, progress: Callable, fx: Any, names: Collection[str] | 
             for s, t in _tensors_in_file_order(g, names):
                 if ahead is None or ahead.shard is not s:
                     ahead = _ReadAhead(s)
-                rep = _report(t)
-                if t.type in _INTEGER:
-                    rep.values = t.n_elements
-                else:
-                    rep = _decode_cpu(t, pipe, ahead, done, progress, _Stats(fx, t), threads)
+                rep = _decode_cpu(t, pipe, ahead, done, progress, _Stats(fx, t), threads) if _decoded(t) else _report(t)
                 reports.append(rep)
                 done += t.nbytes
                 progress(done, t.name)
@@ -312,7 +322,7 @@ def _run_cpu(g: GGUFFile, progress: Callable, fx: Any, names: Collection[str] | 
 def _chunks(g: GGUFFile, limit: int, names: Collection[str] | None = None) -> Iterator[tuple[TensorInfo, int, int]]:
     """(tensor, first block, end block) pieces of at most `limit` bytes, in file order."""
     for _, t in _tensors_in_file_order(g, names):
-        if t.type in _INTEGER:
+        if not _decoded(t):
             yield t, 0, 0
             continue
         step = max(1, limit // t.type_size)
@@ -357,7 +367,7 @@ def _run_cuda(g: GGUFFile, progress: Callable, fx: Any, names: Collection[str] |
     bufs = [torch.empty(CUDA_BUFFER, dtype=torch.uint8).pin_memory() for _ in range(2)]
     dev_raw = [torch.empty(CUDA_BUFFER, dtype=torch.uint8, device=dev) for _ in range(2)]
     copied = [torch.cuda.Event() for _ in range(2)]
-    per_byte = max((t.block_size / t.type_size for t in g.tensors if t.type not in _INTEGER), default=0)
+    per_byte = max((t.block_size / t.type_size for t in g.tensors if _decoded(t)), default=0)
     out = torch.empty(math.ceil(CUDA_BUFFER * per_byte), dtype=torch.float32, device=dev)  # any chunk's values
     copy_stream = torch.cuda.Stream()
     free: queue.Queue = queue.Queue()
@@ -373,7 +383,7 @@ def _run_cuda(g: GGUFFile, progress: Callable, fx: Any, names: Collection[str] |
     def finish() -> None:
         t, rep, acc = cur
         reports.append(rep)
-        if t.type not in _INTEGER:
+        if _decoded(t):
             acc.finish(rep, stats)
 
     try:
@@ -385,8 +395,6 @@ def _run_cuda(g: GGUFFile, progress: Callable, fx: Any, names: Collection[str] |
                 if cur is not None:
                     finish()
                 cur = (t, _report(t), _Stats(fx, t))
-                if t.type in _INTEGER:
-                    cur[1].values = t.n_elements
             if b1 > b0:
                 n = (b1 - b0) * t.type_size
                 with torch.cuda.stream(copy_stream):

@@ -149,8 +149,12 @@ class TensorInfo:
     _file: "GGUFFile" = field(repr=False, compare=False)
 
     @property
-    def path(self) -> str:
+    def file(self) -> "GGUFFile":
         """The file (shard) holding this tensor's bytes; `offset` is a position in that file."""
+        return self._file
+
+    @property
+    def path(self) -> str:
         return self._file.path
 
     @property
