@@ -85,7 +85,7 @@ def test_noise_floor_grows_as_precision_shrinks():
 
 # ----------------------------------------------------------------------------- planted faults
 
-FAULT_CASES = {"ragged", "context-chunk-kv0", "chunked", "mla-decode-ragged", "mla-decode-b1"}
+FAULT_CASES = {"ragged", "context-chunk-kv0", "chunked", "long-keys", "mla-decode-ragged", "mla-decode-b1"}
 
 
 @pytest.fixture(scope="module")
@@ -98,7 +98,7 @@ def fault_run():
 
 def test_every_planted_attention_fault_is_caught_and_named(fault_run):
     planted, res = fault_run
-    assert len(planted) == 8
+    assert len(planted) == 9
     for f in planted:
         mine = _by(res.findings, f.build()["impl"])
         failed = [x for x in mine if x.status == "fail"]
@@ -243,3 +243,76 @@ def test_named_subject_that_skips_every_case_is_exit_2(tmp_path):
                        (["--preset", "llama-3-8b", "--impl", f"{k}:f", "--contract", "mla-decode"], "no mla-decode cases")):
         r = CliRunner().invoke(app, ["check", "attention", *args])
         assert r.exit_code == 2 and says in r.stderr, r.stderr
+
+
+# ----------------------------------------------------------------------------- issue 16 / 18
+
+PLAIN, BLOCKED = "llmdoctor.faults.attention:prefill", "llmdoctor.faults.attention:prefill_blocked"
+
+
+def test_float32_bound_passes_two_summation_orders_and_faults_still_fail():
+    """Plain (one softmax) and blocked online-softmax (tiles of 64, lse +inf on an empty row as flash-attn 2)
+    kernels both pass in float32 under the derived bound; the planted faults still fail there."""
+    only = {"batch1", "context-chunk-kv0", "chunked", "long-keys"}
+    subjects = [(PLAIN, "prefill"), (BLOCKED, "prefill"), ("llmdoctor.faults.attention:prefill_last_1024", "prefill"),
+                ("llmdoctor.faults.attention:prefill_top_left", "prefill")]
+    res = ca.run(GLM, subjects, dtypes=("float32",), only=only)
+    for spec in (PLAIN + " ", BLOCKED + " "):
+        mine = _by(res.findings, spec)
+        assert len(mine) == 4 and all(f.status == "pass" for f in mine), [(f.target, f.reason) for f in mine]
+        assert all(f.budget["rule"] == ca.F32_RULE and 0 < f.metrics["bound_used"] < 1 for f in mine)
+    capped = {f.target: f for f in _by(res.findings, "llmdoctor.faults.attention:prefill_last_1024")}
+    assert capped["long-keys/float32"].status == "fail"
+    assert "more than 700 keys fail" in capped["long-keys/float32"].explanation
+    assert all(f.status == "pass" for t, f in capped.items() if t != "long-keys/float32")
+    top_left = _by(res.findings, "llmdoctor.faults.attention:prefill_top_left")
+    assert any(f.status == "fail" and "top-left" in f.explanation for f in top_left)
+
+
+def test_rounding_bound_holds_for_a_float32_order_and_is_linear_in_the_keys():
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(n, 2, 64, generator=g, dtype=torch.float64) for n in (4, 2000, 2000))
+    allowed = torch.ones(4, 2000, dtype=torch.bool)
+    exact, _ = attn.partial_attention(q, k, v, allowed, scale=0.125)
+    f32, _ = attn.partial_attention(q.float(), k.float(), v.float(), allowed, scale=0.125)
+    bound, lse_bound = ca.rounding_bound(q, k, v, allowed, scale=0.125, u=ca.F32_U)
+    assert ((f32.double() - exact).abs() <= bound).all()
+    short, _ = ca.rounding_bound(q, k[:200], v[:200], allowed[:, :200], scale=0.125, u=ca.F32_U)
+    assert 2 < float(bound.mean() / short.mean()) < 20 and (lse_bound > 0).all()
+
+
+def test_topk_cases_are_what_indexers_emit():
+    """Distinct positions up to the causal limit (reached in some rows), -1 only as a suffix pad."""
+    for case in ca.cases(GLM):
+        if not case.top_k or case.probe:
+            continue
+        x = ca.make_inputs(GLM, case, 0)
+        r, reached = 0, 0
+        for t, s in case.seqs:
+            for i in range(t):
+                row, last = x["topk"][r].tolist(), s - t + i
+                n = sum(p >= 0 for p in row)
+                assert n == min(case.top_k, last + 1) and all(p == -1 for p in row[n:]), case.name
+                assert len(set(row[:n])) == n and all(0 <= p <= last for p in row[:n]), case.name
+                reached += last in row
+                r += 1
+        assert reached, case.name
+    assert any(c.top_k == GLM.top_k and max(s for _, s in c.seqs) > 4096 for c in ca.cases(GLM))
+
+
+def test_a_sparse_kernel_that_counts_duplicates_passes_and_the_probe_is_information():
+    spec = "llmdoctor.faults.attention:mla_sparse_decode_iterating"
+    res = ca.run(GLM, [(spec, "mla-sparse-decode"), ("llmdoctor.faults.attention:mla_sparse_decode", "mla-sparse-decode")],
+                 dtypes=("bfloat16",), only={"sparse-decode", "sparse-decode-duplicates"})
+    assert all(f.status == "pass" for f in res.findings), [(f.target, f.reason) for f in res.findings]
+    said = {f.subject.split(":")[1].split(" ")[0]: f.reason for f in res.findings if f.target.startswith("sparse-decode-dup")}
+    assert "information" in said["mla_sparse_decode_iterating"] and "as often as it is listed" in said[
+        "mla_sparse_decode_iterating"]
+    assert "counts a duplicate once" in said["mla_sparse_decode"]
+
+
+def test_a_case_is_judged_on_the_same_inputs_whatever_the_selection():
+    sel = [ca.make_inputs(GLM, c, ca.case_seed(0, c)) for c in ca.cases(GLM) if c.name == "long"]
+    again = [ca.make_inputs(GLM, c, ca.case_seed(0, c)) for c in ca.cases(GLM)[::-1] if c.name == "long"]
+    assert all(torch.equal(sel[0][n], again[0][n]) for n in sel[0])
+    assert ca.case_seed(0, ca.cases(GLM)[0]) != ca.case_seed(1, ca.cases(GLM)[0])

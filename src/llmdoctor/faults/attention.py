@@ -2,8 +2,12 @@
 four contracts, and faulty twins, one per bug the check must name (issue 6): softmax scale from the
 wrong dim, top-left causal alignment, LSE in log2, V not taken from the latent, a batch-offset bug
 (only sequences after the first), an empty-key-range bug (only kv_len 0), out= rows left unwritten,
-NaN leaking from unused cache pages, and a float16-only dtype-dispatch bug (named by the subject-level
-pattern, not by one case).
+NaN leaking from unused cache pages, a float16-only dtype-dispatch bug (named by the subject-level
+pattern, not by one case), and a prefill kernel that attends only to the last 1024 keys (issue 16).
+
+Correct kernels of other summation orders, which every budget must pass (issue 18): `prefill_blocked`
+(keys in tiles of 64 with online softmax, lse +inf for an empty row as flash-attn 2 writes it) and
+`mla_sparse_decode_iterating` (walks the top-k list one entry at a time, as sparse MLA kernels do).
 
 Each fault's `build()` returns {"impl": "llmdoctor.faults.attention:<function>", "contract": name};
 `expect` is a substring the check's explanation must contain. Written independently of the
@@ -47,6 +51,32 @@ def _causal(t: int, s: int, top_left: bool, device: torch.device) -> torch.Tenso
     return torch.arange(s, device=device)[None, :] <= torch.arange(t, device=device)[:, None] + off
 
 
+def _attend_online(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor, scale: float,
+                   tile: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    """Flash-attention order: keys in tiles, a running max m, sum l and output, rescaled when m grows.
+    q [t, H, D], k [s, Hk, D], v [s, Hk, Dv], allowed [t, s] -> out [t, H, Dv], lse [H, t] (+inf: no key)."""
+    h, hk, t = q.shape[1], k.shape[1], q.shape[0]
+    m = torch.full((h, t), float("-inf"))
+    l = torch.zeros(h, t)
+    acc = torch.zeros(h, t, v.shape[2])  # [H, t, Dv]
+    for j in range(0, k.shape[0], tile):
+        kb = k[j:j + tile].float().repeat_interleave(h // hk, 1)  # [tile, H, D]
+        vb = v[j:j + tile].float().repeat_interleave(h // hk, 1)
+        x = torch.einsum("thd,shd->hts", q.float(), kb) * scale
+        x = x.masked_fill(~allowed[None, :, j:j + tile], float("-inf"))
+        m_new = torch.maximum(m, x.amax(-1))
+        base = torch.where(torch.isfinite(m_new), m_new, torch.zeros_like(m_new))
+        r = torch.exp(m - base)  # 0 while m is -inf
+        p = torch.exp(x - base[..., None])
+        l = l * r + p.sum(-1)
+        acc = acc * r[..., None] + torch.einsum("hts,shd->htd", p, vb)
+        m = m_new
+    has = l > 0
+    out = torch.where(has[..., None], acc / torch.where(has, l, torch.ones_like(l))[..., None], torch.zeros_like(acc))
+    lse = torch.where(has, m + torch.log(torch.where(has, l, torch.ones_like(l))), torch.full_like(l, float("inf")))
+    return out.permute(1, 0, 2).to(q.dtype), lse
+
+
 def _prefill(q, k, v, cu_q, cu_k, scale, causal, bug: str = ""):
     cq, ck = cu_q.tolist(), cu_k.tolist()
     out = torch.zeros(q.shape[0], q.shape[1], v.shape[2], dtype=q.dtype, device=q.device)
@@ -55,7 +85,12 @@ def _prefill(q, k, v, cu_q, cu_k, scale, causal, bug: str = ""):
         a = max(ck[b] - (1 if bug == "batch-offset" and b > 0 else 0), 0)  # reads one row of the previous sequence
         t, s = cq[b + 1] - cq[b], ck[b + 1] - ck[b]
         allowed = _causal(t, s, bug == "top-left", q.device) if causal else torch.ones(t, s, dtype=torch.bool)
-        o, l = _attend(q[cq[b]:cq[b + 1]], k[a:a + s], v[a:a + s], allowed, scale, bug)
+        if bug == "last-1024":  # keys before the last 1024 of the sequence are never read
+            allowed[:, : max(s - 1024, 0)] = False
+        if bug == "blocked":  # not a bug: the online-softmax order
+            o, l = _attend_online(q[cq[b]:cq[b + 1]], k[a:a + s], v[a:a + s], allowed, scale)
+        else:
+            o, l = _attend(q[cq[b]:cq[b + 1]], k[a:a + s], v[a:a + s], allowed, scale, bug)
         out[cq[b]:cq[b + 1]], lse[:, cq[b]:cq[b + 1]] = o, l
     return out, lse
 
@@ -112,6 +147,32 @@ def mla_sparse_prefill(q, kv_cache, block_table, cu_seqlens_q, seq_lens, topk_in
                    kv_lora_rank)
 
 
+def mla_sparse_decode_iterating(q, kv_cache, block_table, seq_lens, topk_indices, softmax_scale, kv_lora_rank):
+    """Correct sparse MLA decode written as sparse kernels are: each query walks its top-k list one entry
+    at a time (online softmax), skipping -1; a listed duplicate (an input indexers never give) counts twice."""
+    bs = kv_cache.shape[1]
+    out = torch.zeros(q.shape[0], q.shape[1], kv_lora_rank, dtype=q.dtype)
+    lse = torch.full((q.shape[1], q.shape[0]), float("-inf"))
+    for b in range(q.shape[0]):
+        qf = q[b].float()  # [H, R+Dr]
+        m = torch.full((q.shape[1],), float("-inf"))
+        l = torch.zeros(q.shape[1])
+        acc = torch.zeros(q.shape[1], kv_lora_rank)
+        for idx in topk_indices[b].tolist():
+            if idx < 0:
+                continue
+            row = kv_cache[int(block_table[b, idx // bs]), idx % bs].float()  # [R+Dr]
+            x = (qf @ row) * softmax_scale  # [H]
+            m_new = torch.maximum(m, x)
+            r, p = torch.exp(m - m_new), torch.exp(x - m_new)
+            l = l * r + p
+            acc = acc * r[:, None] + p[:, None] * row[:kv_lora_rank]
+            m = m_new
+        if (l > 0).all():
+            out[b], lse[:, b] = (acc / l[:, None]).to(q.dtype), m + torch.log(l)
+    return out, lse
+
+
 def prefill_out_unwritten(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
                           out=None):
     """Writes into the caller's out= but skips sequences with no keys (an uninitialized workspace row)."""
@@ -145,6 +206,8 @@ def _decode_bug(bug: str):
     return fn
 
 
+prefill_blocked = _prefill_bug("blocked")  # correct: another summation order
+prefill_last_1024 = _prefill_bug("last-1024")
 prefill_top_left = _prefill_bug("top-left")
 prefill_lse_log2 = _prefill_bug("lse-log2")
 prefill_batch_offset = _prefill_bug("batch-offset")
@@ -169,6 +232,9 @@ _fault("attn-out-unwritten", "prefill_out_unwritten", "prefill",
        "prefill kernel leaving the out= rows of kv_len-0 sequences unwritten", "only sequences with kv_len 0")
 _fault("attn-fp16-as-bf16", "prefill_fp16_as_bf16", "prefill",
        "prefill kernel sending float16 inputs down a bfloat16 path", "only dtype float16 fails")
+_fault("attn-last-1024", "prefill_last_1024", "prefill",
+       "prefill kernel attending only to the last 1024 keys of a sequence (no window set)",
+       "keys beyond a limit dropped")
 _fault("attn-scale-576", "mla_decode_scale_576", "mla-decode",
        "MLA decode using 1/sqrt(R+Dr) = 1/sqrt(576) instead of the given scale", "softmax scale from the wrong dim")
 _fault("attn-v-rope", "mla_decode_v_rope", "mla-decode",

@@ -2,21 +2,39 @@
 context, DSA sparse selection. Thin wrappers over `reference.attention` (the dense math) and
 `reference.mla` (the latent MQA); float64 in, float64 out when given float64.
 
-Conventions are those of the kernel contracts of `llmdoctor check attention` (issue 6):
+The conventions of the kernel contracts of `llmdoctor check attention`, each with the kernels that
+share it (a convention no real kernel shares is not judged by any case):
 - varlen: sequence b owns rows cu_q[b]:cu_q[b+1] of q and cu_k[b]:cu_k[b+1] of k/v (flash-attn's
-  `flash_attn_varlen_func`); causal is bottom-right (the queries are the last q_len of the k_len
-  positions), `top_left=True` gives the other alignment (what SDPA's `is_causal` means), used only
-  to recognise that bug.
-- a row with no visible key has out 0 and lse -inf (so chunks merge by log-sum-exp);
-- paged: position p of sequence b lives in kv_cache[block_table[b, p // bs], p % bs];
+  `flash_attn_varlen_func`, vLLM's FlashAttention backend, FlashInfer's ragged prefill indptr).
+- causal is bottom-right: the queries are the last q_len of the k_len positions (flash-attn >= 2.1,
+  FlashInfer's causal mask, llama.cpp's KV-cache mask by position); `top_left=True` gives the other
+  alignment (SDPA's `is_causal`), used only to recognise that bug.
+- GQA: query head h reads kv head h // (H // Hk) (flash-attn, FlashInfer, llama.cpp's broadcast).
+- a row with no visible key has out 0 (flash-attn 2 and 3, FlashInfer); its lse is an infinity whose
+  sign kernels do not share (flash-attn 2 returns +inf, flash-attn 3 -inf: vLLM's merge_attn_states
+  reads +inf as -inf), so the check accepts either and merges chunks reading +inf as -inf.
+- sliding window W counts the query's own key: window_left = W - 1 (flash-attn, FlashInfer
+  `window_left`, llama.cpp's n_swa, vLLM passes sliding_window - 1); softcap is c·tanh(s/c) of the
+  scaled score (flash-attn `softcap`, FlashInfer `logits_soft_cap`, llama.cpp's Gemma-2 graph).
+- paged: position p of sequence b lives in kv_cache[block_table[b, p // bs], p % bs] (vLLM's block
+  tables, FlashMLA's page blocks); positions >= seq_len (the last page's tail, unused pages) are never
+  read (FlashMLA's tests fill them with NaN); seq_lens include the current token (FlashMLA's
+  cache_seqlens, vLLM's seq_lens).
 - latent cache rows are [latent (R), k_pe (Dr)]; the MQA key is the whole row, the value its first R
-  (llama.cpp's MLA path and vLLM's MLA backends store the cache this way);
-- `topk` rows hold positions local to the sequence; -1 is ignored, a duplicate counts once, the
-  selection is intersected with the causal range (vLLM's sparse MLA indexer output, made local).
-- lse is [H, total_q] in natural log (flash-attn's softmax_lse layout).
+  (FlashMLA: head_dim_k 576, head_dim_v 512; vLLM's MLA backends; llama.cpp's MLA path).
+- `topk` rows are what DSA indexers emit: distinct positions local to the sequence, at most the
+  query's own position (vLLM's indexer: torch.topk over the causal range, made request-relative),
+  padded with -1 (vLLM's indexer masks out-of-range picks to -1; FlashMLA: "set invalid indices to
+  -1"). Kernels apply no causal mask of their own there (vLLM's FlashMLA-sparse backend: "causality
+  comes from the indexer's top-k indices"). A duplicate is undefined: a kernel that iterates the
+  list (FlashMLA's kv[indices]) counts it as often as it is listed, a mask-based one (llama.cpp's
+  DSA mask) once; `duplicates="each"` computes the former, the default the latter.
+- lse is [H, total_q] in natural log (flash-attn's softmax_lse; FlashInfer's is log2 and
+  [q, H], FlashMLA's sparse prefill log2: their adapters convert).
 """
-
 from __future__ import annotations
+
+from typing import Callable
 
 import torch
 
@@ -38,9 +56,11 @@ def causal_mask(t: int, s: int, *, causal: bool = True, window: int | None = Non
 
 def varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor, *,
            scale: float, causal: bool, window: int | None = None, softcap: float | None = None,
-           top_left: bool = False, p_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+           top_left: bool = False, p_dtype: torch.dtype | None = None,
+           op: Callable = attn.partial_attention) -> tuple[torch.Tensor, torch.Tensor]:
     """Packed variable-length attention: q [Tq, H, Dqk], k [Tk, Hk, Dqk], v [Tk, Hk, Dv], cu_* [B+1]
-    -> (out [Tq, H, Dv], lse [H, Tq]), in the accumulation dtype."""
+    -> (out [Tq, H, Dv], lse [H, Tq]), in the accumulation dtype. `op` is the per-sequence block
+    computation (`partial_attention`'s signature; a rounding bound has the same)."""
     h, dv = q.shape[1], v.shape[2]
     acc = attn.acc_dtype(q.dtype)
     out = torch.zeros(q.shape[0], h, dv, dtype=acc, device=q.device)  # [Tq, H, Dv]
@@ -51,7 +71,7 @@ def varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor
         if t == 0 or s == 0:
             continue
         allowed = causal_mask(t, s, causal=causal, window=window, top_left=top_left, device=q.device)
-        o, l = attn.partial_attention(q[sq], k[sk], v[sk], allowed, scale=scale, softcap=softcap, p_dtype=p_dtype)
+        o, l = op(q[sq], k[sk], v[sk], allowed, scale=scale, softcap=softcap, p_dtype=p_dtype)
         out[sq], lse[:, sq] = o, l.transpose(0, 1)
     return out, lse
 
@@ -65,29 +85,36 @@ def gather_pages(kv_cache: torch.Tensor, block_row: torch.Tensor, n: int) -> tor
 
 def selection(topk: torch.Tensor, t: int, s: int) -> torch.Tensor:
     """bool [t, s]: the keys named in topk [t, K] (local positions, -1 ignored, duplicates once),
-    intersected with bottom-right causality."""
+    intersected with bottom-right causality (a no-op on what indexers emit)."""
+    return (hits(topk, s) > 0) & attn.visible(t, s, device=topk.device)
+
+
+def hits(topk: torch.Tensor, s: int) -> torch.Tensor:
+    """int32 [t, s]: how many times each key is named in topk [t, K] (-1 and positions >= s ignored)."""
     valid = (topk >= 0) & (topk < s)  # [t, K]
-    hits = torch.zeros(t, s, dtype=torch.int32, device=topk.device)
+    n = torch.zeros(topk.shape[0], s, dtype=torch.int32, device=topk.device)
     if s:
-        hits.scatter_add_(1, topk.long().clamp(0, s - 1), valid.to(torch.int32))
-    return (hits > 0) & attn.visible(t, s, device=topk.device)
+        n.scatter_add_(1, topk.long().clamp(0, s - 1), valid.to(torch.int32))
+    return n
 
 
 def latent_mqa(q: torch.Tensor, rows: torch.Tensor, allowed: torch.Tensor, *, scale: float, kv_lora_rank: int,
-               p_dtype: torch.dtype | None = None, v_from: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+               p_dtype: torch.dtype | None = None, v_from: int = 0,
+               op: Callable = attn.partial_attention) -> tuple[torch.Tensor, torch.Tensor]:
     """MQA over latent cache rows: q [T, H, R+Dr], rows [S, R+Dr], allowed [T, S] -> (out [T, H, R],
     lse [T, H]). The value is rows[:, v_from:v_from+R]; v_from=0 is the contract (the latent)."""
     v = rows[:, v_from:v_from + kv_lora_rank]
-    return attn.partial_attention(q, rows[:, None, :], v[:, None, :], allowed, scale=scale, p_dtype=p_dtype)
+    return op(q, rows[:, None, :], v[:, None, :], allowed, scale=scale, p_dtype=p_dtype)
 
 
 def mla_paged(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, cu_q: torch.Tensor,
               seq_lens: torch.Tensor, *, scale: float, kv_lora_rank: int, topk: torch.Tensor | None = None,
-              top_left: bool = False, p_dtype: torch.dtype | None = None,
-              v_from: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+              top_left: bool = False, p_dtype: torch.dtype | None = None, v_from: int = 0,
+              duplicates: str = "once", op: Callable = attn.partial_attention) -> tuple[torch.Tensor, torch.Tensor]:
     """Absorbed MLA over a paged latent cache for q [Tq, H, R+Dr] (the queries of sequence b are rows
     cu_q[b]:cu_q[b+1], the last of its seq_lens[b] positions), optional topk [Tq, K]
-    -> (out [Tq, H, R], lse [H, Tq]). Decode is cu_q = arange(B+1)."""
+    -> (out [Tq, H, R], lse [H, Tq]). Decode is cu_q = arange(B+1). duplicates="each": every query
+    attends to its listed rows one entry at a time (kv[indices]: a duplicate counts as often as listed)."""
     h = q.shape[1]
     acc = attn.acc_dtype(q.dtype)
     out = torch.zeros(q.shape[0], h, kv_lora_rank, dtype=acc, device=q.device)  # [Tq, H, R]
@@ -98,17 +125,26 @@ def mla_paged(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor
         if t == 0 or s == 0:
             continue
         rows = gather_pages(kv_cache, block_table[b], s)  # [S, R+Dr]
+        kw = dict(scale=scale, kv_lora_rank=kv_lora_rank, p_dtype=p_dtype, v_from=v_from, op=op)
+        if topk is not None and duplicates == "each":
+            for r in range(sq.start, sq.stop):
+                listed = topk[r][(topk[r] >= 0) & (topk[r] < s)].long()  # [n] in list order
+                one = torch.ones(1, len(listed), dtype=torch.bool, device=q.device)
+                o, l = latent_mqa(q[r:r + 1], rows[listed], one, **kw)
+                out[r], lse[:, r] = o[0], l[0]
+            continue
         allowed = causal_mask(t, s, top_left=top_left, device=q.device)
         if topk is not None:
             allowed = allowed & selection(topk[sq], t, s)
-        o, l = latent_mqa(q[sq], rows, allowed, scale=scale, kv_lora_rank=kv_lora_rank, p_dtype=p_dtype,
-                          v_from=v_from)
+        o, l = latent_mqa(q[sq], rows, allowed, **kw)
         out[sq], lse[:, sq] = o, l.transpose(0, 1)
     return out, lse
 
 
 def merge_chunks(outs: list[torch.Tensor], lses: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """Merge partial results out [Tq, H, Dv], lse [H, Tq] of the same queries over disjoint key
-    chunks (chunked prefill: context chunks + the causal new-token part) by log-sum-exp."""
-    out, lse = attn.merge(outs, [l.transpose(0, 1) for l in lses])  # lse [Tq, H]
+    chunks (chunked prefill: context chunks + the causal new-token part) by log-sum-exp. An empty
+    chunk's lse +inf (flash-attn 2) is read as -inf (flash-attn 3), as vLLM's merge_attn_states does."""
+    lses = [l.masked_fill(l == float("inf"), float("-inf")).transpose(0, 1) for l in lses]
+    out, lse = attn.merge(outs, lses)  # lse [Tq, H]
     return out, lse.transpose(0, 1)
