@@ -102,3 +102,14 @@ def test_gguf_against_its_hf_checkpoint(tiny_hf, tmp_path):
     doc = json.loads(r.stdout)
     assert r.exit_code == 1
     assert [f["target"] for f in doc["findings"] if f["status"] == "fail"] == [f"numeric/{t.name}"]
+
+
+def test_big_endian_tensors_compared_by_bytes_not_decoded(tmp_path):
+    from gguf import GGMLQuantizationType as Q
+
+    from gguf_builders import write_file
+
+    a, b = (write_file(tmp_path / f"{n}.gguf", metadata=False, big_endian=True,
+                       tensors={"h": (Q.F16, (64,), np.full(64, v, np.float16))}) for n, v in (("a", 1), ("b", 2)))
+    (f,) = [f for f in D.run(a, b).findings if f.status == "fail"]
+    assert f.target == "tensor/h" and "not decoded: a big-endian file" in f.explanation
