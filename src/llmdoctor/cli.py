@@ -745,6 +745,9 @@ def _lone_file_report(command: str, path: Path, findings: list, json_out: bool, 
          json_out, json_path, sarif_path)
     if not json_out:
         _findings_table(findings, f"{command.split('.')[-1]} {path.name}")
+        for f in findings:  # the few passes of these checks say what was found healthy
+            if f.status == "pass":
+                terminal.stdout.print(f"pass  {f.target}: {f.explanation}", highlight=False)
         c = count(findings)
         terminal.stdout.print(f"{verdict}: {c['passed']} passed, {c['failed']} failed, {c['skipped']} skipped")
     raise typer.Exit(code)
