@@ -397,8 +397,8 @@ def h_file_integrity(s: Session) -> list[Finding]:
             f.check, f.confidence = "file-integrity", "medium"
         if not any(f is n for n in nonfinite):
             out.append(f)
-    if s.inputs.engine is not None and s.inputs.engine_gguf is None and s.inputs.hf is None \
-            and s.inputs.manifest is None:
+    if (s.inputs.engine is not None or s.inputs.endpoint is not None) and s.inputs.engine_gguf is None \
+            and s.inputs.hf is None and s.inputs.manifest is None:
         out.append(_finding(
             "file-provenance", "reference", str(s.inputs.gguf), "skip", hypothesis="the file is the model that was published",
             reason="the reference reads the deployment's own file: a corrupted or mis-converted file misleads engine "
