@@ -72,14 +72,14 @@ def test_budget_is_twice_the_ordering_bound():
 
 # ---- saved engine shards -----------------------------------------------------------------------------
 
-def _save(plan, directory: Path, t: int) -> Path:
+def _save(plan, directory: Path, t: int, dtype=torch.float32) -> Path:
     from safetensors.torch import save_file
 
     directory.mkdir()
     for r in range(t):
         shards = {}
         for info in plan.weights.g.tensors:
-            shards[info.name] = sharding._full_shard(plan, info.name, r).contiguous()
+            shards[info.name] = sharding._full_shard(plan, info.name, r).to(dtype).contiguous()
         save_file(shards, str(directory / f"rank{r}.safetensors"))
     return directory
 
@@ -127,9 +127,10 @@ def test_demo_tp2_cli(demo_path, tmp_path):
 
 def test_mla_tp2(deepseek, tmp_path):
     """DeepSeek-V3-shaped MLA + MoE (experts split by intermediate size), T=2: the engine's saved
-    (correct) shards pass; MLA-specific and generic faults are found and named."""
+    (correct) bfloat16 shards pass (the reference then holds the same bfloat16 values); MLA-specific and
+    generic faults are found and named."""
     base = _plan(deepseek.gguf_path, 2)
-    saved = _save(base, tmp_path / "shards", 2)
+    saved = _save(base, tmp_path / "shards", 2, torch.bfloat16)
     faults = ["sharding-heads-permuted", "sharding-kv-b-latent-axis", "sharding-vocab-offset",
               "sharding-missing-all-reduce"]
     res = sharding.run(deepseek.gguf_path, 2, engine_shards=saved, n_tokens=5, faults=faults)

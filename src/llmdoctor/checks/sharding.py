@@ -79,6 +79,11 @@ class EngineShards(tp.PlanWrapper):
     def saved(self, name: str, rank: int) -> torch.Tensor | None:
         return self.handles[rank].get_tensor(name) if name in self.names[rank] else None
 
+    def stored_dtype(self, name: str, rank: int) -> torch.dtype:
+        if name not in self.names[rank]:
+            return self.inner.stored_dtype(name, rank)
+        return self.saved(name, rank).dtype
+
     def shard(self, name: str, rank: int) -> torch.Tensor:
         w = self.saved(name, rank)
         return self.inner.shard(name, rank) if w is None else w.to(self.weights.dtype).to(self.weights.device)
@@ -91,6 +96,17 @@ class EngineShards(tp.PlanWrapper):
         ok = local < w.shape[0]  # rows past the saved ones are the zero padding
         out[ok] = w[local[ok]].to(self.weights.dtype).to(self.weights.device)
         return out
+
+
+def narrower_dtypes(engine: EngineShards, dtype: torch.dtype) -> dict[str, torch.dtype]:
+    """{name: dtype} of the saved tensors (rank 0's) held in a float dtype narrower than the run's: the
+    forward then compares the engine's sharding of those values with one device holding the same values."""
+    out = {}
+    for name in engine.names[0]:
+        d = engine.stored_dtype(name, 0)
+        if d.is_floating_point and torch.finfo(d).bits < torch.finfo(dtype).bits:
+            out[name] = d
+    return out
 
 
 def _full_shard(plan: tp.Plan, name: str, rank: int) -> torch.Tensor:
@@ -267,7 +283,8 @@ class Reference:
 
 
 def reference(path: Path, ids: torch.Tensor, rules: tp.Rules, *, n_layer: int | None, dtype: torch.dtype,
-              device: str = "cpu") -> Reference:
+              device: str = "cpu", stored: dict[str, torch.dtype] | None = None) -> Reference:
+    """`stored`: tensors the engine holds in a narrower dtype, rounded to it here too (tp.StoredAs)."""
     import dataclasses
 
     from ..reference import load
@@ -280,6 +297,8 @@ def reference(path: Path, ids: torch.Tensor, rules: tp.Rules, *, n_layer: int | 
         if not 1 <= n <= total:
             raise InputError(f"--layers {n_layer}: the model has {total} layers")
         model.config = dataclasses.replace(cfg, n_layer=n, n_nextn=0)  # the first n blocks, then the head
+        if stored:
+            model.weights = tp.StoredAs(model.weights, stored)
         mags = _Magnitudes(model.weights, rules, cfg.moe)
         with fw.product_hook(mags):
             logits, cap = model.forward(ids, capture=["attn_norm-*", "ffn_norm-*", "attn_out-*", "ffn_out-*",
@@ -327,6 +346,7 @@ class Job:
     plans: list[tuple[str, str | None]]  # ("rules", None) | ("engine-shards", DIR) | ("fault", name)
     ref: Reference
     localize: bool = True
+    stored: dict[str, torch.dtype] = field(default_factory=dict)  # the engine's narrower storage dtypes
 
 
 @dataclass
@@ -357,15 +377,19 @@ def _broadcast(obj: Any, rank: int) -> Any:
 
 
 def _differs(plan: tp.Plan, reference: tp.Plan, name: str, rank: int, chunk: int = 8192) -> bool:
-    """Whether this rank's shard of `name` in `plan` is not the rules' (vocab shards compared a chunk
-    of rows at a time, stopping at the first that differs)."""
+    """Whether this rank's shard of `name` in `plan` is not the rules' beyond the rounding of how it
+    was stored (`_stored_bound`; vocab shards a chunk of rows at a time, stopping at the first that differs)."""
+    dtype = plan.stored_dtype(name, rank)
+
+    def differ(a: torch.Tensor, b: torch.Tensor) -> bool:
+        return a.shape != b.shape or bool(metrics.over_budget(a, b, _stored_bound(b, dtype)).any())
+
     if plan.split(name).kind != "vocab":
-        a, b = plan.shard(name, rank), reference.shard(name, rank)
-        return a.shape != b.shape or not torch.equal(a, b)
+        return differ(plan.shard(name, rank), reference.shard(name, rank))
     lo, hi = tp.vocab_range(plan.cfg.n_vocab, rank, plan.t, plan.rules)
     for r in range(0, hi - lo, chunk):
         rows = torch.arange(r, min(r + chunk, hi - lo))
-        if not torch.equal(plan.vocab_rows(name, rank, rows), reference.vocab_rows(name, rank, rows)):
+        if differ(plan.vocab_rows(name, rank, rows), reference.vocab_rows(name, rank, rows)):
             return True
     return False
 
@@ -386,6 +410,8 @@ def worker(rank: int, t: int, device: torch.device, job: Job) -> list[PlanResult
     g = open_gguf(job.path)
     cfg = from_gguf(g)
     weights = fw.Weights(g, dtype=DTYPES[job.dtype], device=device, cache=False)  # a rank keeps only its shards
+    if job.stored:
+        weights = tp.StoredAs(weights, job.stored)
     base = tp.Plan(weights, cfg, tp.RULES[job.rules], t)
     ref = job.ref
     inputs = {k: v.to(device) for k, v in ref.inputs.items()}
@@ -502,16 +528,19 @@ def run(path: Path, t: int, *, rules: str = "vllm", engine_shards: Path | None =
         r = tp.RULES[rules]
         tp.local_config(cfg, t)  # heads divisible by T
         findings: list[Finding] = []
+        stored: dict[str, torch.dtype] = {}
         if engine_shards is not None:
             base = tp.Plan(fw.Weights(g, dtype=DTYPES[dtype], device=torch.device("cpu"), cache=False), cfg, r, t)
-            findings += compare_saved(EngineShards(base, engine_shards), base)
+            engine = EngineShards(base, engine_shards)
+            findings += compare_saved(engine, base)
+            stored = narrower_dtypes(engine, DTYPES[dtype])
         ids = prompt_ids(cfg.n_vocab, n_tokens, seed)
     ref = reference(path, ids, r, n_layer=n_layer, dtype=DTYPES[dtype],
-                    device="cuda" if device.startswith("cuda") else "cpu")
+                    device="cuda" if device.startswith("cuda") else "cpu", stored=stored)
     plans = [("engine-shards", str(engine_shards)) if engine_shards else ("rules", None)]
     plans += [("fault", f) for f in faults or ()]
     try:
-        results = tp.launch(t, worker, (Job(str(path), dtype, rules, plans, ref, localize),), device=device)
+        results = tp.launch(t, worker, (Job(str(path), dtype, rules, plans, ref, localize, stored),), device=device)
     except tp.RankFailed as e:
         if engine_shards is None:
             raise

@@ -195,6 +195,10 @@ class Plan:
         """Whether the engine all-reduces the products with this (row-parallel) tensor."""
         return self.split(name).reduced
 
+    def stored_dtype(self, name: str, rank: int) -> torch.dtype:
+        """The dtype the rank's shard was held in before it became the run's (an engine's may be narrower)."""
+        return self.weights.dtype
+
 
 class PlanWrapper(Plan):
     """A plan that changes another one (engine shards, planted faults, substitutions); delegates all."""
@@ -218,6 +222,9 @@ class PlanWrapper(Plan):
     def reduces(self, name: str) -> bool:
         return self.inner.reduces(name)
 
+    def stored_dtype(self, name: str, rank: int) -> torch.dtype:
+        return self.inner.stored_dtype(name, rank)
+
 
 class Substituted(PlanWrapper):
     """`inner` with the reference's shards of `shards` and the reference's collectives after
@@ -238,6 +245,33 @@ class Substituted(PlanWrapper):
 
     def reduces(self, name: str) -> bool:
         return (self.reference if name in self.collectives else self.inner).reduces(name)
+
+
+class StoredAs:
+    """Weights (forward.Weights) as an engine stores them: each tensor named in `dtypes` rounded through
+    that dtype (e.g. bfloat16) and back, so that a reference run computes with the engine's values."""
+
+    def __init__(self, inner: Any, dtypes: dict[str, torch.dtype]):
+        self.inner, self.dtypes = inner, dtypes
+
+    def __getattr__(self, attr: str) -> Any:
+        return getattr(self.inner, attr)
+
+    def _round(self, name: str, w: torch.Tensor) -> torch.Tensor:
+        d = self.dtypes.get(name)
+        return w if d is None or d == w.dtype else w.to(d).to(w.dtype)
+
+    def get(self, name: str) -> torch.Tensor:
+        return self._round(name, self.inner.get(name))
+
+    def rows(self, name: str, ids: torch.Tensor) -> torch.Tensor:
+        return self._round(name, self.inner.rows(name, ids))
+
+    def slab(self, name: str, i: int) -> torch.Tensor:
+        return self._round(name, self.inner.slab(name, i))
+
+    def row_slices(self, name: str, chunk: int) -> Iterable[torch.Tensor]:
+        return (self._round(name, w) for w in self.inner.row_slices(name, chunk))
 
 
 # ---- one rank -------------------------------------------------------------------------------------
