@@ -53,3 +53,15 @@ def test_two_ranks_give_the_one_process_report(planted, tmp_path):
     assert BAD in VR.shares(planted, 2)[1]  # the bad block is found by the second rank
     (bad,) = [t for t in doc["tensors"] if t["non_finite"]]
     assert bad["name"] == BAD and bad["first_bad_block"] == 5
+
+
+@pytest.mark.gpu
+def test_two_gpus_give_the_one_process_report(planted):
+    """NCCL, one GPU per rank: the same report as one GPU."""
+    import torch
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip("skipped: needs 2 CUDA GPUs")
+    one, two = V.run(planted, device="cuda"), VR.run(planted, 2, device="cuda")
+    assert [t.__dict__ for t in two.tensors] == [t.__dict__ for t in one.tensors]
+    assert [(f.target, f.status) for f in two.findings] == [(f.target, f.status) for f in one.findings]
