@@ -171,20 +171,29 @@ def server_command(python: str, model: str | os.PathLike, port: int, *, dtype: s
 # ---- kernels in this process (vLLM installed with CUDA beside llmdoctor) -------------------------
 
 def dequant_kernel(device: str) -> Callable:
-    """vLLM's GGUF dequant op (`vllm._custom_ops.ggml_dequantize`, CUDA only) as a dequant kernel
-    `(raw, qtype, shape, dtype) -> tensor`. Raises KernelUnavailable saying why it cannot run."""
+    """vLLM's GGUF dequant op as a dequant kernel `(raw, qtype, shape, dtype) -> tensor`, CUDA only:
+    `ggml_dequantize` of `vllm._custom_ops` (vLLM up to the GGUF split) or of the vllm-gguf-plugin's
+    `ops` (after it; Triton where its CUDA kernel lacks the type). Raises KernelUnavailable saying why
+    it cannot run."""
+    import importlib
+
     from ..kernels import KernelUnavailable
 
     if not device.startswith("cuda"):
         raise KernelUnavailable("vllm: its GGUF dequant kernels run on CUDA only (use --device cuda); vLLM for CPU "
                                 "runs no GGUF model")
-    try:
-        from vllm import _custom_ops as ops
-    except Exception as e:  # ImportError, or a vLLM that fails at import on this machine
-        raise KernelUnavailable(f"vllm: not importable ({type(e).__name__}: {e})") from None
-    if not hasattr(ops, "ggml_dequantize"):
-        raise KernelUnavailable(f"vllm: vLLM {_installed_version()} has no _custom_ops.ggml_dequantize (GGUF moved "
-                                "to the vllm-gguf-plugin)")
+    op, why = None, []
+    for module in ("vllm._custom_ops", "vllm_gguf_plugin.ops"):
+        try:
+            op = getattr(importlib.import_module(module), "ggml_dequantize", None)
+        except Exception as e:  # ImportError, or a vLLM that fails at import on this machine
+            why.append(f"{module}: {type(e).__name__}: {e}")
+            continue
+        if op is not None:
+            break
+        why.append(f"{module} has no ggml_dequantize")
+    if op is None:
+        raise KernelUnavailable(f"vllm: no GGUF dequant op (vLLM {_installed_version()}; {'; '.join(why)})")
 
     def vllm(raw, qtype: int, shape: tuple[int, ...], dtype=None):
         import torch
@@ -193,8 +202,7 @@ def dequant_kernel(device: str) -> Callable:
         for s in shape[:-1]:
             rows *= s
         # vLLM's GGUF linear layers call it with the 2-D [rows, bytes per row] weight, m rows, n columns.
-        out = ops.ggml_dequantize(raw.view(rows, -1), qtype, rows, shape[-1], dtype or torch.float16)
-        return out.reshape(shape)
+        return op(raw.view(rows, -1), qtype, rows, shape[-1], dtype or torch.float16).reshape(shape)
 
     return vllm
 
