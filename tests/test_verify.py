@@ -131,3 +131,10 @@ def test_integer_and_big_endian_tensors(tmp_path):
                      tensors={"h": (Q.F16, (64,), np.ones(64, np.float16))})
     (f,) = [f for f in V.run(big).findings if f.check == "verify"]
     assert f.status == "skip" and "big-endian" in f.reason
+
+
+def test_progress_counts_bytes_to_the_total(subset):
+    seen = []
+    res = V.run(subset, progress=lambda done, total, name: seen.append((done, total)))
+    assert seen and all(t == res.bytes for _, t in seen) and seen[-1][0] == res.bytes
+    assert all(a <= b for (a, _), (b, _) in zip(seen, seen[1:]))
