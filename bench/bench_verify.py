@@ -1,6 +1,6 @@
 """verify and manifest at disk speed, each against a same-run anchor on the same file.
 
-    python bench/bench_verify.py [--synthetic-gb 4] [--keep]
+    python bench/bench_verify.py [--synthetic-gb 4] [--keep]      (--synthetic-gb 0: the demo alone)
 
 Files: the demo model, and a synthetic GGUF of --synthetic-gb GB written under /tmp by this script
 (Q4_K, Q6_K, Q8_0 and F32 tensors of random blocks whose scales are finite float16, so every value
@@ -171,6 +171,9 @@ def main() -> int:
     result = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cpus": os.cpu_count(),
               "load_average_before": os.getloadavg(), "files": []}
     result["files"].append(bench_file(model_path(), stages))
+    if a.synthetic_gb <= 0:  # the demo alone
+        print(json.dumps(result, indent=2))
+        return 0
     syn = Path("/tmp/llmdoctor-bench-verify.gguf")
     t0 = time.perf_counter()
     write_synthetic(syn, a.synthetic_gb)
