@@ -100,3 +100,67 @@ def test_selection_disagreement_catches_short_duplicated_padded_and_future_picks
                   [[0, 1], [1, 2], [2, 3], [3, 3]]):       # future keys
         assert selection_disagreement(scores, np.array(wrong), 2) > 0.5, wrong
     assert selection_disagreement(scores, np.array([[0], [0], [0], [0]]), 2) == 1.0  # short rows
+
+
+# ---- the next-token distributions (diagnose's engine-vs-reference) -------------------------------
+
+def _noisy(seed: int, noise: float, base: torch.Tensor) -> torch.Tensor:
+    return base + noise * torch.randn(base.shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+
+
+def _reference(t: int = 40, v: int = 2000) -> torch.Tensor:
+    """Logits [t, v]: token 0 on top, by 0.01 over token 1 at even positions (a near tie) and by 8 at
+    odd ones; at position 3 a flat distribution whose top-1 leads by 1 (a flip there costs little KL)."""
+    base = 0.3 * torch.randn(t, v, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    base[:, 0] = 12.0
+    base[:, 1] = torch.where(torch.arange(t) % 2 == 0, 11.99, 4.0)
+    base[3, :2] = torch.tensor([2.0, 1.0], dtype=torch.float64)
+    return base
+
+
+def test_logit_pair_noise_and_top1_margin():
+    from llmdoctor.checks.metrics import logit_pair_noise, top1_margin
+
+    want = _reference()
+    got = _noisy(1, 0.1, want) + 5.0  # a shift changes no logit difference
+    noise = logit_pair_noise(got, want)
+    assert torch.allclose(noise, torch.full_like(noise, 0.1 * 2 ** 0.5), rtol=0.1)
+    want[:, 7] = float("-inf")  # a token the reference rules out does not count
+    assert torch.allclose(logit_pair_noise(got, want), noise, rtol=1e-2)
+    got = want.clone()
+    got[5, 1] = 13.0  # the engine prefers token 1 where the reference prefers token 0 by 8
+    assert top1_margin(got, want).tolist() == [0.0] * 5 + [8.0] + [0.0] * 34
+
+
+def _criteria(engine, ref, emu) -> dict:
+    from llmdoctor.checks.layers import distribution_criteria
+
+    return {c.name: c for c in distribution_criteria(engine, ref, emu)}
+
+
+def test_flips_within_the_engines_noise_are_not_disagreements():
+    ref = _reference()
+    emu, engine = _noisy(1, 0.05, ref), _noisy(2, 0.05, ref)
+    engine[0, 1] = engine[0, 0] + 0.02  # a near tie (margin 0.01) flipped: within K x noise (about 0.2)
+    crit = _criteria(engine, ref, emu)
+    assert all(c.ok for c in crit.values()), crit
+    assert crit["top1"].value == 0 and "flips, 0 beyond the engine's noise" in crit["top1"].reason
+    assert crit["top1"].evidence and not any(r["beyond_noise"] for r in crit["top1"].evidence)
+
+
+def test_each_failing_criterion_is_named():
+    ref = _reference()
+    emu, healthy = _noisy(1, 0.05, ref), _noisy(2, 0.05, ref)
+    flip = healthy.clone()
+    flip[3, 1] = flip[3, 0] + 1.0  # the engine prefers token 1 by 1 where the reference prefers token 0 by 1
+    crit = _criteria(flip, ref, emu)
+    assert [n for n, c in crit.items() if not c.ok] == ["top1"], crit  # within the KL budget, yet wrong
+    assert "at position 3 the reference prefers its token by 1" in crit["top1"].reason
+    assert [r["beyond_noise"] for r in crit["top1"].evidence if r["position"] == 3] == [True]
+    nan = healthy.clone()
+    nan[5, 9] = float("nan")
+    crit = _criteria(nan, ref, emu)
+    assert [n for n, c in crit.items() if not c.ok] == ["finite"]  # the rest judge the finite positions
+    assert "over 39 finite positions" in crit["kl"].reason and "nan" not in crit["kl"].reason
+    assert list(_criteria(torch.full_like(ref, float("nan")), ref, emu)) == ["finite"]
+    assert not _criteria(_noisy(3, 0.5, ref), ref, emu)["kl"].ok  # 10x the noise

@@ -150,6 +150,31 @@ def top1_agreement(got: Any, want: Any, *, dim: int = -1) -> float:
     return float((a == b).to(torch.float64).mean()) if a.numel() else 1.0
 
 
+def top1_margin(got: Any, want: Any, *, dim: int = -1) -> torch.Tensor:
+    """float64 per distribution: how much P_want prefers its own top-1 token over got's top-1, in
+    log-probability (the logit difference; 0 where the two top-1s agree)."""
+    w = _t(want).to(torch.float64)
+    a, b = w.argmax(dim=dim, keepdim=True), _t(got).argmax(dim=dim, keepdim=True)
+    return (w.gather(dim, a) - w.gather(dim, b)).squeeze(dim)
+
+
+def logit_pair_noise(got: Any, want: Any, *, dim: int = -1) -> torch.Tensor:
+    """float64 per distribution: the RMS error `got` puts on the difference of two logits of distinct
+    tokens drawn uniformly from the vocabulary, sqrt(2·Var_i(δ_i)) with δ = got - want (any shift
+    between the two cancels in a difference; the variance is the unbiased one, which makes the pair
+    average exact). Tokens where `want` is not finite do not count; a non-finite δ elsewhere makes it
+    non-finite. The vocabulary, not P_want, is the population: a logit's error does not depend on its
+    probability (through an output projection δ_i = w_i·δh), while a P-weighted variance (the KL's,
+    KL = Var_P(δ)/2 to second order) vanishes where P is confident and hides the error on the others."""
+    g, w = _t(got).to(torch.float64), _t(want).to(torch.float64)
+    keep = torch.isfinite(w)
+    delta = torch.where(keep, g - w, torch.zeros_like(w))
+    n = keep.sum(dim=dim, keepdim=True)
+    mean = delta.sum(dim=dim, keepdim=True) / n.clamp_min(1)
+    var = torch.where(keep, (delta - mean) ** 2, torch.zeros_like(w)).sum(dim=dim, keepdim=True) / (n - 1).clamp_min(1)
+    return (2 * var).sqrt().squeeze(dim)
+
+
 # ----------------------------------------------------------------------------- bit-level
 
 def bit_mismatch(got: torch.Tensor, want: torch.Tensor, *, nan_equal: bool = False) -> torch.Tensor:
