@@ -5,6 +5,7 @@ classified as expected. One server per model file; the proxy faults share the he
 from __future__ import annotations
 
 import json
+import re
 import socket
 import subprocess
 import sys
@@ -18,7 +19,8 @@ import pytest
 from typer.testing import CliRunner
 
 from llmdoctor.checks.metrics import topk_tail
-from llmdoctor.checks.probes import DEFAULT_STEPS, THRESHOLDS, counting_run, expected_stats, probe, render_chat_template
+from llmdoctor.checks.probes import (DEFAULT_STEPS, THRESHOLDS, batch_requests, counting_run, expected_stats, probe,
+                                     render_chat_template)
 from llmdoctor.cli import app
 from llmdoctor.demo import model_path
 from llmdoctor.errors import InputError
@@ -164,6 +166,8 @@ def test_corrupted_file(name: str, verdicts: set[str], symptom: str, tmp_path: P
 # Each proxy fault with the probe steps that can see it (knowledge always runs) and client options.
 _PROXY = {
     "crosstalk": (["batch"], {}, {}),
+    "swap-responses": (["batch"], {}, {}),
+    "ignore-eos": (["front_end"], {}, {}),
     "decode-perturb": (["repeat", "prefill_decode"], {}, {}),
     "nondeterministic": (["repeat"], {}, {}),
     "http-500": ([], {}, {}),
@@ -182,6 +186,27 @@ def test_proxy_fault_is_classified(name: str, server: str) -> None:
         rep = probe(proxy.url, steps=steps, concurrency=3, **client)
     assert rep.verdict != "healthy"
     assert fault.expect in rep.symptoms, _symptoms(rep)
+
+
+@pytest.mark.slow
+def test_a_completion_handed_to_another_request_is_named(server: str) -> None:
+    """The swapping proxy hands the first finished completions to the wrong requests while the last
+    one to finish gets its own (the request the old batch probe judged, alone): every request is
+    judged, and the misdelivered ones are named with the request whose completion they got."""
+    with get("swap-responses").build(server) as proxy:
+        rep = probe(proxy.url, steps=["batch"], concurrency=3)
+    batch = next(f for f in rep.findings if f.target == "batch")
+    assert batch.status == "fail" and batch.metrics["symptom"] == "swapped-responses", _symptoms(rep)
+    assert re.search(r"request \d received request \d's completion", batch.explanation), batch.explanation
+    assert any(r.get("own") for r in batch.evidence) and not all(r.get("own") for r in batch.evidence)
+    assert rep.verdict == "degraded"
+
+
+def test_batch_requests_are_distinct_and_ragged() -> None:
+    for n in (2, 4, 9):
+        reqs = batch_requests(n)
+        assert len(reqs) == n and len({p for p, _ in reqs}) == n
+        assert len({m for _, m in reqs}) > 1 and len({len(p) for p, _ in reqs}) > 1
 
 
 @pytest.mark.slow

@@ -37,45 +37,47 @@ from typing import Any, Callable, Iterable
 from ..errors import InputError
 from ..subjects.endpoint import Completion, Endpoint, EndpointError
 from .base import Finding
-from .metrics import spearman, topk_tail
+from .metrics import grouped_logsumexp, logsumexp, spearman, topk_tail
 
 # ---------------------------------------------------------------------------------------------
 # thresholds, derived from what the healthy llama-cpp-python 0.3.36 server measures here with the
-# demo model (Gemma 3 270M Q4_K_M); the numbers are in bench/RESULTS.md ("Endpoint probe").
+# demo model (Gemma 3 270M Q4_K_M); every number quoted is in bench/RESULTS.md ("Endpoint probe" and
+# "Endpoint probe, session 3"), measured with bench/probe_noise_floor.py unless a test is named.
 THRESHOLDS: dict[str, dict[str, Any]] = {
     "top_k": {"value": 10, "why": "top-10 log-probs per token: enough to rank the expected token and to "
                                   "see a flat distribution; llama-cpp-python costs the same for any k"},
     "expected_logprob_min": {"value": -1.0, "why": "healthy: the worst knowledge probe (the fact) gives "
-        "-0.30; engines disagree by up to 0.23 on unsure tokens (llama.cpp vs transformers here), so a "
-        "healthy deployment stays above -0.53; -1.0 leaves that margin twice. The expected continuation "
-        "must also rank first. The broken server of the seed gave -20 to -24"},
+        "-0.30; the server's top-1 log-prob differs from the reference forward pass's by at most 0.045 at "
+        "the probe positions, so a healthy deployment of this file stays near -0.35; -1.0 leaves 0.65 "
+        "nats (15x that difference) for another engine's arithmetic. The expected continuation must also "
+        "rank first"},
     "garbage_fraction": {"value": 0.5, "why": "more than half of the knowledge probes wrong is garbage; "
         "one or two wrong is degraded"},
     "flat_tail_min": {"value": 0.5, "why": "healthy: the top-10 tail mass is <= 0.054 on every "
-        "knowledge probe (copy: 0.054); a tail of half the mass or more is a flat distribution"},
+        "knowledge probe (copy 0.054, fact 0.046); a tail of half the mass or more is a flat distribution"},
     "determinism_max_abs_dlogprob": {"value": 0.05, "why": "the chosen tokens' log-probs of the same "
         "greedy request: healthy differences up to 8.8e-3 nats when the prompt cache holds only a "
         "short shared prefix (the rest is one prefill batch of another size), 0 with a cold or warm "
-        "cache, streamed or not (bench/probe_noise_floor.py). 0.05 is ~6x that, far below a wrong "
-        "kernel (0.1-10 nats) or the 0.3-nat jitter of the nondeterministic fault"},
+        "cache, streamed or not; 8.8e-3 too between a request alone and inside a concurrent batch of 4. "
+        "0.05 is ~6x that, below the up-to-0.3-nat jitter of the nondeterministic fault (tests/test_probe.py)"},
     "same_distribution_kl_max": {"value": 5e-3, "why": "the same distribution computed twice (top-10 + "
         "tail KL): repeated, streamed, alone vs batched, prefill vs decode. healthy: 0 with a cold or "
-        "warm cache, 6.4e-4 with a short shared prefix cached, 1.6e-4 to 3.2e-4 echo (one prefill batch) "
-        "vs decode steps (bench/probe_noise_floor.py); 5e-3 is ~8x the largest, while the decode-perturb "
-        "and crosstalk faults give KL > 0.1"},
+        "warm cache, 6.4e-4 with a short shared prefix cached, 6.7e-4 alone vs in a concurrent batch of 4, "
+        "1.1e-4 to 3.2e-4 echo (one prefill batch) vs decode steps; 5e-3 is ~8x the largest (the "
+        "decode-perturb and crosstalk faults exceed it: tests/test_probe.py)"},
     "position_logprob_min": {"value": math.log(0.5), "why": "the units digit of a counting run is "
-        "certain for a healthy model (-0.002 at every length measured here); requiring half the mass "
-        "(-0.69) is 30x looser than the worst healthy (-0.024 at 12 numbers), while a rope base of 100 "
-        "instead of 1e6 gives -2.1 at 54 numbers"},
+        "certain for a healthy model (-0.024 at 12 numbers, -1.5e-3 to -7e-5 at 33 to 75); requiring half "
+        "the mass (-0.69) is 30x looser than the worst healthy, while a rope base of 100 instead of 1e6 "
+        "gives -2.12 at 54 numbers"},
     "reference_kl_max": {"value": 0.1, "why": "healthy server vs reference (float32, same GGUF, "
         "top-10 + tail): KL max 2.0e-2 (an echoed prompt position where the model hesitates between "
-        "two tokens), mean 1.8e-3 over 29 positions; 6.0e-3 at the probes' own positions "
-        "(transformers vs this server: 5.9e-4). 0.1 is 5x the healthy max, while attention block "
-        "scales perturbed give KL up to 2.5 and a rope base of 100 gives 0.36-2.1 beyond 90 tokens"},
+        "two tokens), mean 1.8e-3 over 29 positions; 6.0e-3 at the probes' own 11 positions. 0.1 is 5x "
+        "the healthy max, while attention block scales perturbed give KL up to 2.49 and a rope base of "
+        "100 gives up to 2.1 (at position 154)"},
     "position_trend_min": {"value": 0.6, "why": "reference mismatches are position-dependent when the "
         "shortest position agrees and KL rises with position: Spearman rank correlation >= 0.6, about "
         "the two-sided 5% critical value for the ~11 positions probed (0.62 at n=11). Rope base 100 "
-        "instead of 1e6 measures 0.76 here"},
+        "instead of 1e6 measures 0.78-0.81"},
     "max_consecutive_failures": {"value": 3, "why": "stop probing (verdict inconclusive) after 3 "
         "requests in a row failed for good: the rest would only wait for timeouts"},
 }
@@ -97,6 +99,7 @@ SYMPTOMS = {
     "nondeterministic": "the same greedy request gives different results",
     "stream-mismatch": "streamed and non-streamed results differ",
     "batch-dependent": "results change when the request shares a batch with others",
+    "swapped-responses": "a request received the completion of another request in flight",
     "position-dependent": "results degrade with the position in the sequence (RoPE / long context)",
     "decode-only": "decoded tokens' distributions differ from the same text prefilled",
     "tokenizer-mismatch": "the server tokenizes differently from the GGUF's tokenizer",
@@ -115,6 +118,10 @@ class Knowledge:
 
 
 COUNT_PROMPT = "1 2 3 4 5 6 7 8 "
+# Texts of end-of-turn / end-of-text tokens (Gemma, Llama 2, ChatML, Llama 3, GPT-2 style) that must
+# never be rendered into a reply; llama.cpp (llama-vocab.cpp) also stops generation at these.
+END_MARKERS = ("<eos>", "</s>", "<end_of_turn>", "<|im_end|>", "<|eot_id|>", "<|endoftext|>")
+CHAT_MAX_TOKENS = 16
 POSITION_N = (12, 33, 54, 75)  # counting runs 1..N, then the tens digit of N+1; the units digit is expected
 _COPY_ALPHABET = string.ascii_letters + string.digits
 
@@ -123,6 +130,36 @@ def counting_run(n: int) -> tuple[str, str]:
     """("1 2 ... n d", units digit of n+1) where d is the tens digit of n+1 (n >= 9)."""
     nxt = str(n + 1)
     return " ".join(str(i) for i in range(1, n + 1)) + " " + nxt[:-1], nxt[-1]
+
+
+def batch_requests(n: int) -> list[tuple[str, int]]:
+    """The `n` requests of the concurrent ragged batch, (prompt, max_tokens): the prompts differ in
+    text and length, so each answer belongs to one request only, and every continuation is certain
+    for a healthy model (counting, the alphabet, a repeated sentence), so a greedy text that
+    changes is a fault, not a near tie. The first three are knowledge probes, whose answers alone
+    the probe already has. Output lengths are ragged but short: llama-cpp-python spends ~0.3-1 s
+    of Python per generated token when log-probs are asked (it sorts the whole vocabulary).
+    Beyond the first four: counting runs from 100, 200, ..."""
+    know = {p.name: p.prompt for p in knowledge_probes(0)}
+    fixed = [(know["counting"], 3), (know["alphabet"], 1), (know["repetition"], 1), (counting_run(20)[0] + "1", 2)]
+    more = [(" ".join(str(100 * i + j) for j in range(4 + i % 5)) + " ", 1 + i % 3) for i in range(1, n)]
+    return (fixed + more)[:n]
+
+
+def compare_completions(a: Completion, b: Completion) -> dict[str, Any]:
+    """Two answers to the same greedy request: same text, each step's top-k + tail KL
+    (metrics.topk_tail) and the chosen tokens' |delta log-prob|, against the same-distribution and
+    determinism thresholds. (Not every listed log-prob: the unlikely ones move by 0.17 nats on a
+    healthy server when the prompt cache changes the batch split, while the KL moves by 6e-4.)"""
+    steps = [topk_tail(y or {}, x or {}) for x, y in zip(a.top_logprobs or [], b.top_logprobs or [])]
+    kls = [m["kl"] for m in steps]
+    chosen = [abs(x - y) for x, y in zip(a.token_logprobs or [], b.token_logprobs or [])
+              if x is not None and y is not None]
+    worst_kl, worst_d = max(kls, default=0.0), max(chosen, default=0.0)
+    same_text, top1 = a.text == b.text, all(m["top1_agree"] for m in steps)
+    return {"kl": worst_kl, "max_abs_dlogprob": worst_d, "kl_per_step": kls, "same_text": same_text,
+            "top1_agree": top1, "same": same_text and top1 and worst_kl <= _t("same_distribution_kl_max")
+            and worst_d <= _t("determinism_max_abs_dlogprob")}
 
 
 def knowledge_probes(seed: int) -> list[Knowledge]:
@@ -147,8 +184,7 @@ def expected_stats(top: dict[str, float], expect: str) -> dict[str, Any]:
     """
     ranked = sorted(top.items(), key=lambda kv: -kv[1])
     hits = [(i + 1, lp) for i, (tok, lp) in enumerate(ranked) if tok and expect.startswith(tok)]
-    lp = math.log(sum(math.exp(v) for _, v in hits)) if hits else -math.inf
-    return {"expected_logprob": lp, "expected_rank": hits[0][0] if hits else None,
+    return {"expected_logprob": logsumexp([v for _, v in hits]), "expected_rank": hits[0][0] if hits else None,
             "top1": ranked[0][0] if ranked else None}
 
 
@@ -205,6 +241,7 @@ class Prober:
         self._fails_in_row = 0
         self.subject = ep.base
         self.greedy: Completion | None = None  # the counting probe, 3 greedy tokens
+        self.answers: dict[tuple[str, int], Completion] = {}  # (prompt, max_tokens) -> knowledge answer
         self.knowledge_steps: dict[str, dict[str, float]] = {}  # probe -> its first step's top-k
         self.position_steps: dict[int, dict[str, float]] = {}  # counting-run length -> top-k
         self.server_ids: dict[str, list[int]] = {}  # text -> the server's token ids
@@ -306,6 +343,7 @@ class Prober:
                 continue
             if probe.name == "counting":
                 self.greedy = c
+            self.answers[(probe.prompt, n)] = c
             top = c.top_logprobs[0] or {}
             self.knowledge_steps[probe.name] = top
             st = expected_stats(top, probe.expect)
@@ -331,25 +369,20 @@ class Prober:
 
     def _compare_steps(self, target: str, symptom: str, a: Completion, b: Completion | None,
                        hypothesis: str) -> None:
-        """Same greedy text, each step's top-k + tail KL, and the chosen tokens' log-probs. (Not
-        every listed log-prob: the unlikely ones move by 0.17 nats on a healthy server when the
-        prompt cache changes the batch split, while the KL moves by 6e-4.)"""
+        """`b` must be the same answer as `a` (compare_completions)."""
         if b is None or not self._with_logprobs(target, b):
             return
-        kls = [topk_tail(y or {}, x or {})["kl"] for x, y in zip(a.top_logprobs or [], b.top_logprobs or [])]
-        chosen = [abs(x - y) for x, y in zip(a.token_logprobs or [], b.token_logprobs or [])
-                  if x is not None and y is not None]
-        worst_kl, worst_d = max(kls, default=0.0), max(chosen, default=0.0)
-        same_text = a.text == b.text
-        ok = same_text and worst_kl <= _t("same_distribution_kl_max") and worst_d <= _t("determinism_max_abs_dlogprob")
-        self._find(target, "pass" if ok else "fail", None if ok else symptom,
-                   metrics={"kl": worst_kl, "max_abs_dlogprob": worst_d, "kl_per_step": kls, "same_text": same_text},
+        m = compare_completions(a, b)
+        ok = m.pop("same")
+        self._find(target, "pass" if ok else "fail", None if ok else symptom, metrics=m,
                    budget={"kl_max": _t("same_distribution_kl_max"),
                            "max_abs_dlogprob": _t("determinism_max_abs_dlogprob")},
                    hypothesis=hypothesis, evidence=[{"first": a.text, "second": b.text}])
 
     def repeat(self) -> None:
-        """The greedy counting request again (determinism), then streamed (stream vs not)."""
+        """The greedy counting request again (determinism), then streamed (stream vs not), one at a
+        time: no other request is in flight, so each answer is judged against its own request's
+        (overlapping requests are the batch step's, which judges every one of them)."""
         if self.greedy is None:
             self._find("determinism", "skip", reason="the greedy counting probe did not run")
             return
@@ -363,36 +396,67 @@ class Prober:
     # -- batch ---------------------------------------------------------------------------------
 
     def batch(self) -> None:
-        """The counting probe sent while `concurrency - 1` ragged requests (different prompt and
-        output lengths) are in flight, against the same probe alone."""
-        alone = self.knowledge_steps.get("counting")
-        if alone is None:
-            self._find("batch", "skip", reason="the counting probe did not run alone")
-            return
-        others = [(("The quick brown fox jumps over the lazy dog. " * (i + 1)).strip(), 6 + 4 * i)
-                  for i in range(self.concurrency - 1)]
-        with ThreadPoolExecutor(self.concurrency) as pool:
-            futs = [pool.submit(self.ep.complete, p, max_tokens=n) for p, n in others]
-            time.sleep(0.2)  # the probe joins a batch already in flight
-            target = pool.submit(self.ep.complete, COUNT_PROMPT, max_tokens=1, logprobs=self.k)
-            results = []
-            for f in [*futs, target]:
+        """`concurrency` ragged requests (batch_requests) each alone first (the knowledge probes'
+        answers where they are the same request), then all in flight together, each started 50 ms after the one before (so each joins a batch already running and
+        the numbering is the arrival order). Every batched answer is judged against its own request
+        run alone (compare_completions); one that differs is matched against the other requests'
+        answers alone, so that a completion handed to the wrong request is named as such."""
+        reqs = batch_requests(self.concurrency)
+        alone: list[Completion] = []
+        for i, (prompt, n) in enumerate(reqs):
+            c = self.answers.get((prompt, n)) or \
+                self._complete(f"batch/alone/{i + 1}", prompt, max_tokens=n, logprobs=self.k)
+            if not self._with_logprobs(f"batch/alone/{i + 1}", c):
+                self._find("batch", "skip", reason=f"request {i + 1} alone got no answer with log-probs")
+                return
+            alone.append(c)
+        with ThreadPoolExecutor(len(reqs)) as pool:
+            futs = []
+            for prompt, n in reqs:
+                futs.append(pool.submit(self.ep.complete, prompt, max_tokens=n, logprobs=self.k))
+                time.sleep(0.05)
+            results: list[Completion | EndpointError] = []
+            for f in futs:
                 try:
                     results.append(f.result())
-                except EndpointError as e:
+                except EndpointError as e:  # also in the transport events
                     results.append(e)
-        errors = [r for r in results if isinstance(r, EndpointError)]
-        got = results[-1]
-        if isinstance(got, EndpointError) or not self._with_logprobs("batch", got):
-            self._find("batch", "skip", reason=f"the batched probe failed: {errors[-1] if errors else 'no logprobs'}")
+        rows, sentences, swapped = [], [], False
+        for i, got in enumerate(results):
+            row: dict[str, Any] = {"request": i + 1, "prompt": reqs[i][0][-24:], "max_tokens": reqs[i][1]}
+            rows.append(row)
+            if isinstance(got, EndpointError) or not got.has_logprobs:
+                row["error"] = str(got) if isinstance(got, EndpointError) else "no log-probs"
+                continue
+            own = compare_completions(alone[i], got)
+            row.update(alone=alone[i].text, batched=got.text, kl=own["kl"], max_abs_dlogprob=own["max_abs_dlogprob"],
+                       own=own["same"])
+            if own["same"]:
+                continue
+            whose = [j + 1 for j in range(len(reqs)) if j != i and compare_completions(alone[j], got)["same"]]
+            row["received"] = whose
+            if whose:
+                swapped = True
+                sentences.append(f"request {i + 1} received request {whose[0]}'s completion")
+            else:
+                sentences.append(f"request {i + 1}'s completion differs from its answer alone "
+                                 f"(KL {own['kl']:.2g}, |dlogprob| {own['max_abs_dlogprob']:.2g}, "
+                                 f"same text {own['same_text']})")
+        judged = [r for r in rows if "own" in r]
+        if not judged:
+            self._find("batch", "skip", reason="no batched request got an answer with log-probs", evidence=rows)
             return
-        m = topk_tail(got.top_logprobs[0] or {}, alone)
-        ok = m["kl"] <= _t("same_distribution_kl_max") and m["top1_agree"]
-        self._find("batch", "pass" if ok else "fail", None if ok else "batch-dependent", metrics=m,
-                   budget={"kl_max": _t("same_distribution_kl_max"), "top1_agree": True},
-                   hypothesis="a request's distribution does not depend on what else is in the batch",
-                   evidence=[{"alone": _top(alone, 3), "batched": _top(got.top_logprobs[0] or {}, 3),
-                              "concurrent_requests": len(others), "other_errors": [str(e) for e in errors]}])
+        ok = not sentences
+        self._find("batch", "pass" if ok else "fail",
+                   None if ok else ("swapped-responses" if swapped else "batch-dependent"),
+                   metrics={"requests": len(reqs), "judged": len(judged), "differ": len(sentences),
+                            "same_text": all(r["batched"] == r["alone"] for r in judged),
+                            "kl": max(r["kl"] for r in judged),
+                            "max_abs_dlogprob": max(r["max_abs_dlogprob"] for r in judged)},
+                   budget={"kl_max": _t("same_distribution_kl_max"),
+                           "max_abs_dlogprob": _t("determinism_max_abs_dlogprob"), "same_text": True},
+                   hypothesis="every request of a concurrent ragged batch gets its own answer, the one it gets alone",
+                   explanation="; ".join(sentences), evidence=rows)
 
     # -- positions -------------------------------------------------------------------------
 
@@ -614,27 +678,56 @@ class Prober:
             self._find("stop", "pass", evidence=[{"text": c.text, "finish_reason": c.finish_reason}],
                        hypothesis="generation stops before a stop sequence and says finish_reason=stop")
 
+    def _chat(self, msgs: list[dict[str, str]]) -> Completion | None:
+        """The chat turn with top log-probs; without them where the server rejects them (HTTP 400/422)."""
+        try:
+            return self.ep.chat(msgs, max_tokens=CHAT_MAX_TOKENS, logprobs=self.k)
+        except EndpointError as e:
+            if not (e.kind == "http" and e.status in (400, 422)):
+                return self._failed("chat", e)
+            self.ep.events.pop()  # feature detection, not a server error
+        return self._req("chat", self.ep.chat, msgs, max_tokens=CHAT_MAX_TOKENS)
+
     def chat(self) -> None:
-        """One short chat turn: EOS handling (no end-of-turn text leaks, stops by itself) and, where
-        the GGUF has a chat template, its rendering's token count against the server's."""
+        """One short greedy chat turn: EOS handling and, where the GGUF has a chat template, its
+        rendering's token count against the server's.
+
+        EOS: no end marker leaks into the text, and the turn ends by itself (finish_reason "stop").
+        A turn that runs to max_tokens is a model that had more to say, unless the server's own
+        log-probs show it skipped an end token: at temperature 0 every generated token must be the
+        server's top-1, so a top-1 that is an end marker, or a token that renders as nothing (how
+        servers show special tokens such as EOS), passed over for another token means the server
+        ignores EOS (as llama.cpp's `ignore_eos` does by biasing end tokens away; llama-cpp-python
+        and vLLM report log-probs before such biases). A server whose log-probs are taken after the
+        bias cannot be told from a talkative model: that stays a skip, saying so."""
         msgs = [{"role": "user", "content": "Say hello."}]
-        c = self._req("chat", self.ep.chat, msgs, max_tokens=24)
+        c = self._chat(msgs)
         if c is None:
             return
         tok = self._vocab()
-        markers = {"<eos>", "</s>", "<end_of_turn>", "<|im_end|>", "<|eot_id|>", "<|endoftext|>"}
+        markers = set(END_MARKERS)
         if tok is not None and tok.eos_id is not None:
             markers.add(tok.token_text(tok.eos_id))
         leaked = sorted(m for m in markers if m in c.text)
-        ev = [{"text": c.text, "finish_reason": c.finish_reason, "usage": c.usage}]
+        skipped = _skipped_end_token(c, markers)
+        ev = [{"text": c.text, "finish_reason": c.finish_reason, "usage": c.usage,
+               "logprobs": c.has_logprobs, **(skipped or {})}]
         if leaked:
             self._find("eos", "fail", "eos-stop", evidence=ev, explanation=f"end markers in the output: {leaked}")
         elif c.finish_reason == "stop":
             self._find("eos", "pass", evidence=ev, hypothesis="a chat turn ends at the model's end token, "
                        "which is not rendered into the text")
+        elif skipped:
+            self._find("eos", "fail", "eos-stop", evidence=ev, metrics={"step": skipped["step"]},
+                       explanation=f"the server ignores EOS: at step {skipped['step']} its own top-1 was the end "
+                                   f"token {skipped['top1']!r} (log-prob {skipped['top1_logprob']:.2f}), yet it "
+                                   f"generated {skipped['generated']!r} and ran on to finish_reason="
+                                   f"{c.finish_reason}")
         else:
-            self._find("eos", "skip", reason=f"the model did not end its turn within 24 tokens "
-                                             f"(finish_reason={c.finish_reason})", evidence=ev)
+            self._find("eos", "skip", evidence=ev, reason=(
+                f"the model did not end its turn within {CHAT_MAX_TOKENS} tokens (finish_reason={c.finish_reason}) "
+                + ("and no step passed over an end token in the server's log-probs" if c.has_logprobs
+                   else "and the server gives no chat log-probs to tell a talkative model from ignored EOS")))
         template = _gguf_chat_template(self.gguf) if self.gguf is not None else None
         if self.gguf is None or tok is None:
             self._find("chat-template", "skip", reason="needs --gguf (the file's tokenizer.chat_template)")
@@ -747,6 +840,18 @@ class Prober:
         return "healthy", symptoms
 
 
+def _skipped_end_token(c: Completion, markers: set[str]) -> dict[str, Any] | None:
+    """The first step whose top-1 (in the server's own top log-probs) is an end marker or renders as
+    nothing, while the server generated another token there; None if no step did."""
+    for j, (gen, top) in enumerate(zip(c.tokens or [], c.top_logprobs or [])):
+        if not top:
+            continue
+        best = max(top, key=top.get)
+        if best != gen and (best == "" or best in markers):
+            return {"step": j, "top1": best, "top1_logprob": top[best], "generated": gen}
+    return None
+
+
 def _top(d: dict[str, float], n: int) -> list[list[Any]]:
     return [[k, round(v, 4)] for k, v in sorted(d.items(), key=lambda kv: -kv[1])[:n]]
 
@@ -797,12 +902,9 @@ class _StringGroups:
     def lookup(self, lp: Any, keys: dict[str, float]) -> tuple[dict[str, float], list[str]]:
         """{text: log P(text)} for `keys` and the reference's most likely text; the keys that
         stand for more than one token id (collisions)."""
-        import torch
-
-        p = torch.zeros(self.n, dtype=torch.float64).index_add_(0, torch.as_tensor(self.inverse), lp.exp())
-        logp = p.clamp_min(torch.finfo(torch.float64).tiny).log()
+        logp = grouped_logsumexp(lp, self.inverse, self.n)  # [n texts]
         out = {k: float(logp[self.index[k]]) if k in self.index else -math.inf for k in keys}
-        best = int(p.argmax())
+        best = int(logp.argmax())
         out[self.texts[best]] = float(logp[best])
         collisions = [k for k in keys if k in self.index and self.counts[self.index[k]] > 1]
         return out, collisions

@@ -21,7 +21,7 @@ from typing import Any, Callable
 
 import httpx
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType, Keys
 
 from ..gguf import open_gguf
 from . import register
@@ -236,6 +236,92 @@ class _CrossTalk(_Fault):
             self._inflight.pop(id(body), None)
 
 
+class _Swap(_Fault):
+    """Completions handed to the wrong request: a response that comes back while other requests of
+    its kind (same route, streamed or not) are in flight goes to the earliest-arrived one still
+    without an answer, not to its own; a request alone gets its own. The order requests finish in
+    decides who gets what (a response queue matched to requests by completion order). The last
+    request to finish of a batch often gets its own answer: only judging every request finds it."""
+
+    def __init__(self, wait_s: float = 600.0) -> None:
+        self.wait_s = wait_s
+        self._cv = threading.Condition()
+        self._waiting: dict[Any, list[int]] = {}  # kind -> request ids without an answer, arrival order
+        self._answer: dict[int, tuple[int, bytes]] = {}  # request id -> the response it will get
+        self._kind: dict[int, Any] = {}
+        self._deposited: set[int] = set()
+
+    def request(self, path: str, body: Any) -> None:
+        if _is_completion(path) and isinstance(body, dict):
+            kind = (path, bool(body.get("stream")))
+            with self._cv:
+                self._kind[id(body)] = kind
+                self._waiting.setdefault(kind, []).append(id(body))
+        return None
+
+    def _hand_out(self, rid: int, answer: tuple[int, bytes]) -> None:
+        """Give the response of request `rid` to the earliest waiting request other than `rid` (to
+        `rid` itself when it waits alone). Under the lock."""
+        waiting = self._waiting[self._kind[rid]]
+        to = next((w for w in waiting if w != rid), rid)
+        waiting.remove(to)
+        self._answer[to] = answer
+        self._cv.notify_all()
+
+    def response(self, path: str, body: Any, status: int, data: bytes) -> tuple[int, bytes]:
+        rid = id(body)
+        with self._cv:
+            if rid not in self._kind:
+                return status, data
+            self._deposited.add(rid)
+            self._hand_out(rid, (status, data))
+            if not self._cv.wait_for(lambda: rid in self._answer, timeout=self.wait_s):
+                raise RuntimeError("no response was handed to this request")
+            return self._answer.pop(rid)
+
+    def done(self, path: str, body: Any) -> None:
+        rid = id(body)
+        with self._cv:
+            kind = self._kind.pop(rid, None)
+            if kind is None or rid in self._deposited:
+                self._deposited.discard(rid)
+                return
+            # its upstream request failed: it leaves the queue and passes on what it was handed
+            waiting = self._waiting[kind]
+            if rid in waiting:
+                waiting.remove(rid)
+            elif rid in self._answer and waiting:
+                self._answer[waiting.pop(0)] = self._answer.pop(rid)
+                self._cv.notify_all()
+            self._answer.pop(rid, None)
+
+
+class _IgnoreEOS(_Fault):
+    """Every completion and chat request gets a logit bias of -100 on the model's end tokens, as
+    llama.cpp's `ignore_eos` does (it biases every end-of-generation token to -inf): generation runs
+    on to max_tokens. The end tokens are read from `gguf` (default: the demo model): the metadata's
+    eos / eot / eom ids and the tokens whose text is an end marker (checks/probes.py END_MARKERS)."""
+
+    def __init__(self, gguf: Path | None = None) -> None:
+        from ..checks.probes import END_MARKERS
+
+        if gguf is None:
+            from ..demo import model_path
+
+            gguf = model_path()
+        with open_gguf(gguf) as g:
+            ids = {g.get(k) for k in (Keys.Tokenizer.EOS_ID, Keys.Tokenizer.EOT_ID, Keys.Tokenizer.EOM_ID)}
+            tokens = g.get(Keys.Tokenizer.LIST)
+            texts = tokens.decode_all() if tokens is not None else []
+        ids |= {i for i, t in enumerate(texts) if t in END_MARKERS}
+        self.bias = {str(i): -100.0 for i in sorted(i for i in ids if isinstance(i, int))}
+
+    def request(self, path: str, body: Any) -> None:
+        if _is_completion(path) and isinstance(body, dict):
+            body["logit_bias"] = {**(body.get("logit_bias") or {}), **self.bias}
+        return None
+
+
 class _DecodePerturb(_Fault):
     """Decode steps only (generated token 1 onwards; the first comes from the prefill) have their
     log-probs sharpened 3x, as a wrong decode-path kernel would; prefill results are untouched."""
@@ -337,6 +423,10 @@ def _endpoint_fault(name: str, description: str, expect: str, make: Callable[...
 
 _endpoint_fault("crosstalk", "a request arriving while another is in flight gets the other's prompt prepended",
                 "batch-dependent", _CrossTalk)
+_endpoint_fault("swap-responses", "a completion returning while others are in flight is handed to the earliest "
+                "waiting other request (completion order decides)", "swapped-responses", _Swap)
+_endpoint_fault("ignore-eos", "end tokens biased away (logit_bias -100, as llama.cpp's ignore_eos): "
+                "generation runs to max_tokens", "eos-stop", _IgnoreEOS)
 _endpoint_fault("decode-perturb", "log-probs of decode steps (generated token 1 on) sharpened 3x; prefill untouched",
                 "decode-only", _DecodePerturb)
 _endpoint_fault("nondeterministic", "log-probs of temperature-0 requests jittered by up to 0.3 nats",

@@ -176,9 +176,14 @@ class Endpoint:
         out.elapsed = time.perf_counter() - t0
         return out
 
-    def chat(self, messages: list[dict[str, str]], *, max_tokens: int = 32, stream: bool = False) -> Completion:
-        body = {"model": self.model, "messages": messages, "max_tokens": max_tokens, "temperature": 0.0,
-                "stream": stream}
+    def chat(self, messages: list[dict[str, str]], *, max_tokens: int = 32, stream: bool = False,
+             logprobs: int | None = None) -> Completion:
+        """A greedy chat turn; with `logprobs`, each generated token's top log-probs (OpenAI's
+        `logprobs: true, top_logprobs: k`)."""
+        body: dict[str, Any] = {"model": self.model, "messages": messages, "max_tokens": max_tokens,
+                                "temperature": 0.0, "stream": stream}
+        if logprobs is not None:
+            body.update(logprobs=True, top_logprobs=logprobs)
         t0 = time.perf_counter()
         data = self._request("POST", "/v1/chat/completions", body, stream=stream)
         out = _merge_chunks(self.base, data, chat=True) if stream else _completion(self.base, data, chat=True)
