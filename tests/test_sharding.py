@@ -183,6 +183,9 @@ def test_bad_input(demo_path):
 
     with pytest.raises(InputError, match="does not split into 3"):
         sharding.run(demo_path, 3, n_layer=1)
+    if not torch.cuda.is_available():
+        with pytest.raises(InputError, match="2 CUDA devices needed"):
+            sharding.run(demo_path, 2, n_layer=1, device="cuda")
     with pytest.raises(InputError, match="expert-parallel rules"):
         get_fault("sharding-experts-wrong-rank").build(_plan(demo_path, 2))
 

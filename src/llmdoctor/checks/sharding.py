@@ -522,6 +522,7 @@ def run(path: Path, t: int, *, rules: str = "vllm", engine_shards: Path | None =
         raise InputError(f"--rules {rules!r}: one of {', '.join(tp.RULES)}")
     if dtype not in DTYPES:
         raise InputError(f"--dtype {dtype!r}: one of {', '.join(DTYPES)}")
+    tp.check_devices(t, device)
     t0 = time.perf_counter()
     with open_gguf(path) as g:
         cfg = from_gguf(g)

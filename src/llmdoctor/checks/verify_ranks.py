@@ -58,6 +58,7 @@ def run(path: Path, n: int, *, device: str = "cpu", manifest: Path | None = None
     launch (process start included), `bytes` the whole model's."""
     if n < 1:
         raise InputError(f"--gpus {n}: needs at least 1 rank")
+    tp.check_devices(n, device)
     mine = shares(path, n)
     t0 = time.perf_counter()
     res = tp.launch(n, _rank, (str(path), mine, None if manifest is None else str(manifest)), device=device)

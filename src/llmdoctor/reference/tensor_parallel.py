@@ -458,13 +458,22 @@ def _entry(rank: int, t: int, port: int, device: str, fn: Callable[..., Any], ar
         dist.destroy_process_group()
 
 
+def check_devices(t: int, device: str) -> None:
+    """T ranks on `device`: cpu (gloo processes) or cuda (one GPU per rank), else one line why not."""
+    if device == "cpu":
+        return
+    if not device.startswith("cuda"):
+        raise InputError(f"--device {device!r}: expected cpu or cuda")
+    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if n < t:
+        raise InputError(f"--device {device}: {t} CUDA devices needed (one per rank), {n} available")
+
+
 def launch(t: int, fn: Callable[..., Any], args: tuple, *, device: str = "cpu") -> Any:
     """Run fn(rank, t, device, *args) on T spawned processes (torch.multiprocessing); rank 0's return
     value comes back. `fn` must be a module-level function. NCCL runs with NVLink multicast off."""
+    check_devices(t, device)
     if device.startswith("cuda"):
-        if not torch.cuda.is_available() or torch.cuda.device_count() < t:
-            raise InputError(f"--device {device}: {t} CUDA devices needed, "
-                             f"{torch.cuda.device_count() if torch.cuda.is_available() else 0} available")
         os.environ["NCCL_NVLS_ENABLE"] = "0"
     import torch.multiprocessing as mp
 
