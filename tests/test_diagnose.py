@@ -73,7 +73,7 @@ def test_a_healthy_engine_is_not_blamed_for_the_file_it_shares(demo_path, tmp_pa
     dmin exchanged in every block, or its block scales x U(-2, 2)): the engine is no suspect. Its top-1
     flips there (3 and 5 of 54) are near ties within its noise; the old rule allowed the emulated run's
     flip count plus one, itself a draw of near-tie flips (the issue's run: 'top-1 94%', a fault). The
-    file itself is the lone-file checks' business (forensics).
+    file itself is the lone-file checks' business (forensics)."""
     from llmdoctor import diagnose as dg
     from llmdoctor import faults
 
