@@ -124,7 +124,7 @@ def test_api_key_comes_from_the_environment_and_is_never_shown(monkeypatch: pyte
 
 def test_faults_are_registered() -> None:
     names = {f.name: f.kind for f in all_faults()}
-    for n in _PROXY:
+    for n in [*_PROXY, "swap-responses"]:
         assert names[n] == "endpoint"
     assert names["attn-block-scales"] == names["rope-base"] == "file"
 
@@ -166,7 +166,6 @@ def test_corrupted_file(name: str, verdicts: set[str], symptom: str, tmp_path: P
 # Each proxy fault with the probe steps that can see it (knowledge always runs) and client options.
 _PROXY = {
     "crosstalk": (["batch"], {}, {}),
-    "swap-responses": (["batch"], {}, {}),
     "ignore-eos": (["front_end"], {}, {}),
     "decode-perturb": (["repeat", "prefill_decode"], {}, {}),
     "nondeterministic": (["repeat"], {}, {}),
@@ -193,13 +192,26 @@ def test_a_completion_handed_to_another_request_is_named(server: str) -> None:
     """The swapping proxy hands the first finished completions to the wrong requests while the last
     one to finish gets its own (the request the old batch probe judged, alone): every request is
     judged, and the misdelivered ones are named with the request whose completion they got."""
-    with get("swap-responses").build(server) as proxy:
+    fault = get("swap-responses")
+    with fault.build(server) as proxy:
         rep = probe(proxy.url, steps=["batch"], concurrency=3)
+    assert fault.expect in rep.symptoms, _symptoms(rep)
     batch = next(f for f in rep.findings if f.target == "batch")
     assert batch.status == "fail" and batch.metrics["symptom"] == "swapped-responses", _symptoms(rep)
     assert re.search(r"request \d received request \d's completion", batch.explanation), batch.explanation
     assert any(r.get("own") for r in batch.evidence) and not all(r.get("own") for r in batch.evidence)
     assert rep.verdict == "degraded"
+
+
+def test_a_passed_over_end_token_is_found_and_a_followed_one_is_not() -> None:
+    from llmdoctor.checks.probes import _skipped_end_token
+    from llmdoctor.subjects.endpoint import Completion
+
+    tops = [{"": -0.14, "\n": -3.8}, {"I": -0.2, "": -2.0}]
+    ignored = Completion("\nI", "length", {}, tokens=["\n", "I"], token_logprobs=[-3.8, -0.2], top_logprobs=tops)
+    assert _skipped_end_token(ignored, {"<eos>"}) == {"step": 0, "top1": "", "top1_logprob": -0.14, "generated": "\n"}
+    talkative = Completion("I", "length", {}, tokens=["I"], token_logprobs=[-0.2], top_logprobs=tops[1:])
+    assert _skipped_end_token(talkative, {"<eos>"}) is None
 
 
 def test_batch_requests_are_distinct_and_ragged() -> None:
