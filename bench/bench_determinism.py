@@ -4,6 +4,7 @@ by default; each prints identical/different (with the first difference) and the 
 
     python bench/bench_determinism.py diagnose [--runs 50] [--load 2]
     python bench/bench_determinism.py check-dequant [--runs 50] [--load 2]
+    python bench/bench_determinism.py check-attention [--runs 50] [--load 2]
 
 `--load N` keeps N extra processes spinning on the CPU for the whole campaign (a loaded machine).
 What legitimately changes from run to run is left out of the comparison: wall-clock times (`is_time`).
@@ -136,9 +137,22 @@ def bench_check_dequant(runs: int) -> list[Outcome]:
             for k in ("torch", "native", "ggml")]
 
 
+def bench_check_attention(runs: int) -> list[Outcome]:
+    """`check attention` as issue 18 ran it (glm-5, a plain float32 prefill kernel, every prefill case and the
+    consistency pair), and llama-3-8b in every dtype with the online-softmax kernel (another summation order)."""
+    def cmd(preset: str, kernel: str, dtype: str) -> list[str]:
+        return ["check", "attention", "--preset", preset, "--impl", f"llmdoctor.faults.attention:{kernel}",
+                "--contract", "prefill", "--device", "cpu", "--dtype", dtype, "--json"]
+
+    return [repeat("check attention glm-5 float32 (plain kernel)", cmd("glm-5", "prefill", "float32"), runs, _progress),
+            repeat("check attention llama-3-8b all dtypes (online-softmax kernel)",
+                   cmd("llama-3-8b", "prefill_blocked", "float32,bfloat16,float16"), runs, _progress)]
+
+
 COMMANDS: dict[str, Callable[[int], list[Outcome]]] = {
     "diagnose": bench_diagnose,
     "check-dequant": bench_check_dequant,
+    "check-attention": bench_check_attention,
 }
 
 

@@ -140,7 +140,7 @@ def test_unavailable_adapters_are_skipped_with_the_reason():
                  dtypes=("bfloat16",), only={"batch1"})
     assert len(res.findings) == 5 and all(f.status == "skip" for f in res.findings)
     why = {f.subject: f.reason for f in res.findings}
-    assert "not installed" in why["flash-attn"] and "not installed" in why["vllm"]
+    assert "not installed" in why["flash-attn"] and "does not import vllm" in why["vllm"]  # ours has no vLLM
     assert "CUDA only" in why["sdpa-cudnn"]
     assert "does not import vllm" in ca.engine_explainer(GLM, "bfloat16")["skipped"]  # ours; test_engine_vllm asks vLLM
 
@@ -253,13 +253,13 @@ PLAIN, BLOCKED = "llmdoctor.faults.attention:prefill", "llmdoctor.faults.attenti
 def test_float32_bound_passes_two_summation_orders_and_faults_still_fail():
     """Plain (one softmax) and blocked online-softmax (tiles of 64, lse +inf on an empty row as flash-attn 2)
     kernels both pass in float32 under the derived bound; the planted faults still fail there."""
-    only = {"batch1", "context-chunk-kv0", "chunked", "long-keys"}
+    only = {"ragged", "chunked", "long-keys"}  # chunked has an empty context chunk: lse +inf from the blocked kernel
     subjects = [(PLAIN, "prefill"), (BLOCKED, "prefill"), ("llmdoctor.faults.attention:prefill_last_1024", "prefill"),
                 ("llmdoctor.faults.attention:prefill_top_left", "prefill")]
     res = ca.run(GLM, subjects, dtypes=("float32",), only=only)
     for spec in (PLAIN + " ", BLOCKED + " "):
         mine = _by(res.findings, spec)
-        assert len(mine) == 4 and all(f.status == "pass" for f in mine), [(f.target, f.reason) for f in mine]
+        assert len(mine) == 3 and all(f.status == "pass" for f in mine), [(f.target, f.reason) for f in mine]
         assert all(f.budget["rule"] == ca.F32_RULE and 0 < f.metrics["bound_used"] < 1 for f in mine)
     capped = {f.target: f for f in _by(res.findings, "llmdoctor.faults.attention:prefill_last_1024")}
     assert capped["long-keys/float32"].status == "fail"
