@@ -1,17 +1,25 @@
 """`llmdoctor check attention`: attention kernels against the float64 reference, case by case.
 
 Cases come from a model's attention shape (a preset, an HF config or a GGUF), at lengths scaled down
-to stay fast (the bugs hunted live in the batch structure, not in the length): batch 1 and ragged
-batches, q_len 1, q_len < k_len, a context chunk in which a sequence has kv_len 0, lengths that are
-not multiples of the cache block size, a long sequence, sliding window / softcap when the model has
-them, paged latent caches with unused pages full of NaN, DSA top-k selections with -1 and duplicates.
-Every case draws fresh random inputs (never zeros); a subject taking `out=` gets a NaN-filled buffer.
+to stay fast (the bugs hunted live in the batch structure): batch 1 and ragged batches, q_len 1,
+q_len < k_len, a context chunk in which a sequence has kv_len 0, lengths that are not multiples of the
+cache block size, a long sequence, sliding window / softcap when the model has them, paged latent
+caches with unused pages full of NaN, DSA top-k rows as indexers emit them; and long-key cases (up to
+4100 keys, few queries, few kv heads for prefill) crossing the tile / page / window boundaries of 64 to
+4096. Every case relies only on conventions real kernels share (reference/attention_cases.py names
+the source of each); an input real engines never give (a duplicated top-k entry) is a `probe` case,
+reported as information, never judged. Every case draws fresh random inputs (never zeros), seeded by
+`--seed` and the case's name; a subject taking `out=` gets a NaN-filled buffer.
 
 An fp8 latent cache (`mla-decode-fp8`) gets its floor the same way, its cache rounded through
 float8_e4m3fn at the per-tensor scale; the subject is judged against the float64 math on the dequantized
 fp8 cache it was given.
 
-Budget (issue 6): the noise floor of a case in a dtype is the largest error, over 5 seeds, of the
+Budget in float32 (issue 18): `rounding_bound`, per element, derived for any summation order (a
+float32 kernel's error IS its accumulation order, which is the kernel's choice: a floor emulated from
+one order wrongly failed correct kernels summing in another).
+
+Budget in bfloat16 / float16 (issue 6): the noise floor of a case in a dtype is the largest error, over 5 seeds, of the
 reference math run with its inputs rounded to the dtype, the probabilities P rounded to the dtype
 before P·V, and the output rounded to the dtype (lse rounded to float32, what kernels return),
 measured against the float64 math on the unrounded inputs. The emulation accumulates in float32

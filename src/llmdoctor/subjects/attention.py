@@ -1,8 +1,9 @@
 """Attention subjects: the kernel contracts of `llmdoctor check attention`, built-in adapters, and
 the handler that serves one subject in an isolated child (`subjects.isolation.Isolated`).
 
-Contracts (issue 6; semantics: causal = bottom-right, a row with no visible key gives 0 / lse -inf,
-seq_lens include the current token, topk positions are local, -1 ignored, duplicates once):
+Contracts (issue 6; semantics, with their sources, in reference/attention_cases.py: causal =
+bottom-right, a row with no visible key gives 0 and an infinite lse, seq_lens include the current
+token, topk rows are what DSA indexers emit: distinct local positions up to the query's own, -1 pads):
     prefill            fn(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal)
     mla-decode         fn(q, kv_cache, block_table, seq_lens, softmax_scale, kv_lora_rank)
     mla-sparse-decode  fn(q, kv_cache, block_table, seq_lens, topk_indices, softmax_scale, kv_lora_rank)
