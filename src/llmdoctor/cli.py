@@ -508,8 +508,10 @@ def check_attention(
             continue
         fl = f.budget.get("floor_max_abs", f.budget.get("floor"))
         err = f.metrics.get("max_abs_diff")
+        bound = f.budget.get("bound_max")  # float32: the derived rounding bound's largest element
         table.add_row(f.subject, f.target, f.status, "" if err is None else f"{err:.3g}",
-                      "" if fl is None else f"{ca.K_FLOOR * fl:.3g}", f.explanation or f.reason)
+                      f"{ca.K_FLOOR * fl:.3g}" if fl is not None else "" if bound is None else f"<= {bound:.3g}",
+                      f.explanation or f.reason)
     terminal.stdout.print(table)
     for s, pats in res.patterns.items():
         terminal.stdout.print(f"{s}: {'; '.join(pats)}")
