@@ -187,3 +187,15 @@ def test_check_mapping_asks_the_gguf_plugins_own_map(ckpts, vllm_python, monkeyp
     ckpt, gguf = ckpts["deepseek"]
     [v] = [f for f in mapping.run(gguf, ckpt / "config.json", engine="vllm").findings if f.subject == "vllm"]
     assert v.status == "fail" and "Failed to map GGUF parameters" in v.explanation, v.explanation
+
+
+def test_check_attention_runs_vllms_cpu_kernel(vllm_python, monkeypatch):
+    """check attention's `vllm` subject on the CPU is vLLM's CPU_ATTN kernel (through the driver in the
+    `python` on PATH that imports vllm), and the explainer is vLLM's own selection for the shape."""
+    from llmdoctor.checks import attention as ca
+
+    monkeypatch.setenv("PATH", f"{Path(vllm_python).parent}{os.pathsep}{os.environ['PATH']}")
+    shape = ca.PRESETS["llama-3-8b"]
+    res = ca.run(shape, [("vllm", None)], dtypes=("float32",), explicit=("vllm",), only={"ragged"})
+    assert [f.status for f in res.findings] == ["pass"], [(f.target, f.reason) for f in res.findings]
+    assert ca.engine_explainer(shape, "float32")["decode"] == "CPU_ATTN"

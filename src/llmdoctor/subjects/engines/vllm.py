@@ -79,6 +79,10 @@ def _call(python: str, request: dict[str, Any], timeout: float) -> dict[str, Any
             raise VLLMUnavailable(f"cannot start {python}: {e}") from None
         if (work / "error.json").exists():
             err = json.loads((work / "error.json").read_text())
+            if err["kind"] == "shape":
+                from ..kernels import Unsupported
+
+                raise Unsupported(f"vllm: {err['message']}")
             cls = VLLMUnavailable if err["kind"] == "unsupported" else EngineError
             raise cls(err["message"] if err["kind"] == "unsupported" else f"{err['kind']}: {err['message']}")
         if p.returncode != 0 or not (work / "result.pt").exists():
@@ -208,10 +212,17 @@ def dequant_kernel(device: str) -> Callable:
 
 
 def attention_kernels(device: str) -> dict[str, Callable]:
-    """vLLM's varlen flash-attention (`vllm.vllm_flash_attn.flash_attn_varlen_func`, CUDA only) under
-    check attention's prefill contract. Raises KernelUnavailable saying why it cannot run."""
+    """vLLM's attention under check attention's prefill contract: on CUDA its varlen flash-attention
+    (`vllm.vllm_flash_attn.flash_attn_varlen_func`, in this process); on the CPU its CPU_ATTN kernel,
+    run by the driver in the `python` on PATH that imports vllm (`cpu_attention`). Raises
+    KernelUnavailable saying why neither can run."""
     from ..kernels import KernelUnavailable
 
+    if not device.startswith("cuda"):
+        python, why = default_python_or_reason()
+        if python is None:
+            raise KernelUnavailable(f"vllm: {why}")
+        return {"prefill": cpu_attention(python)}
     try:
         from vllm.vllm_flash_attn import flash_attn_varlen_func
     except Exception as e:
@@ -225,6 +236,24 @@ def attention_kernels(device: str) -> dict[str, Callable]:
                                       softmax_scale=softmax_scale, causal=causal, return_softmax_lse=True)
 
     return {"prefill": prefill}
+
+
+def cpu_attention(python: str) -> Callable:
+    """The prefill contract on vLLM's CPU attention kernel: each call runs the driver's `attention`
+    (a paged cache filled as vLLM's CPU backend fills it); returns out only (the kernel gives no lse).
+    A head size or dtype the kernel does not take raises Unsupported (skipped with its list)."""
+    import torch
+
+    def prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal):
+        with tempfile.TemporaryDirectory(prefix="llmdoctor-vllm-attn-") as tmp:
+            path = Path(tmp) / "qkv.pt"
+            torch.save({"q": q.contiguous(), "k": k.contiguous(), "v": v.contiguous(), "cu_q": cu_seqlens_q.cpu(),
+                        "cu_k": cu_seqlens_k.cpu()}, path)
+            res = _call(python, {"command": "attention", "tensors": str(path), "scale": float(softmax_scale),
+                                 "causal": bool(causal)}, QUERY_TIMEOUT_S)
+        return res["out"]
+
+    return prefill
 
 
 def _installed_version() -> str:

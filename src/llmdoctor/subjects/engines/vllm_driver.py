@@ -18,6 +18,7 @@ Commands:
            each `attention_config.backend` setting would select instead.
   select   the same selection for a bare attention shape (head size, dtype, MLA, sparse) under a
            default VllmConfig.
+  attention  vLLM's CPU attention kernel (CPU_ATTN's ops) on varlen q, k, v through a paged cache.
   namemap  the GGUF->HF parameter name map of the vllm-gguf-plugin (`get_weights_adapter(config)
            .build_name_map(model_config)`) for an HF config.
 
@@ -309,13 +310,64 @@ def cmd_namemap(req: dict) -> dict:
             **cmd_info(req)}
 
 
+# ---- attention ------------------------------------------------------------------------------------
+
+class ShapeUnsupported(Exception):
+    """The kernel does not take this shape or dtype (its own list says so): a skip, not a failure."""
+
+
+def cmd_attention(req: dict) -> dict:
+    """vLLM's CPU attention kernel (the CPU_ATTN backend's ops) on varlen sequences, as its backend calls
+    it: K/V written into a paged cache [blocks, Hk, block_size, 2 * D] by cpu_attn_reshape_and_cache,
+    then cpu_attention_with_kv_cache with the scheduler metadata. q [Tq, H, D], k/v [Tk, Hk, D];
+    sequence b owns rows cu_q[b]:cu_q[b+1] and cu_k[b]:cu_k[b+1]; causal is bottom-right (vLLM's)."""
+    import torch
+
+    try:
+        from vllm import _custom_ops as ops
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, _get_attn_isa
+    except ImportError as e:
+        raise Unsupported(f"vLLM {_version()} has no CPU attention backend ops ({e})") from None
+    t = torch.load(req["tensors"], weights_only=True)
+    q, k, v = t["q"], t["k"], t["v"]
+    cu_q, cu_k = t["cu_q"].to(torch.int32), t["cu_k"].to(torch.int32)
+    n_seq, (_, n_head, dim), n_kv = len(cu_q) - 1, q.shape, k.shape[1]
+    if dim not in CPUAttentionBackend.get_supported_head_sizes():
+        raise ShapeUnsupported(f"CPU_ATTN takes head sizes {CPUAttentionBackend.get_supported_head_sizes()}, not {dim}")
+    if q.dtype not in CPUAttentionBackend.supported_dtypes:
+        raise ShapeUnsupported(f"CPU_ATTN takes {CPUAttentionBackend.supported_dtypes}, not {q.dtype}")
+    bs = int(req.get("block_size") or 16)
+    seq_lens = cu_k[1:] - cu_k[:-1]  # [B]
+    n_blocks = (seq_lens + bs - 1) // bs
+    first = torch.cumsum(n_blocks, 0) - n_blocks + 1  # block 0 stays unused
+    width = max(int(n_blocks.max()), 1)
+    block_table = (first[:, None] + torch.arange(width, dtype=torch.int32)[None, :]).to(torch.int32)  # [B, width]
+    kv = torch.zeros(int(n_blocks.sum()) + 1, n_kv, bs, 2 * dim, dtype=q.dtype)
+    key_cache, value_cache = kv.view(kv.shape[0], n_kv, 2 * bs, dim).chunk(2, dim=2)
+    slots = torch.cat([block_table[b, torch.arange(int(seq_lens[b])) // bs] * bs + torch.arange(int(seq_lens[b])) % bs
+                       for b in range(n_seq)]).to(torch.int64)  # [Tk]
+    isa = _get_attn_isa(q.dtype, bs, dim)
+    ops.cpu_attn_reshape_and_cache(k, v, key_cache, value_cache, slots, isa)
+    meta = ops.cpu_attn_get_scheduler_metadata(num_reqs=n_seq, num_heads=n_head, num_kv_heads=n_kv, head_dim=dim,
+                                               seq_lens=seq_lens, dtype=q.dtype, query_start_loc=cu_q,
+                                               causal=bool(req["causal"]), sliding_window_size=-1, isa=isa,
+                                               enable_kv_split=False)
+    out = torch.empty_like(q)
+    ops.cpu_attention_with_kv_cache(query=q, key_cache=key_cache, value_cache=value_cache, output=out,
+                                    query_start_loc=cu_q, seq_lens=seq_lens, scale=float(req["scale"]),
+                                    causal=bool(req["causal"]), alibi_slopes=None, sliding_window=-1,
+                                    block_table=block_table, softcap=0.0, scheduler_metadata=meta, s_aux=None)
+    return {"out": out, "isa": isa}
+
+
 def _dist_version(name: str) -> str:
     from importlib.metadata import version
 
     return version(name)
 
 
-COMMANDS = {"info": cmd_info, "run": cmd_run, "explain": cmd_explain, "select": cmd_select, "namemap": cmd_namemap}
+COMMANDS = {"info": cmd_info, "run": cmd_run, "explain": cmd_explain, "select": cmd_select, "namemap": cmd_namemap,
+            "attention": cmd_attention}
 
 
 def main() -> int:
@@ -327,6 +379,9 @@ def main() -> int:
         result = COMMANDS[req["command"]](req)
     except Unsupported as e:
         (out / "error.json").write_text(json.dumps({"kind": "unsupported", "message": str(e)}))
+        return 3
+    except ShapeUnsupported as e:
+        (out / "error.json").write_text(json.dumps({"kind": "shape", "message": str(e)}))
         return 3
     except Exception as e:  # noqa: BLE001 - vLLM's own error, quoted by the parent
         (out / "error.json").write_text(json.dumps({"kind": type(e).__name__, "message": str(e).strip()[:2000],
