@@ -5,8 +5,10 @@ bench/bench_determinism.py runs the long form (50 runs). The cause found for `di
 torch's thread count is one setting for the whole process, and the dequant pool's threads set it to 1
 when they started, racing with the caller's restore: after the first multi-chunk dequant, the
 process's later ops (the reference and its emulated run) ran on one thread or on all, depending on
-timing, and reductions give other bits on other thread counts (MKL splits small products over K from
-8 threads on; full sums differ from 2), which the emulation's Q8 rounding turns into another budget.
+timing, and reductions may give other bits on other thread counts (measured: MKL's product
+[54, 256] x [256, 54] differs from 8 threads on, a full float32 sum between 1 and 4 threads; the demo's
+reference itself was bit-identical at 1 and 16 threads on the 2-core dev machine), which the
+emulation's Q8 rounding would turn into another budget.
 """
 
 from __future__ import annotations

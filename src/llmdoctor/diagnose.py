@@ -110,9 +110,9 @@ class Session:
         self.curve: list[dict] = []
         # torch's thread count for every reference run: --threads, else the count at the start. It is
         # one setting for the whole process (an in-process engine or a dequant pool may change it) and
-        # a reduction's bits depend on it (MKL splits small products over K from 8 threads on), which the
-        # emulated run's Q8 rounding turns into another noise budget: pinned, so that the same command
-        # gives the same budgets (issue 18).
+        # a reduction's bits may depend on it (MKL's [54, 256] x [256, 54] product differs from 8 threads
+        # on), which the emulated run's Q8 rounding would turn into another noise budget: pinned, so that
+        # the same command gives the same budgets (issue 18).
         self.threads = inputs.threads or torch.get_num_threads()
 
     @contextlib.contextmanager
