@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import math
 import re
+import threading
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -79,12 +80,26 @@ def _fields(qtype: QT) -> tuple[ScaleField, ...]:
 SCALE_FIELDS: dict[QT, tuple[ScaleField, ...]] = {q: _fields(q) for q in QT if q in GGML_QUANT_SIZES}
 
 
+def scale_codes(blocks: np.ndarray, f: ScaleField) -> np.ndarray:
+    """The raw code of field `f` in each block of uint8 blocks [n, type_size]: uint16 [n] (the float16's
+    bits) or uint8 [n] (the E8M0 exponent byte)."""
+    if f.encoding == "e8m0":
+        return blocks[:, f.offset]
+    return np.ascontiguousarray(blocks[:, f.offset:f.offset + 2]).view("<u2")[:, 0]
+
+
+def decode_codes(codes: np.ndarray, encoding: str) -> np.ndarray:
+    """float32 values of scale codes (uint16 float16 bits, or uint8 E8M0 exponents: 2^(e - 127), 255 NaN)."""
+    if encoding == "e8m0":
+        e = codes.astype(np.int32)
+        with np.errstate(over="ignore"):  # e = 255 (NaN) overflows ldexp before the where drops it
+            return np.where(e == 255, np.float32(np.nan), np.ldexp(np.float32(1), e - 127)).astype(np.float32)
+    return codes.astype("<u2").view("<f2").astype(np.float32)
+
+
 def scale_values(blocks: np.ndarray, f: ScaleField) -> np.ndarray:
     """float32 [n]: field `f` of each block of uint8 blocks [n, type_size]."""
-    if f.encoding == "e8m0":
-        e = blocks[:, f.offset].astype(np.int32)
-        return np.where(e == 255, np.float32(np.nan), np.ldexp(np.float32(1), e - 127)).astype(np.float32)
-    return np.ascontiguousarray(blocks[:, f.offset:f.offset + 2]).view("<f2")[:, 0].astype(np.float32)
+    return decode_codes(scale_codes(blocks, f), f.encoding)
 
 
 # ---- per-tensor statistics (streaming) ----------------------------------------------------------
@@ -95,39 +110,59 @@ BIN = 1 / 16  # the exponent histogram's bin, in binades (quantiles are exact to
 _LO, _HI = -40, 40  # binades covered; scales outside are counted in the end bins
 
 
+@dataclass(frozen=True)
+class _CodeTable:
+    """Everything ScaleStats needs of a scale, precomputed once for each of its encoding's codes (65536
+    float16 bit patterns, 256 E8M0 bytes): a chunk then costs a bincount of its codes and a gather,
+    and the statistics are exactly those of the per-value arithmetic (the same float32 ops, once per code)."""
+
+    negative: np.ndarray  # bool [K]
+    zero: np.ndarray
+    subnormal: np.ndarray
+    nonfinite: np.ndarray
+    ok: np.ndarray  # finite and nonzero: enters the histogram and the jumps
+    bin: np.ndarray  # int64 [K]: the histogram bin of log2 |s| (0 where not ok)
+    lg: np.ndarray  # float64 [K]: log2 |s| computed in float32 (NaN where not ok)
+
+    @staticmethod
+    def build(encoding: str) -> "_CodeTable":
+        s = decode_codes(np.arange(256 if encoding == "e8m0" else 65536), encoding)  # float32 [K]
+        a = np.abs(s)
+        finite = np.isfinite(s)
+        ok = finite & (a > 0)
+        lg = np.log2(np.where(ok, a, np.float32(1.0)))  # float32
+        b = np.clip(np.floor((lg - _LO) / np.float32(BIN)), 0, _N_BINS - 1).astype(np.int64)
+        return _CodeTable(s < 0, s == 0, (a > 0) & (a < F16_MIN_NORMAL), ~finite, ok, np.where(ok, b, 0),
+                          np.where(ok, lg, np.float32(np.nan)).astype(np.float64))
+
+
+_N_BINS = int((_HI - _LO) / BIN) + 1
+_TABLES = {e: _CodeTable.build(e) for e in ("f16", "e8m0")}
+
+
 @dataclass
 class ScaleStats:
-    """Distribution of one scale field over a tensor's blocks, streamed: counts and a histogram of
-    log2 |s| in 1/16-binade bins (quantiles and the median from it), and the mean jump of log2 |s|
-    between adjacent blocks (`jitter`: neighbours in a row see similar weights, so their scales are
-    close; the demo's tensors jump 0.19..0.95 binades on average). `huge` counts scales more than
-    2^HUGE_BINADES times the tensor's median |scale|: a block 8 binades above its tensor's typical
-    block has weights ~256x larger than its neighbours', which trained weights do not produce but a
-    flipped exponent bit does."""
+    """Distribution of one scale field over a tensor's blocks, streamed: how often each code occurs
+    (from which the signs, zero / subnormal / non-finite counts and a histogram of log2 |s| in
+    1/16-binade bins follow; quantiles and the median from the histogram), and the mean jump of
+    log2 |s| between adjacent blocks (`jitter`: neighbours in a row see similar weights, so their
+    scales are close; the demo's tensors jump 0.19..0.95 binades on average). `huge` counts scales
+    more than 2^HUGE_BINADES times the tensor's median |scale|: a block 8 binades above its tensor's
+    typical block has weights ~256x larger than its neighbours', which trained weights do not produce
+    but a flipped exponent bit does."""
 
-    n: int = 0
-    negative: int = 0
-    zero: int = 0
-    subnormal: int = 0
-    nonfinite: int = 0
-    hist: np.ndarray = field(default_factory=lambda: np.zeros(int((_HI - _LO) / BIN) + 1, np.int64))
+    encoding: str = "f16"
+    counts: np.ndarray | None = None  # int64 [K]: blocks per code
     jump_sum: float = 0.0  # sum over adjacent blocks (file order) of |log2 |s_i| - log2 |s_i+1||
     jumps: int = 0
     _last: float = math.nan  # log2 |s| of the previous chunk's last block (NaN: none, zero or non-finite)
 
-    def add(self, s: np.ndarray) -> None:
-        a = np.abs(s)
-        finite = np.isfinite(s)
-        self.n += s.size
-        self.negative += int((s < 0).sum())
-        self.zero += int((s == 0).sum())
-        self.subnormal += int(((a > 0) & (a < F16_MIN_NORMAL)).sum())
-        self.nonfinite += int((~finite).sum())
-        ok = finite & (a > 0)
-        lg = np.log2(np.where(ok, a, 1.0))
-        i = np.clip(np.floor((lg[ok] - _LO) / BIN), 0, len(self.hist) - 1).astype(np.int64)
-        self.hist += np.bincount(i, minlength=len(self.hist))
-        lg = np.where(ok, lg, np.nan)
+    def add(self, codes: np.ndarray) -> None:
+        """codes: the field's raw codes of consecutive blocks (scale_codes)."""
+        tab = _TABLES[self.encoding]
+        c = np.bincount(codes, minlength=tab.ok.size)
+        self.counts = c if self.counts is None else self.counts + c
+        lg = tab.lg[codes]  # float64 [n]
         steps = np.abs(np.diff(np.concatenate(([self._last], lg))))
         steps = steps[np.isfinite(steps)]
         self.jump_sum += float(steps.sum())
@@ -138,18 +173,24 @@ class ScaleStats:
         return _LO + (i + 0.5) * BIN  # the bin's center
 
     def summary(self) -> dict[str, Any]:
-        n = max(self.n, 1)
-        nz = int(self.hist.sum())
-        out: dict[str, Any] = {"blocks": self.n, "negative": self.negative / n, "zero": self.zero / n,
-                               "subnormal": self.subnormal / n, "nonfinite": self.nonfinite / n}
+        tab = _TABLES[self.encoding]
+        c = self.counts if self.counts is not None else np.zeros(tab.ok.size, np.int64)
+        blocks = int(c.sum())
+        n = max(blocks, 1)
+        out: dict[str, Any] = {"blocks": blocks, "negative": int(c[tab.negative].sum()) / n,
+                               "zero": int(c[tab.zero].sum()) / n, "subnormal": int(c[tab.subnormal].sum()) / n,
+                               "nonfinite": int(c[tab.nonfinite].sum()) / n}
+        hist = np.zeros(_N_BINS, np.int64)
+        np.add.at(hist, tab.bin[tab.ok], c[tab.ok])
+        nz = int(hist.sum())
         if nz:
-            cdf = np.cumsum(self.hist) / nz
+            cdf = np.cumsum(hist) / nz
             q = {p: int(np.searchsorted(cdf, p)) for p in (0.01, 0.5, 0.99)}
-            used = np.flatnonzero(self.hist)
+            used = np.flatnonzero(hist)
             out.update(log2_min=self._binade(used[0]), log2_max=self._binade(used[-1]),
                        log2_p01=self._binade(q[0.01]), log2_median=self._binade(q[0.5]),
                        log2_p99=self._binade(q[0.99]),
-                       huge=float(self.hist[q[0.5] + int(HUGE_BINADES / BIN) + 1:].sum()) / n)
+                       huge=float(hist[q[0.5] + int(HUGE_BINADES / BIN) + 1:].sum()) / n)
         if self.jumps:
             out["jitter"] = self.jump_sum / self.jumps
         return out
@@ -176,14 +217,138 @@ class TensorStats:
                                               "kurtosis", "scales", "first_nonfinite_block")}
 
 
+# ---- the moments of the values, chunk by chunk ------------------------------------------------------
+# Cost: this runs on every decoded value of a `verify` pass, so it is a few float32 torch passes over
+# each chunk, in reused buffers, with no float64 copy of the values, on one torch thread (the calling
+# thread's count is set to 1 for the chunk and restored: torch's intra-op threads wait on each other
+# for every ~1M-value op, 20-60x slower on a busy 2-core host; verify.py measured it). Per chunk of n
+# values w:
+#   max |w| and finiteness      a min and a max (NaN or inf in the chunk makes min or max non-finite; only
+#                               then are the finite values picked out, exactly, by isfinite)
+#   the chunk mean m            float32 sums of ROW consecutive values, those added in float64
+#   d = w - m32 (m rounded to float32), and S_k = sum of d^k for k = 2, 3, 4 the same way
+# and the chunk's central moments (about its own mean) are merged into the tensor's in float64 with
+# the pairwise update of Pebay (Sandia SAND2008-6212, eqs. 2.1-2.3; Chan, Golub and LeVeque 1979 for
+# k = 2). Centering on the chunk's own mean avoids the cancellation of raw moments
+# (E[w^4] - 4 E[w] E[w^3] + ...), which loses every digit of the kurtosis of a tensor whose mean is
+# large against its spread (a norm weight near 1).
+#
+# Rounding bound (u = 2^-24, float32's unit roundoff; first order in u): d carries one rounding, and
+# d^2, d^3, d^4 another 1, 2, 3 multiplications, so each term d^k is within (k + k')u of the exact
+# (w - m32)^k (k' = 1, 2, 3); a float32 sum of ROW terms in any order is within (ROW - 1)u of
+# sum |terms| (Higham, Accuracy and Stability of Numerical Algorithms, 2nd ed., eq. 4.4), whatever
+# order torch's kernel adds them in; the float64 sums and merges after it add ~2^-53 per operation. So
+#   |S_k - exact| <= (ROW + 6) u sum |d|^k = 6.2e-5 sum |d|^k          (ROW = 1024)
+#   |chunk mean - exact| <= (ROW - 1) u mean |w| = 6.1e-5 mean |w|,
+# and from these (a chunk mean's error also enters M2 through the spread of chunk means, at most
+# 2 x 6.1e-5 E|w| sigma): E[w^2] within 3.1e-4 E[w^2], so rms within 1.6e-4 relative and mean / rms
+# within 2.2e-4 absolute; the kurtosis (reported, not compared) within ~1e-3 relative where |mean| is
+# at most the spread sigma (a factor E|w| / sigma more where the mean dominates). The sibling rule
+# works on log2 rms and mean / rms with floors of log2(1.12) = 0.16 binades and 0.12 (below): its
+# median, MAD and each value moving by those amounts move a robust z by at most
+# (2 + z x 2 x 1.4826) x shift / floor, under 0.03 at the limit (~4.4). Only a tensor within 0.03 of
+# the limit could change its verdict; the demo's largest z is 0.3 under it (tests/test_forensics.py
+# checks both, and the statistics against float64: there they agree to ~1e-7). The scale statistics
+# are exact (counts of codes). Every sum is in a fixed order (rows of ROW values, then those in
+# order), so the numbers are the same run to run and for any torch thread count.
+# Range: w^4 overflows float32 from |w| ~ 2^32 and loses its precision in subnormals below 2^-31, so a
+# chunk with max |w| outside [2^-20, 2^20] is scaled by a power of two (exact) to max |w| in [1, 2)
+# first; terms under 2^-31 max |w| may still lose digits, but they add at most n 2^-126 to a sum of
+# at least max |d|^4 (a relative error under 2^-40 for any chunk whose spread is not below 2^-20 of
+# its magnitude).
+ROW = 1024
+_SAFE = (2.0 ** -20, 2.0 ** 20)
+_scratch = threading.local()
+
+
+def _buffers(n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two float32 [n] scratch buffers, reused per thread and device (grown, never shrunk)."""
+    key = str(device)
+    bufs = getattr(_scratch, "bufs", {})
+    _scratch.bufs = bufs
+    b = bufs.get(key)
+    if b is None or b[0].numel() < n:
+        b = bufs[key] = (torch.empty(n, dtype=torch.float32, device=device),
+                         torch.empty(n, dtype=torch.float32, device=device))
+    return b[0][:n], b[1][:n]
+
+
+def _min_max(x: torch.Tensor) -> tuple[float, float]:
+    """(min, max) of float32 x [n >= 1]; NaN when x holds a NaN. On the CPU numpy's (0.1 ms per 1M
+    values against torch.aminmax's 0.16 on this machine's AMD EPYC: it is one of the passes)."""
+    if x.device.type == "cpu":
+        a = x.numpy()
+        return float(a.min()), float(a.max())
+    return tuple(float(y) for y in torch.aminmax(x))  # type: ignore[return-value]
+
+
+def _sum(x: torch.Tensor) -> float:
+    """sum of float32 x [n]: float32 sums of ROW consecutive values, added in float64 (see above)."""
+    k = x.numel() - x.numel() % ROW
+    s = float(x[:k].view(-1, ROW).sum(1).sum(dtype=torch.float64)) if k else 0.0
+    return s + float(x[k:].sum()) if k < x.numel() else s
+
+
+@dataclass
+class Moments:
+    """Count, mean and central moment sums M_k = sum (w - mean)^k (k = 2, 3, 4) of the values seen."""
+
+    n: int = 0
+    mean: float = 0.0
+    m2: float = 0.0
+    m3: float = 0.0
+    m4: float = 0.0
+
+    def merge(self, o: "Moments") -> None:
+        """Pebay's pairwise update: self := self united with o."""
+        na, nb = self.n, o.n
+        if nb == 0:
+            return
+        if na == 0:
+            self.n, self.mean, self.m2, self.m3, self.m4 = o.n, o.mean, o.m2, o.m3, o.m4
+            return
+        n = na + nb
+        dl = o.mean - self.mean
+        m4 = (self.m4 + o.m4 + dl ** 4 * na * nb * (na * na - na * nb + nb * nb) / n ** 3
+              + 6 * dl * dl * (na * na * o.m2 + nb * nb * self.m2) / n ** 2 + 4 * dl * (na * o.m3 - nb * self.m3) / n)
+        m3 = self.m3 + o.m3 + dl ** 3 * na * nb * (na - nb) / n ** 2 + 3 * dl * (na * o.m2 - nb * self.m2) / n
+        self.m2 += o.m2 + dl * dl * na * nb / n
+        self.mean += dl * nb / n
+        self.m3, self.m4, self.n = m3, m4, n
+
+    @staticmethod
+    def of(w: torch.Tensor, max_abs: float) -> "Moments":
+        """The moments of finite float32 w [n] (contiguous) whose largest |w| is max_abs."""
+        n = w.numel()
+        if n == 0:
+            return Moments()
+        scale = 1.0
+        d, d2 = _buffers(n, w.device)
+        if max_abs > 0 and not _SAFE[0] <= max_abs <= _SAFE[1]:
+            scale = 2.0 ** (math.frexp(max_abs)[1] - 1)  # w / scale: max |w| in [1, 2), exactly
+            w = torch.div(w, scale, out=d)
+        mean = _sum(w) / n
+        m32 = float(np.float32(mean))
+        r = mean - m32  # the chunk mean's offset from the center the float32 terms are taken about
+        torch.sub(w, m32, out=d)  # d: [n] w - m32
+        s2 = _sum(torch.mul(d, d, out=d2))
+        s3 = _sum(d.mul_(d2))
+        s4 = _sum(d2.mul_(d2))
+        # central sums about the chunk mean m32 + r from the sums about m32
+        m2 = s2 - n * r * r
+        m3 = s3 - 3 * r * s2 + 2 * n * r ** 3
+        m4 = s4 - 4 * r * s3 + 6 * r * r * s2 - 3 * n * r ** 4
+        return Moments(n, mean * scale, m2 * scale ** 2, m3 * scale ** 3, m4 * scale ** 4)
+
+
 class Accumulator:
-    """Gathers one tensor's statistics chunk by chunk, in file order (float64 sums of the values)."""
+    """Gathers one tensor's statistics chunk by chunk, in file order (see the moments' notes above)."""
 
     def __init__(self, name: str, qtype: QT | int):
         self.name, self.qtype = name, QT(qtype)
         self.fields = SCALE_FIELDS.get(self.qtype, ())
-        self.scales = {f.name: ScaleStats() for f in self.fields}
-        self._m = np.zeros(4)  # sums of w, w^2, w^3, w^4 (finite values)
+        self.scales = {f.name: ScaleStats(f.encoding) for f in self.fields}
+        self.moments = Moments()  # of the finite values
         self.n = self.nonfinite = 0
         self.max_abs = 0.0
         self._blocks_seen = 0
@@ -191,43 +356,52 @@ class Accumulator:
 
     def add(self, blocks: np.ndarray | None, values: torch.Tensor | np.ndarray) -> None:
         """One chunk: its raw blocks (uint8 [n, type_size]; None for float types) and its dequantized
-        values (float32, n * block_size of them, in block order)."""
+        values (float32, n * block_size of them, in block order; a torch tensor on any device, or numpy)."""
         if blocks is not None:
             for f in self.fields:
-                self.scales[f.name].add(scale_values(blocks, f))
-        # numpy, single-threaded: torch's intra-op threads spin for ~1M-element reductions on a busy host
-        v = (values.detach().to("cpu", torch.float32).numpy() if isinstance(values, torch.Tensor)
-             else np.asarray(values, dtype=np.float32)).reshape(-1)
-        finite = np.isfinite(v)
-        bad = v.size - int(np.count_nonzero(finite))
+                self.scales[f.name].add(scale_codes(blocks, f))
+        v = torch.as_tensor(values).detach().reshape(-1)  # [n]
+        if v.dtype != torch.float32 or not v.is_contiguous():
+            v = v.to(torch.float32).contiguous()
+        threads = torch.get_num_threads()  # this thread's; verify's statistics thread already runs on one
+        if threads > 1 and v.device.type == "cpu":
+            torch.set_num_threads(1)
+        try:
+            self._values(v)
+        finally:
+            if threads > 1 and v.device.type == "cpu":
+                torch.set_num_threads(threads)
+
+    def _values(self, v: torch.Tensor) -> None:
         bs = GGML_QUANT_SIZES[self.qtype][0]
-        if bad and self.first_nonfinite_block is None:
-            self.first_nonfinite_block = self._blocks_seen + int(np.argmin(finite)) // bs
-        self._blocks_seen += v.size // bs
-        w = v[finite] if bad else v
-        if w.size:
-            self.max_abs = max(self.max_abs, float(np.abs(w).max()))
-        if self.max_abs > 1e9:  # w^4 would overflow float32
-            w = w.astype(np.float64)
-        w2 = w * w  # float32 powers (relative error 1e-7 each), summed in float64
-        self._m += [float(w.sum(dtype=np.float64)), float(w2.sum(dtype=np.float64)),
-                    float((w2 * w).sum(dtype=np.float64)), float((w2 * w2).sum(dtype=np.float64))]
-        self.n += v.size
+        bad, w = 0, v
+        if v.numel():
+            lo, hi = _min_max(v)
+            if not (math.isfinite(lo) and math.isfinite(hi)):  # NaN or inf somewhere: the exact count
+                finite = torch.isfinite(v)
+                bad = v.numel() - int(finite.sum())
+                if self.first_nonfinite_block is None:
+                    self.first_nonfinite_block = self._blocks_seen + int((~finite).nonzero()[0, 0]) // bs
+                w = v[finite]
+                lo, hi = _min_max(w) if w.numel() else (0.0, 0.0)
+            self.max_abs = max(self.max_abs, -lo, hi)
+            self.moments.merge(Moments.of(w, max(-lo, hi)))
+        self._blocks_seen += v.numel() // bs
+        self.n += v.numel()
         self.nonfinite += bad
 
     def finish(self) -> TensorStats:
-        k = max(self.n - self.nonfinite, 1)
-        e1, e2, e3, e4 = self._m / k
-        var = max(e2 - e1 * e1, 0.0)
-        c4 = e4 - 4 * e1 * e3 + 6 * e1 * e1 * e2 - 3 * e1 ** 4
+        m = self.moments
+        k = max(m.n, 1)
+        var = m.m2 / k
         summaries = {n: s.summary() for n, s in self.scales.items()}
-        return TensorStats(self.name, self.qtype.name, self.n, self.nonfinite, math.sqrt(max(e2, 0.0)), e1,
-                           self.max_abs, c4 / (var * var) if var > 0 else math.nan, summaries,
+        return TensorStats(self.name, self.qtype.name, self.n, self.nonfinite, math.sqrt(var + m.mean * m.mean),
+                           m.mean, self.max_abs, m.m4 / k / (var * var) if var > 0 else math.nan, summaries,
                            {n: s["log2_median"] for n, s in summaries.items() if "log2_median" in s},
                            self.first_nonfinite_block)
 
 
-CHUNK_VALUES = 1 << 20  # values per chunk: float64 temporaries of 8 MiB
+CHUNK_VALUES = 1 << 20  # values per chunk (verify's chunk): two float32 scratch buffers of 4 MiB
 
 
 def tensor_stats(t: Any, values: torch.Tensor | None = None) -> TensorStats:
