@@ -11,6 +11,10 @@ For each file, cold (its pages evicted from the page cache before each run) and 
             and without them (`verify-bare`: the decode and finite checks alone), to name the slowest stage
   manifest  checks.manifest.hash_tensors (every tensor's sha256, os.cpu_count() threads)
   sha256sum `sha256sum FILE` (the anchor of the hashing)
+Each stage: wall seconds, CPU seconds of this process, GB/s, and CPU seconds per GB (the steadier
+figure on a shared machine). Also, once: the CPU milliseconds per 1M decoded values of each stage of
+verify's chunk (native decode, the finite check, the forensics accumulator), one thread, best of 20,
+on a chunk of each of the demo's quant types (`per_million`).
 Cold: `echo 3 > /proc/sys/vm/drop_caches` where the machine allows it, else posix_fadvise(DONTNEED)
 on the file (evicts its clean pages without privileges); the output says which (the cold read's
 rate against the warm one shows that the pages were gone). Prints one JSON object.
@@ -140,6 +144,11 @@ STAGES = {"read": read_all, "verify": lambda p: V.run(p), "verify-bare": verify_
           "sha256sum": sha256sum}
 
 
+def _figures(size: int, wall: float, cpu: float) -> dict:
+    return {"s": round(wall, 3), "cpu_s": round(cpu, 3), "GB/s": round(size / wall / 1e9, 3),
+            "cpu_s_per_GB": round(cpu / size * 1e9, 2)}
+
+
 def bench_file(path: Path, stages: list[str]) -> dict:
     with open_gguf(path) as g:
         size = g.total_size
@@ -147,11 +156,11 @@ def bench_file(path: Path, stages: list[str]) -> dict:
     for stage in stages:
         how = evict(path)
         wall, cpu = timed(STAGES[stage], path)
-        out["cold"][stage] = {"s": round(wall, 3), "cpu_s": round(cpu, 3), "GB/s": round(size / wall / 1e9, 3)}
+        out["cold"][stage] = _figures(size, wall, cpu)
         out["evicted_by"] = how
         STAGES["read"](path)  # warm the cache, then time the warm run
         wall, cpu = timed(STAGES[stage], path)
-        out["warm"][stage] = {"s": round(wall, 3), "cpu_s": round(cpu, 3), "GB/s": round(size / wall / 1e9, 3)}
+        out["warm"][stage] = _figures(size, wall, cpu)
     for cache in ("cold", "warm"):
         r = out[cache]
         out[cache]["ratios"] = {
@@ -162,6 +171,40 @@ def bench_file(path: Path, stages: list[str]) -> dict:
     return out
 
 
+def per_million(repeats: int = 20) -> dict:
+    """CPU ms per 1M values of verify's per-chunk work, one torch thread, best of `repeats`."""
+    import torch
+
+    from llmdoctor.checks import forensics as FX
+    from llmdoctor.gguf import dequantize
+
+    def best(fn) -> float:
+        times = []
+        for _ in range(repeats):
+            c = time.thread_time()
+            fn()
+            times.append(time.thread_time() - c)
+        return min(times) * 1e3
+
+    keep = torch.get_num_threads()
+    torch.set_num_threads(1)
+    out = {}
+    try:
+        with open_gguf(model_path()) as g:
+            for q in (Q.Q4_K, Q.Q6_K, Q.Q8_0):
+                t = next(t for t in g.tensors if t.type == q and t.n_elements >= V.CHUNK_VALUES)
+                nb = V.CHUNK_VALUES // t.block_size
+                raw = t.data[: nb * t.type_size]
+                v = dequantize(raw, q, (nb * t.block_size,))
+                acc = FX.Accumulator(t.name, q)
+                out[q.name] = {"decode": round(best(lambda: dequantize(raw, q, (nb * t.block_size,), out=v)), 3),
+                               "finite check": round(best(lambda: float(v.sum())), 3),
+                               "forensics": round(best(lambda: acc.add(raw.reshape(nb, -1), v)), 3)}
+    finally:
+        torch.set_num_threads(keep)
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--synthetic-gb", type=float, default=4.0)
@@ -169,7 +212,7 @@ def main() -> int:
     a = ap.parse_args()
     stages = list(STAGES)
     result = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cpus": os.cpu_count(),
-              "load_average_before": os.getloadavg(), "files": []}
+              "load_average_before": os.getloadavg(), "ms_per_1M_values": per_million(), "files": []}
     result["files"].append(bench_file(model_path(), stages))
     if a.synthetic_gb <= 0:  # the demo alone
         print(json.dumps(result, indent=2))
