@@ -635,15 +635,16 @@ def h_engine_vs_reference(s: Session) -> list[Finding]:
     crit = distribution_criteria(got, ref, emu, s.tokens())
     failed = [c for c in crit if not c.ok]
     by = {c.name: c for c in crit}
-    metrics: dict[str, Any] = {"positions": got.shape[0], "failed_criteria": [c.name for c in failed]}
+    metrics: dict[str, Any] = {}  # the numbers first: the terminal shows the first few
     budget: dict[str, Any] = {}
     if "kl" in by:
         top1 = M.top1_agreement(got, ref)
         worst = by["kl"].evidence[0]  # the position of the largest KL
-        metrics.update(kl_mean=by["kl"].value, kl_max=worst["kl"], worst_position=worst["position"],
-                       top1_agreement=top1, top1_flips_beyond_noise=int(by["top1"].value))
+        metrics.update(kl_mean=by["kl"].value, kl_max=worst["kl"], top1_agreement=top1,
+                       top1_flips_beyond_noise=int(by["top1"].value), worst_position=worst["position"])
         budget.update(kl_mean_limit=by["kl"].limit, kl_noise_mean=by["kl"].noise,
                       top1_flips_allowed=int(by["top1"].limit))
+    metrics.update(positions=got.shape[0], failed_criteria=[c.name for c in failed])
     return [_finding(
         "engine-vs-reference", s.inputs.engine, "next-token distributions", "fail" if failed else "pass",
         confidence="high", hypothesis="the engine computes the model's distribution", metrics=metrics,
