@@ -25,6 +25,8 @@ tensor's statistics move with it; a permutation of rows keeps every value). Thos
 
 from __future__ import annotations
 
+import ctypes
+import importlib.util
 import math
 import re
 import threading
@@ -218,13 +220,16 @@ class TensorStats:
 
 
 # ---- the moments of the values, chunk by chunk ------------------------------------------------------
-# Cost: this runs on every decoded value of a `verify` pass, so it is a few float32 torch passes over
-# each chunk, in reused buffers, with no float64 copy of the values, on one torch thread (the calling
+# Cost: this runs on every decoded value of a `verify` pass, so it is two reads of each chunk by the C
+# routines of _forensics_native.c (a scan: min, max, sum; then the centered sums), or where that is not
+# built, a few float32 torch passes over the chunk in reused buffers, on one torch thread (the calling
 # thread's count is set to 1 for the chunk and restored: torch's intra-op threads wait on each other
-# for every ~1M-value op, 20-60x slower on a busy 2-core host; verify.py measured it). Per chunk of n
-# values w:
-#   max |w| and finiteness      a min and a max (NaN or inf in the chunk makes min or max non-finite; only
-#                               then are the finite values picked out, exactly, by isfinite)
+# for every ~1M-value op, 20-60x slower on a busy 2-core host; verify.py measured it); never a float64
+# copy of the values. Both compute the same quantities in rows of ROW values, so the bound below holds
+# for either; each is bit-reproducible (the C one for any build: its summation order is fixed in the
+# source). Per chunk of n values w:
+#   max |w| and finiteness      a min and a max (the C scan flags inf / NaN; in torch they make the min or
+#                               max non-finite); only then are the finite values picked out, exactly
 #   the chunk mean m            float32 sums of ROW consecutive values, those added in float64
 #   d = w - m32 (m rounded to float32), and S_k = sum of d^k for k = 2, 3, 4 the same way
 # and the chunk's central moments (about its own mean) are merged into the tensor's in float64 with
@@ -256,9 +261,30 @@ class TensorStats:
 # first; terms under 2^-31 max |w| may still lose digits, but they add at most n 2^-126 to a sum of
 # at least max |d|^4 (a relative error under 2^-40 for any chunk whose spread is not below 2^-20 of
 # its magnitude).
-ROW = 1024
+ROW = 1024  # the C file's ROW too
 _SAFE = (2.0 ** -20, 2.0 ** 20)
 _scratch = threading.local()
+_NATIVE_ABI = 1  # llmd_fx_abi() of the C code this module calls
+
+
+def _load_native() -> ctypes.CDLL | None:
+    """The C passes (built by setup.py as an optional extension), or None: then the torch passes."""
+    spec = importlib.util.find_spec("llmdoctor.checks._forensics_native")
+    if spec is None or not spec.origin:
+        return None
+    try:
+        lib = ctypes.CDLL(spec.origin)
+        if lib.llmd_fx_abi() != _NATIVE_ABI:
+            return None
+    except (OSError, AttributeError):
+        return None
+    lib.llmd_fx_scan.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
+    lib.llmd_fx_central.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p]
+    lib.llmd_fx_scan.restype = lib.llmd_fx_central.restype = None
+    return lib
+
+
+_NATIVE = _load_native()
 
 
 def _buffers(n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -280,6 +306,17 @@ def _min_max(x: torch.Tensor) -> tuple[float, float]:
         a = x.numpy()
         return float(a.min()), float(a.max())
     return tuple(float(y) for y in torch.aminmax(x))  # type: ignore[return-value]
+
+
+def _scan(x: torch.Tensor) -> tuple[float, float, float | None, bool]:
+    """(min, max, sum or None, every value finite) of float32 x [n >= 1] (contiguous); the sum only
+    from the C scan (the torch path sums later, when it knows the chunk needs no scaling)."""
+    if _NATIVE is not None and x.device.type == "cpu":
+        out = (ctypes.c_double * 4)()
+        _NATIVE.llmd_fx_scan(x.data_ptr(), x.numel(), out)
+        return out[0], out[1], out[2], out[3] == 0.0
+    lo, hi = _min_max(x)
+    return lo, hi, None, math.isfinite(lo) and math.isfinite(hi)
 
 
 def _sum(x: torch.Tensor) -> float:
@@ -317,23 +354,31 @@ class Moments:
         self.m3, self.m4, self.n = m3, m4, n
 
     @staticmethod
-    def of(w: torch.Tensor, max_abs: float) -> "Moments":
-        """The moments of finite float32 w [n] (contiguous) whose largest |w| is max_abs."""
+    def of(w: torch.Tensor, max_abs: float, total: float | None = None) -> "Moments":
+        """The moments of finite float32 w [n] (contiguous) whose largest |w| is max_abs; `total`: its
+        sum in the order of _sum, when the scan has it."""
         n = w.numel()
         if n == 0:
             return Moments()
         scale = 1.0
-        d, d2 = _buffers(n, w.device)
+        native = _NATIVE is not None and w.device.type == "cpu"
         if max_abs > 0 and not _SAFE[0] <= max_abs <= _SAFE[1]:
             scale = 2.0 ** (math.frexp(max_abs)[1] - 1)  # w / scale: max |w| in [1, 2), exactly
-            w = torch.div(w, scale, out=d)
-        mean = _sum(w) / n
+            w = torch.div(w, scale, out=_buffers(n, w.device)[0])
+            total = None
+        mean = (total if total is not None else _sum(w)) / n
         m32 = float(np.float32(mean))
         r = mean - m32  # the chunk mean's offset from the center the float32 terms are taken about
-        torch.sub(w, m32, out=d)  # d: [n] w - m32
-        s2 = _sum(torch.mul(d, d, out=d2))
-        s3 = _sum(d.mul_(d2))
-        s4 = _sum(d2.mul_(d2))
+        if native:
+            out = (ctypes.c_double * 3)()
+            _NATIVE.llmd_fx_central(w.data_ptr(), n, m32, out)
+            s2, s3, s4 = out
+        else:
+            d, d2 = _buffers(n, w.device)
+            torch.sub(w, m32, out=d)  # d: [n] w - m32 (w may be d itself: elementwise, in place)
+            s2 = _sum(torch.mul(d, d, out=d2))
+            s3 = _sum(d.mul_(d2))
+            s4 = _sum(d2.mul_(d2))
         # central sums about the chunk mean m32 + r from the sums about m32
         m2 = s2 - n * r * r
         m3 = s3 - 3 * r * s2 + 2 * n * r ** 3
@@ -376,16 +421,16 @@ class Accumulator:
         bs = GGML_QUANT_SIZES[self.qtype][0]
         bad, w = 0, v
         if v.numel():
-            lo, hi = _min_max(v)
-            if not (math.isfinite(lo) and math.isfinite(hi)):  # NaN or inf somewhere: the exact count
+            lo, hi, total, ok = _scan(v)
+            if not ok:  # NaN or inf somewhere: the exact count
                 finite = torch.isfinite(v)
                 bad = v.numel() - int(finite.sum())
                 if self.first_nonfinite_block is None:
                     self.first_nonfinite_block = self._blocks_seen + int((~finite).nonzero()[0, 0]) // bs
                 w = v[finite]
-                lo, hi = _min_max(w) if w.numel() else (0.0, 0.0)
+                lo, hi, total, _ = _scan(w) if w.numel() else (0.0, 0.0, 0.0, True)
             self.max_abs = max(self.max_abs, -lo, hi)
-            self.moments.merge(Moments.of(w, max(-lo, hi)))
+            self.moments.merge(Moments.of(w, max(-lo, hi), total))
         self._blocks_seen += v.numel() // bs
         self.n += v.numel()
         self.nonfinite += bad

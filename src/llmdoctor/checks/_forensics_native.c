@@ -1,0 +1,98 @@
+/* The forensics accumulator's two passes over a chunk of float32 values (checks/forensics.py calls
+ * them through ctypes; the torch passes there compute the same quantities where this is not built).
+ *
+ * Summation order, fixed: each row of ROW consecutive values is summed in LANES float32 lane
+ * accumulators (lane j takes values j, j + LANES, ...), the lanes are added in order 0..LANES-1 in
+ * float32, and the row sums are added in order in float64. The lanes are plain arrays, so a
+ * vectorizing compiler maps them onto SIMD registers without reordering any addition: every build
+ * (and both ISA clones below) gives the same bits. -ffp-contract=off (setup.py) keeps each product
+ * rounded on its own, as the rounding bound in forensics.py assumes.
+ *
+ * The Python module init below exists only so that the shared object can be built and located as an
+ * extension module; it exposes no Python functions.
+ */
+#include <Python.h>
+#include <stdint.h>
+
+#if defined(__GNUC__) && defined(__x86_64__) && !defined(__clang__)
+#define LLMD_CLONES __attribute__((target_clones("avx2", "default")))
+#else
+#define LLMD_CLONES
+#endif
+
+#define ROW 1024
+#define LANES 16
+
+/* x [n] -> out[0] min, out[1] max, out[2] sum (the order above), out[3] 1 if any value is inf or NaN
+ * (then min, max and sum are meaningless). */
+LLMD_CLONES void llmd_fx_scan(const float *x, int64_t n, double *out) {
+    float mn[LANES], mx[LANES], bad[LANES];
+    double total = 0.0;
+    for (int j = 0; j < LANES; j++) { mn[j] = INFINITY; mx[j] = -INFINITY; bad[j] = 0.0f; }
+    for (int64_t r = 0; r < n; r += ROW) {
+        int64_t m = n - r < ROW ? n - r : ROW;
+        float s[LANES] = {0};
+        int64_t i = 0;
+        for (; i + LANES <= m; i += LANES) {
+            for (int j = 0; j < LANES; j++) {
+                float a = x[r + i + j];
+                s[j] += a;
+                mn[j] = a < mn[j] ? a : mn[j];
+                mx[j] = a > mx[j] ? a : mx[j];
+                bad[j] += a - a; /* 0 for a finite value, NaN for inf or NaN */
+            }
+        }
+        for (int j = 0; i < m; i++, j++) { /* the row's tail, lane by lane */
+            float a = x[r + i];
+            s[j] += a;
+            mn[j] = a < mn[j] ? a : mn[j];
+            mx[j] = a > mx[j] ? a : mx[j];
+            bad[j] += a - a;
+        }
+        float row = 0.0f;
+        for (int j = 0; j < LANES; j++) row += s[j];
+        total += (double)row;
+    }
+    float lo = INFINITY, hi = -INFINITY, b = 0.0f;
+    for (int j = 0; j < LANES; j++) { lo = mn[j] < lo ? mn[j] : lo; hi = mx[j] > hi ? mx[j] : hi; b += bad[j]; }
+    out[0] = lo; out[1] = hi; out[2] = total; out[3] = b == 0.0f ? 0.0 : 1.0;
+}
+
+/* x [n] (finite), c -> out[0..2] = sums of d^2, d^3, d^4 with d = x - c (each product rounded in float32),
+ * in the order above. */
+LLMD_CLONES void llmd_fx_central(const float *x, int64_t n, float c, double *out) {
+    double t2 = 0.0, t3 = 0.0, t4 = 0.0;
+    for (int64_t r = 0; r < n; r += ROW) {
+        int64_t m = n - r < ROW ? n - r : ROW;
+        float s2[LANES] = {0}, s3[LANES] = {0}, s4[LANES] = {0};
+        int64_t i = 0;
+        for (; i + LANES <= m; i += LANES) {
+            for (int j = 0; j < LANES; j++) {
+                float d = x[r + i + j] - c;
+                float d2 = d * d;
+                s2[j] += d2;
+                s3[j] += d2 * d;
+                s4[j] += d2 * d2;
+            }
+        }
+        for (int j = 0; i < m; i++, j++) {
+            float d = x[r + i] - c;
+            float d2 = d * d;
+            s2[j] += d2;
+            s3[j] += d2 * d;
+            s4[j] += d2 * d2;
+        }
+        float a2 = 0.0f, a3 = 0.0f, a4 = 0.0f;
+        for (int j = 0; j < LANES; j++) { a2 += s2[j]; a3 += s3[j]; a4 += s4[j]; }
+        t2 += (double)a2; t3 += (double)a3; t4 += (double)a4;
+    }
+    out[0] = t2; out[1] = t3; out[2] = t4;
+}
+
+/* Bumped with every change of the functions above, so that a stale build is refused. */
+int llmd_fx_abi(void) { return 1; }
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_forensics_native",
+                                    "Forensics' moment passes (called through ctypes).", -1, NULL};
+
+PyMODINIT_FUNC PyInit__forensics_native(void) { return PyModule_Create(&module); }
