@@ -915,7 +915,8 @@ def h_attention(s: Session) -> list[Finding]:
                      hypothesis="the attention kernel computes the reference's attention",
                      metrics={"cases_passed": len(compared),
                               "cases_skipped": sum(f.status == "skip" for f in res.findings), "dtype": dtype},
-                     explanation=f"{len(compared)} cases within 4x the {dtype} noise floor")]
+                     explanation=f"{len(compared)} cases within the {dtype} budget (float32: the any-order "
+                                 "rounding bound; half precision: 4x the noise floor)")]
 
 
 def h_symptom_bisection(s: Session) -> list[Finding]:
