@@ -139,3 +139,32 @@ def test_demo_verdicts_farther_from_the_limit_than_rounding_moves_them(demo_path
         F.threshold = keep
     assert 0 < len(every) <= summary["tests"]  # all but those exactly at their siblings' median (z = 0)
     assert max(o["robust_z"] for o in every) < summary["limit"] - Z_SHIFT
+
+
+def test_native_passes_same_bits_for_any_build(tmp_path):
+    """The C passes' summation order is fixed in the source: builds at -O0 and at -O3 for this CPU
+    (vectorized, any ISA) give the same bits (compiled here; skipped without a C compiler)."""
+    import ctypes
+    import shutil
+    import subprocess
+    import sysconfig
+    from pathlib import Path
+
+    cc = shutil.which("gcc") or shutil.which("cc")
+    if cc is None:
+        pytest.skip("skipped: no C compiler")
+    src = Path(F.__file__).with_name("_forensics_native.c")
+    x = (np.random.default_rng(1).laplace(size=100_003) ** 3).astype(np.float32)
+    results = []
+    for flags in (["-O0"], ["-O3", "-march=native"]):
+        so = tmp_path / f"fx{len(results)}.so"
+        subprocess.run([cc, "-shared", "-fPIC", *flags, "-ffp-contract=off", "-fno-fast-math",
+                        f"-I{sysconfig.get_paths()['include']}", str(src), "-o", str(so), "-lm"], check=True)
+        lib = ctypes.CDLL(str(so))
+        lib.llmd_fx_scan.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
+        lib.llmd_fx_central.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p]
+        scan, central = np.zeros(4), np.zeros(3)
+        lib.llmd_fx_scan(x.ctypes.data, x.size, scan.ctypes.data)
+        lib.llmd_fx_central(x.ctypes.data, x.size, ctypes.c_float(0.01), central.ctypes.data)
+        results.append(scan.tobytes() + central.tobytes())
+    assert results[0] == results[1]
