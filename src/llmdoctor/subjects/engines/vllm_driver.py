@@ -83,16 +83,25 @@ class _Hooks:
     def __init__(self, model, n: int):
         self.n, self.caps, self.handles = n, {}, []
         self.restore = []
-        layers = model.model.layers
+        import torch
+
+        # the decoder layers: the first ModuleList named "...layers" (model.layers, or a multimodal
+        # wrapper's language_model.layers)
+        layers = next((m for name, m in model.named_modules()
+                       if name.endswith("layers") and isinstance(m, torch.nn.ModuleList)), None)
+        if layers is None:
+            raise Unsupported(f"vLLM {_version()}: no decoder layer list in {type(model).__name__}")
         for i, layer in enumerate(layers):
             self._out(layer, f"l_out-{i}", lambda o: o[0] + o[1] if isinstance(o, tuple) and o[1] is not None
                       else _first(o))
-            self._out(layer.input_layernorm, f"attn_norm-{i}", _first)
-            self._out(layer.post_attention_layernorm, f"ffn_norm-{i}", _first)
-            self._out(layer.post_attention_layernorm, f"ffn_inp-{i}",
-                      lambda o: o[1] if isinstance(o, tuple) else None)
-            self._out(layer.mlp, f"ffn_out-{i}", _first)
-            attn = layer.self_attn
+            self._out(getattr(layer, "input_layernorm", None), f"attn_norm-{i}", _first)
+            # the norm before the FFN, which also returns the residual sum: gemma's pre_feedforward_layernorm
+            # (its post_attention_layernorm normalizes the attention output), else post_attention_layernorm
+            ffn_norm = getattr(layer, "pre_feedforward_layernorm", None) or getattr(layer, "post_attention_layernorm", None)
+            self._out(ffn_norm, f"ffn_norm-{i}", _first)
+            self._out(ffn_norm, f"ffn_inp-{i}", lambda o: o[1] if isinstance(o, tuple) else None)
+            self._out(getattr(layer, "mlp", None), f"ffn_out-{i}", _first)
+            attn = getattr(layer, "self_attn", None)
             if hasattr(attn, "o_proj"):
                 self._in(attn.o_proj, f"kqv_out-{i}", lambda a: a[0])
             inner = getattr(attn, "attn", None)
@@ -101,7 +110,7 @@ class _Hooks:
                 kv_heads = getattr(inner, "num_kv_heads", heads)
                 self._in(inner, f"Qcur-{i}", lambda a, h=heads: a[0].reshape(a[0].shape[0], h, -1))
                 self._in(inner, f"Kcur-{i}", lambda a, h=kv_heads: a[1].reshape(a[1].shape[0], h, -1))
-            router = getattr(getattr(layer.mlp, "experts", None), "router", None)
+            router = getattr(getattr(getattr(layer, "mlp", None), "experts", None), "router", None)
             if router is not None and hasattr(router, "select_experts"):
                 self._router(router, f"ffn_moe_topk-{i}")
 
@@ -113,7 +122,8 @@ class _Hooks:
         self.caps[name] = x.detach().to(torch.int64 if not x.is_floating_point() else torch.float32).cpu().clone()
 
     def _out(self, module, name: str, pick) -> None:
-        self.handles.append(module.register_forward_hook(lambda m, a, o: self._keep(name, pick(o))))
+        if module is not None:  # a model without this module exposes no such point
+            self.handles.append(module.register_forward_hook(lambda m, a, o: self._keep(name, pick(o))))
 
     def _in(self, module, name: str, pick) -> None:
         self.handles.append(module.register_forward_pre_hook(lambda m, a: self._keep(name, pick(a))))
@@ -167,8 +177,6 @@ def _engine_kwargs(req: dict) -> dict:
           # a fixed KV cache instead of a fraction of the machine's memory (the CPU worker refuses to
           # start when that fraction is not free)
           "kv_cache_memory_bytes": int(req.get("kv_cache_bytes") or 256 << 20)}
-    if req.get("attention_backend"):
-        kw["attention_config"] = {"backend": req["attention_backend"]}
     return kw
 
 
