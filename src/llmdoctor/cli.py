@@ -293,6 +293,8 @@ def diagnose(
     endpoint: Optional[str] = typer.Option(None, "--endpoint", help="A live OpenAI-compatible endpoint URL."),
     engine: Optional[str] = typer.Option(None, "--engine", help="In-process engine: llama.cpp, transformers, vllm."),
     engine_dtype: Optional[str] = typer.Option(None, "--engine-dtype", help="The deployment's precision."),
+    engine_python: Optional[str] = typer.Option(None, "--engine-python", help="The deployment's interpreter for "
+                                                "--engine vllm (default: the python on PATH if it imports vllm)."),
     dequant_kernel: Optional[str] = typer.Option(None, "--dequant-kernel", help="Kernel spec to check."),
     attention_impl: Optional[str] = typer.Option(None, "--attention-impl", help="Attention kernel spec."),
     attention_contract: Optional[str] = typer.Option(None, "--attention-contract", help="Its contract."),
@@ -334,6 +336,7 @@ def diagnose(
             print(f"{f.name}\t{f.description}")
         return
     inputs = dg.Inputs(gguf=gguf, hf=hf, endpoint=endpoint, engine=engine, engine_dtype=engine_dtype,
+                       engine_python=engine_python,
                        dequant_kernel=dequant_kernel, attention_impl=attention_impl,
                        attention_contract=attention_contract, seed=seed, threads=threads, manifest=manifest)
     if manifest is not None:
