@@ -316,3 +316,24 @@ def test_a_case_is_judged_on_the_same_inputs_whatever_the_selection():
     again = [ca.make_inputs(GLM, c, ca.case_seed(0, c)) for c in ca.cases(GLM)[::-1] if c.name == "long"]
     assert all(torch.equal(sel[0][n], again[0][n]) for n in sel[0])
     assert ca.case_seed(0, ca.cases(GLM)[0]) != ca.case_seed(1, ca.cases(GLM)[0])
+
+
+def test_bytes_changed_on_the_way_to_the_subject_give_no_verdict():
+    """Issue 18: what reaches the child is checked (crc32 both ways); a changed request is refused."""
+    import zlib
+
+    from llmdoctor.subjects import attention as subj
+    from llmdoctor.subjects.isolation import Isolated
+
+    case = ca.cases(GLM)[0]
+    x = ca.make_inputs(GLM, case, 0)
+    payload = bytearray(subj.pack({"args": [x["q"].float(), x["k"].float(), x["v"].float(), x["cu_q"], x["cu_k"],
+                                            37, 37, GLM.scale, True], "kwargs": {}}))
+    crc = zlib.crc32(payload)
+    payload[-100] ^= 1
+    with Isolated("llmdoctor.subjects.attention:serve", (PLAIN, "cpu", "prefill")) as iso:
+        iso.start()
+        r = iso.call({"contract": "prefill", "out_shape": [37, 2, 256], "lse_shape": [2, 37], "crc32": crc}, payload)
+    assert r.status == "transport"
+    got = ca.Got("transport", r.message)
+    assert ca.judge(GLM, case, x, got, None, "float32", PLAIN).status == "skip"

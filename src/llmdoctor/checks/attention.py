@@ -545,7 +545,7 @@ def budget(shape: Shape, case: Case, x: dict[str, torch.Tensor], dtype: torch.dt
 
 @dataclass
 class Got:
-    status: str  # ok | unsupported | raised | crashed | timeout | contract
+    status: str  # ok | unsupported | raised | crashed | timeout | contract | transport
     message: str = ""
     out: Optional[torch.Tensor] = None
     lse: Optional[torch.Tensor] = None
@@ -556,10 +556,13 @@ def _call(iso: Isolated, contract: str, args: list[Any], kwargs: dict[str, Any],
           lse_shape: tuple[int, ...]) -> Got:
     dev = next(a.device for a in args if isinstance(a, torch.Tensor))  # where the reference lives
     args = [a.cpu() if isinstance(a, torch.Tensor) else a for a in args]
-    r: Outcome = iso.call({"contract": contract, "out_shape": list(out_shape), "lse_shape": list(lse_shape)},
-                          subj.pack({"args": args, "kwargs": kwargs}))
+    payload = subj.pack({"args": args, "kwargs": kwargs})
+    r: Outcome = iso.call({"contract": contract, "out_shape": list(out_shape), "lse_shape": list(lse_shape),
+                           "crc32": zlib.crc32(payload)}, payload)  # both ways checked: a verdict needs intact bytes
     if r.status != "ok":
         return Got(r.status, r.message, seconds=r.seconds)
+    if zlib.crc32(r.payload) != r.header.get("crc32"):
+        return Got("transport", "the reply's bytes arrived changed (crc32 differs)", seconds=r.seconds)
     res = subj.unpack(r.payload)
     lse = None if res["lse"] is None else res["lse"].to(dev)
     return Got("ok", out=res["out"].to(dev), lse=lse, seconds=r.header.get("seconds", r.seconds))
@@ -691,7 +694,7 @@ def judge(shape: Shape, case: Case, x: dict[str, torch.Tensor], got: Got, fl: Op
             "chunked": bool(case.chunk), "heads": [shape.n_head, shape.n_head_kv], **dims}
     if case.probe:
         return probe(shape, case, x, got, dtype, fl, subject, target, info)
-    if got.status == "unsupported":
+    if got.status in ("unsupported", "transport"):  # transport: llmdoctor's own bytes changed, no verdict
         return Finding(CHECK, subject, target, "skip", reason=got.message, metrics=info)
     if got.status != "ok":
         what = {"raised": "kernel raised", "crashed": "kernel crashed", "timeout": "kernel hung",
@@ -863,7 +866,7 @@ def _agree(subject: str, target: str, ga: Got, gb: Got, select: Optional[Callabl
     info = {"dtype": dtype_name, "consistency": True}
     bad = next((g for g in (ga, gb) if g.status != "ok"), None)
     if bad is not None:
-        status = "skip" if bad.status == "unsupported" else "fail"
+        status = "skip" if bad.status in ("unsupported", "transport") else "fail"
         return Finding(CHECK, subject, target, status, reason=f"{bad.status}: {bad.message}", metrics=info)
     a, b = select(ga.out.double()) if select else ga.out.double(), gb.out.double()
     d = metrics.max_abs_diff(a, b)

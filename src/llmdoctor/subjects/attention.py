@@ -25,6 +25,7 @@ import inspect
 import io
 import time
 import warnings
+import zlib
 from typing import Any, Callable
 
 import torch
@@ -344,9 +345,10 @@ def _takes(fn: Callable, name: str) -> bool:
 def serve(spec: str, device: str, contract: str | None) -> Callable:
     """Handler factory for `Isolated`: load the subject once, then run one contract call per request.
 
-    Request header: contract, out_shape, lse_shape; payload: pack({"args": [...], "kwargs": {...}}) with
-    tensors on the CPU. Reply payload: pack({"out": out, "lse": lse or None}) on the CPU, plus the
-    status 'unsupported' (skip) or 'contract' (a violation: wrong type or shape).
+    Request header: contract, out_shape, lse_shape, crc32 of the payload; payload: pack({"args": [...],
+    "kwargs": {...}}) with tensors on the CPU. Reply payload: pack({"out": out, "lse": lse or None}) on the
+    CPU with its crc32 in the header, plus the status 'unsupported' (skip), 'contract' (a violation: wrong
+    type or shape) or 'transport' (the request's bytes arrived changed: no verdict either way).
     """
     fns = load(spec, device, contract)
     if device.startswith("cuda"):
@@ -356,6 +358,8 @@ def serve(spec: str, device: str, contract: str | None) -> Callable:
         fn = fns.get(header["contract"])
         if fn is None:
             return {"status": "unsupported", "message": f"{spec} has no {header['contract']} kernel"}, b""
+        if "crc32" in header and zlib.crc32(payload) != header["crc32"]:
+            return {"status": "transport", "message": "the request's bytes arrived changed (crc32 differs)"}, b""
         req = unpack(payload)
         args = [a.to(device) if isinstance(a, torch.Tensor) else a for a in req["args"]]
         kwargs = dict(req["kwargs"])
@@ -381,8 +385,9 @@ def serve(spec: str, device: str, contract: str | None) -> Callable:
             lse is not None and _violation(lse, tuple(header["lse_shape"]), "lse"))
         if problem:
             return {"status": "contract", "message": problem}, b""
-        return ({"status": "ok", "seconds": seconds, "dtype": str(out.dtype).removeprefix("torch.")},
-                pack({"out": out.detach().cpu(), "lse": None if lse is None else lse.detach().float().cpu()}))
+        data = pack({"out": out.detach().cpu(), "lse": None if lse is None else lse.detach().float().cpu()})
+        return ({"status": "ok", "seconds": seconds, "dtype": str(out.dtype).removeprefix("torch."),
+                 "crc32": zlib.crc32(data)}, data)
 
     return handle
 
