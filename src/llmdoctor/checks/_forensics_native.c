@@ -89,8 +89,31 @@ LLMD_CLONES void llmd_fx_central(const float *x, int64_t n, float c, double *out
     out[0] = t2; out[1] = t3; out[2] = t4;
 }
 
+/* The float16 scale field of n consecutive blocks (at base + i * stride, little-endian): counts[code]
+ * += 1 for each, and the jumps between adjacent blocks' log2 |scale|, lg[code] (NaN where the scale is
+ * zero or not finite): state[0] is the previous block's lg (carried from the last chunk), state[1]
+ * the sum of |lg_i - lg_i-1| over adjacent pairs both finite, added in block order in float64,
+ * state[2] their number. */
+void llmd_fx_codes16(const uint8_t *base, int64_t n, int64_t stride, const double *lg, int64_t *counts,
+                     double *state) {
+    double last = state[0], sum = state[1], jumps = state[2];
+    for (int64_t i = 0; i < n; i++) {
+        const uint8_t *p = base + i * stride;
+        uint16_t code = (uint16_t)(p[0] | (p[1] << 8));
+        double g = lg[code];
+        counts[code] += 1;
+        double step = g - last;
+        if (step == step) { /* both finite (NaN propagates) */
+            sum += step < 0 ? -step : step;
+            jumps += 1.0;
+        }
+        last = g;
+    }
+    state[0] = last; state[1] = sum; state[2] = jumps;
+}
+
 /* Bumped with every change of the functions above, so that a stale build is refused. */
-int llmd_fx_abi(void) { return 1; }
+int llmd_fx_abi(void) { return 2; }
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_forensics_native",
                                     "Forensics' moment passes (called through ctypes).", -1, NULL};
