@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 
@@ -32,3 +33,15 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def vllm_python() -> str:
+    """The deployment's interpreter with vLLM (LLMDOCTOR_VLLM_PYTHON); in CI its absence fails."""
+    path = os.environ.get("LLMDOCTOR_VLLM_PYTHON")
+    if not path or not Path(path).exists():
+        why = f"no vLLM environment (LLMDOCTOR_VLLM_PYTHON={path!r})"
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"CI: {why}; .ci/run builds it")
+        pytest.skip(why)
+    return path

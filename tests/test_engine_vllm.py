@@ -26,17 +26,6 @@ from llmdoctor.subjects.engines import vllm as vllm_engine
 TOKENS = [3, 17, 42, 5, 77, 8, 23, 61, 9, 30, 55, 14, 2, 88, 40, 19]
 
 
-@pytest.fixture(scope="session")
-def vllm_python() -> str:
-    path = os.environ.get("LLMDOCTOR_VLLM_PYTHON")
-    if not path or not Path(path).exists():
-        why = f"no vLLM environment (LLMDOCTOR_VLLM_PYTHON={path!r})"
-        if os.environ.get("CI") == "true":
-            pytest.fail(f"CI: {why}; .ci/run builds it")
-        pytest.skip(why)
-    return path
-
-
 def vllm_checkpoint(kind: str, out: Path) -> tuple[Path, Path]:
     """(checkpoint dir, its F32 GGUF) of fixtures_hf's `kind`, shaped for vLLM for CPU."""
     if kind in fixtures_hf.DENSE_KINDS:

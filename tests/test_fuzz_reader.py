@@ -23,6 +23,19 @@ mutation = st.tuples(st.integers(0, 10_000), st.integers(0, 255))
 u64_patch = st.tuples(st.integers(0, 10_000), st.sampled_from([0, 1, 2**31, 2**32 - 1, 2**40, 2**63, 2**64 - 1]))
 
 
+def mutate(seed: bytes, flips, patches, cut) -> bytes:
+    """`seed` with single bytes set, little-endian u64 values written over, then cut short."""
+    data = bytearray(seed)
+    for pos, val in flips:
+        data[pos % len(data)] = val
+    for pos, val in patches:
+        pos %= max(1, len(data) - 8)
+        data[pos : pos + 8] = struct.pack("<Q", val)
+    if cut is not None:
+        data = data[: cut % (len(data) + 1)]
+    return bytes(data)
+
+
 def test_unmutated_seeds_parse(tmp_path, seeds):
     """The fuzz below starts from files the reader accepts (else rejecting everything would pass)."""
     for i, data in enumerate(seeds):
@@ -39,16 +52,8 @@ def test_unmutated_seeds_parse(tmp_path, seeds):
     cut=st.one_of(st.none(), st.integers(0, 10_000)),
 )
 def test_mutated_files_only_raise_gguf_error(tmp_path, seeds, which, flips, patches, cut):
-    data = bytearray(seeds[which])
-    for pos, val in flips:
-        data[pos % len(data)] = val
-    for pos, val in patches:
-        pos %= max(1, len(data) - 8)
-        data[pos : pos + 8] = struct.pack("<Q", val)
-    if cut is not None:
-        data = data[: cut % (len(data) + 1)]
     path = tmp_path / "fuzz.gguf"
-    path.write_bytes(bytes(data))
+    path.write_bytes(mutate(seeds[which], flips, patches, cut))
     exercise(path)
 
 
@@ -83,14 +88,5 @@ def test_unmutated_shard_set_parses_as_one_model(tmp_path, seed_set):
 def test_mutated_shard_sets_only_raise_gguf_error(tmp_path, seed_set, which, opened, flips, patches, cut):
     """One shard of a split set mutated, the set opened through either shard (split.py's rules too)."""
     for i, data in enumerate(seed_set):
-        data = bytearray(data)
-        if i == which:
-            for pos, val in flips:
-                data[pos % len(data)] = val
-            for pos, val in patches:
-                pos %= max(1, len(data) - 8)
-                data[pos : pos + 8] = struct.pack("<Q", val)
-            if cut is not None:
-                data = data[: cut % (len(data) + 1)]
-        (tmp_path / f"s-{i + 1:05d}-of-00002.gguf").write_bytes(bytes(data))
+        (tmp_path / f"s-{i + 1:05d}-of-00002.gguf").write_bytes(mutate(data, flips, patches, cut) if i == which else data)
     exercise(tmp_path / f"s-{opened + 1:05d}-of-00002.gguf")

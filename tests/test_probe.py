@@ -6,15 +6,11 @@ from __future__ import annotations
 
 import json
 import re
-import socket
-import subprocess
 import sys
-import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
-import httpx
 import pytest
 from typer.testing import CliRunner
 
@@ -26,45 +22,17 @@ from llmdoctor.demo import model_path
 from llmdoctor.errors import InputError
 from llmdoctor.faults import all_faults, get
 from llmdoctor.subjects.endpoint import Endpoint
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from servers import free_port, serve
 
 
 @contextmanager
 def llama_server(model: Path, log: Path) -> Iterator[str]:
     """`python -m llama_cpp.server` on 127.0.0.1 (2 threads, small context), ready, then stopped."""
-    port = _free_port()
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "llama_cpp.server", "--model", str(model), "--host", "127.0.0.1",
-             "--port", str(port), "--n_threads", "2", "--n_threads_batch", "2", "--n_ctx", "1024"],
-            stdout=out, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 180
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"llama_cpp.server exited {proc.returncode}: {log.read_text()[-2000:]}")
-            try:
-                if httpx.get(url + "/v1/models", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"llama_cpp.server not ready after 180 s: {log.read_text()[-2000:]}")
-            time.sleep(0.5)
+    port = free_port()
+    cmd = [sys.executable, "-m", "llama_cpp.server", "--model", str(model), "--host", "127.0.0.1",
+           "--port", str(port), "--n_threads", "2", "--n_threads_batch", "2", "--n_ctx", "1024"]
+    with serve(cmd, port, log, name="llama_cpp.server", health="/v1/models", ready_s=180) as url:
         yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 @pytest.fixture(scope="module")

@@ -7,30 +7,15 @@ a healthy vLLM serving it must be called healthy. CI=true: a missing vLLM enviro
 
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
-import time
 from pathlib import Path
 from typing import Iterator
 
-import httpx
 import pytest
 
 from llmdoctor.checks.probes import probe
 from llmdoctor.demo import model_path
 from llmdoctor.subjects.engines import vllm as vllm_engine
-
-
-@pytest.fixture(scope="module")
-def vllm_python() -> str:
-    path = os.environ.get("LLMDOCTOR_VLLM_PYTHON")
-    if not path or not Path(path).exists():
-        why = f"no vLLM environment (LLMDOCTOR_VLLM_PYTHON={path!r})"
-        if os.environ.get("CI") == "true":
-            pytest.fail(f"CI: {why}; .ci/run builds it")
-        pytest.skip(why)
-    return path
+from servers import free_port, serve
 
 
 def demo_checkpoint(out: Path) -> Path:
@@ -51,42 +36,15 @@ def demo_checkpoint(out: Path) -> Path:
     return out
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def vllm_server(vllm_python: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     ckpt = demo_checkpoint(tmp_path_factory.mktemp("demo-hf"))
     log = tmp_path_factory.mktemp("vllm-server") / "server.log"
-    port = _free_port()
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(vllm_engine.server_command(vllm_python, ckpt, port, dtype="float32", name="demo"),
-                                stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 600
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"vLLM's server exited {proc.returncode}: {log.read_text()[-2000:]}")
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"vLLM's server not ready after 600 s: {log.read_text()[-2000:]}")
-            time.sleep(1)
+    port = free_port()
+    cmd = vllm_engine.server_command(vllm_python, ckpt, port, dtype="float32", name="demo")
+    # stopped by its PID: the server, and with it the engine-core process it started
+    with serve(cmd, port, log, name="vLLM's server", health="/health", ready_s=600, stop_s=30) as url:
         yield url
-    finally:
-        proc.terminate()  # by its PID: the server and the engine-core process it started
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 def test_healthy_vllm_server_is_called_healthy(vllm_server: str) -> None:
