@@ -138,8 +138,9 @@ class _Stats:
 
 class _Pipeline:
     """The forensic statistics on their own thread, one chunk behind the decoder: the decoder fills one
-    of two output buffers while this thread reads the other, so the statistics (several times the
-    decode's work) and the decode share the cores instead of taking turns. Chunks of a tensor reach the
+    of two output buffers while this thread reads the other, so the statistics (about the decode's
+    work with forensics' C passes, bench/RESULTS.md; several times it with its torch fallback) and the
+    decode share the cores instead of taking turns. Chunks of a tensor reach the
     statistics in file order (one thread, one queue). Without the forensics module: no thread."""
 
     def __init__(self, fx: Any, n_values: int):
