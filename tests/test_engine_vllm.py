@@ -159,6 +159,8 @@ def test_gguf_is_skipped_quoting_vllm_then_the_checkpoint_runs(ckpts, vllm_pytho
                             vllm_python, "--engine-dtype", "float32")
     f = by_check(doc)
     assert f["engine-vs-reference"]["status"] == "pass", f["engine-vs-reference"]
+    # the reference reads what vLLM ran (the checkpoint), not the GGUF it could not run
+    assert f["engine-vs-reference"]["metrics"]["reference_reads"] == str(ckpt), f["engine-vs-reference"]
 
 
 def test_check_mapping_asks_the_gguf_plugins_own_map(ckpts, vllm_python, monkeypatch):

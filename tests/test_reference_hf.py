@@ -179,10 +179,12 @@ def test_cli_diagnose_and_logits_from_a_checkpoint(built):
     ckpt, _ = built("qwen2")
     runner = CliRunner()
     ids = ",".join(map(str, IDS))
-    r = runner.invoke(app, ["diagnose", "--hf", str(ckpt), "--engine", "transformers", "--token-ids", ids,
-                            "--threads", "2", "--json"])
+    # no --engine: a checkpoint alone is diagnosed in transformers (not "healthy" on the overflow check alone)
+    r = runner.invoke(app, ["diagnose", "--hf", str(ckpt), "--token-ids", ids, "--threads", "2", "--json"])
     doc = json.loads(r.stdout)
     assert r.exit_code == 0 and doc["verdict"] == "healthy", r.output
+    [evr] = [f for f in doc["findings"] if f["check"] == "engine-vs-reference"]
+    assert evr["status"] == "pass" and evr["subject"] == "transformers", evr
     r = runner.invoke(app, ["logits", "--hf", str(ckpt), "--token-ids", ids, "--top", "3", "--json"])
     assert r.exit_code == 0, r.output
     res = json.loads(r.stdout)["result"]

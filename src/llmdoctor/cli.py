@@ -356,6 +356,8 @@ def diagnose(
         inputs.gguf = model_file(None)  # without a GGUF, an HF checkpoint is the reference's model
     if not any((engine, endpoint, dequant_kernel, attention_impl, hf)):
         inputs.engine = "llama.cpp"  # the demo deployment: the file in the built-in engine
+    elif not any((engine, endpoint, dequant_kernel, attention_impl, gguf)):
+        inputs.engine = "transformers"  # a checkpoint alone: the in-process engine that runs safetensors
     with tempfile.TemporaryDirectory(prefix="llmdoctor-demo-") as tmp:
         if demo_fault:
             demo_faults.apply(demo_fault, inputs, Path(tmp))
@@ -524,74 +526,6 @@ def check_attention(
     raise typer.Exit(code)
 
 
-@check_app.command("sharding")
-@guarded("check.sharding")
-def check_sharding(
-    file: Optional[Path] = typer.Argument(None, help="GGUF file (default: the demo model)."),
-    tp_size: Optional[int] = typer.Option(None, "--tp", help="Tensor-parallel size T (ranks); required."),
-    engine_shards: Optional[Path] = typer.Option(None, "--engine-shards", help="Directory of rank{r}.safetensors: "
-                                                 "the shards an engine's ranks hold (format: README)."),
-    rules: str = typer.Option("vllm", "--rules", help="vllm (MoE experts split by intermediate size) | vllm-ep "
-                              "(whole experts per rank)."),
-    layers: Optional[int] = typer.Option(None, "--layers", help="Only the first N layers (then the output head)."),
-    tokens: int = typer.Option(8, "--tokens", help="Prompt length (seeded random ids over the whole vocabulary)."),
-    seed: int = typer.Option(0, "--seed", help="Seed of the prompt's token ids."),
-    dtype: str = typer.Option("float32", "--dtype", help="float32 | float64: both runs' precision."),
-    device: str = typer.Option("cpu", "--device", help="cpu (gloo, T processes) or cuda (NCCL, one GPU per rank)."),
-    fault: Optional[list[str]] = typer.Option(None, "--fault", help="Also run a planted sharding fault (repeatable; "
-                                              "'list' lists them)."),
-    json_out: bool = typer.Option(False, "--json", help="Print one JSON object on stdout."),
-    json_path: Optional[Path] = typer.Option(None, "--json-out", help="Write the JSON object to PATH (atomically)."),
-    sarif_path: Optional[Path] = sarif_option(),
-) -> None:
-    """Is the model sharded across T tensor-parallel ranks as the engine's rules say? Saved shards, and a
-    reference TP forward (each rank only its shards, the engine's collectives) against one device."""
-    from rich.table import Table
-
-    from .checks import sharding
-    from .checks.base import count, exit_code
-    from .faults import all_faults
-
-    if fault and "list" in fault:
-        for f in all_faults("sharding"):
-            print(f"{f.name}\t{f.description}")
-        return
-    if tp_size is None:
-        raise InputError("--tp T is required (the tensor-parallel size)")
-    if tokens < 1 or (layers is not None and layers < 1):
-        raise InputError("--tokens and --layers must be >= 1")
-    if engine_shards is not None and not engine_shards.is_dir():
-        raise InputError(f"--engine-shards {engine_shards}: not a directory")
-    path = model_file(file)
-    with terminal.stderr.status(f"tensor-parallel forward over {tp_size} ranks"):
-        res = sharding.run(path, tp_size, rules=rules, engine_shards=engine_shards, n_layer=layers, n_tokens=tokens,
-                           seed=seed, dtype=dtype, device=device, faults=fault)
-    code = exit_code(res.findings)
-    verdict = {0: "consistent", 1: "inconsistent", 2: "skipped"}[code]
-    # file=None: the envelope would hash the whole (possibly 400 GB) file; the path is in `model`
-    doc = envelope("check.sharding", argv=sys.argv[1:], verdict=verdict, exit_code=code, findings=res.findings,
-                   model={"path": str(path)}, seed=seed, tp=tp_size, rules=rules, device=device, dtype=dtype,
-                   layers=res.reference.n_layer, points=res.reference.points, roundings=res.reference.roundings,
-                   plans=[{"plan": p.plan, "first_divergence": p.first, "seconds": p.seconds} for p in res.plans],
-                   seconds=res.seconds)
-    emit(doc, False, json_path, sarif_path)
-    if json_out:
-        print(dumps(doc))
-        raise typer.Exit(code)
-    table = Table("status", "plan", "point", "max |diff| / budget", "what")
-    for f in res.findings:
-        if f.status != "pass" or f.target == "first-divergence":
-            ratio = f.metrics.get("max_over_budget")
-            table.add_row(f.status, f.subject, f.target, "" if ratio is None else f"{ratio:.3g}", f.explanation or f.reason)
-    terminal.stdout.print(f"{path.name}: T={tp_size} ({rules} rules), {res.reference.n_layer} layers, {tokens} tokens, "
-                          f"{dtype} on {device}")
-    terminal.stdout.print(table)
-    c = count(res.findings)
-    terminal.stdout.print(f"{verdict}: {c['passed']} passed, {c['failed']} failed, {c['skipped']} skipped "
-                          f"in {res.seconds:.1f} s")
-    raise typer.Exit(code)
-
-
 def _byte_progress(what: str) -> Any:
     """(a transient progress bar on stderr with bytes done and GB/s, its callback (done, total, name))."""
     from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
@@ -627,7 +561,7 @@ def verify(
     gpus: Optional[int] = typer.Option(None, "--gpus", help="Spread the tensors over N ranks (one per GPU with "
                                        "--device cuda, N processes on the CPU), gathered into one report."),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object on stdout."),
-    json_path: Optional[Path] = typer.Option(None, "--json-out", help="Write the JSON object to PATH (atomically)."),
+    json_path: Optional[Path] = json_path_option(),
     sarif_path: Optional[Path] = sarif_option(),
 ) -> None:
     """Decode every block of every tensor: finite values, per-tensor statistics, forensics; exit 1 on a fault."""
@@ -699,13 +633,12 @@ def diff(
     a: Path = typer.Argument(..., help="GGUF file (or any shard of a split model)."),
     b: Path = typer.Argument(..., help="GGUF file (or shard), or an HF checkpoint directory."),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object on stdout."),
-    json_path: Optional[Path] = typer.Option(None, "--json-out", help="Write the JSON object to PATH (atomically)."),
+    json_path: Optional[Path] = json_path_option(),
 ) -> None:
     """Are A and B the same model? Metadata and tensors added, removed or changed, with the numbers."""
     from .checks import diff as D
     from .checks.base import count, exit_code
 
-    check_writable(json_path)
     for p in (a, b):
         if not p.exists():
             raise InputError(f"{p}: no such file or directory")
@@ -720,15 +653,80 @@ def diff(
     verdict = {0: "same", 1: "different", 2: "skipped"}[code]
     doc = envelope("diff", argv=sys.argv[1:], verdict=verdict, exit_code=code, findings=res.findings,
                    a=res.a, b=res.b, kind=res.kind, summary=res.summary, seconds=res.seconds)
-    if json_path is not None:
-        write_atomic(json_path, dumps(doc))
-    if json_out:
-        print(dumps(doc))
+    emit(doc, json_out, json_path)
     if not json_out:
         _findings_table(res.findings, f"{a} vs {b}")
         c = count(res.findings)
         terminal.stdout.print(f"{verdict}: {c['failed']} difference(s), {c['passed']} passed, {c['skipped']} skipped "
                               f"in {res.seconds:.1f} s")
+    raise typer.Exit(code)
+
+
+@check_app.command("sharding")
+@guarded("check.sharding")
+def check_sharding(
+    file: Optional[Path] = typer.Argument(None, help="GGUF file (default: the demo model)."),
+    tp_size: Optional[int] = typer.Option(None, "--tp", help="Tensor-parallel size T (ranks); required."),
+    engine_shards: Optional[Path] = typer.Option(None, "--engine-shards", help="Directory of rank{r}.safetensors: "
+                                                 "the shards an engine's ranks hold (format: README)."),
+    rules: str = typer.Option("vllm", "--rules", help="vllm (MoE experts split by intermediate size) | vllm-ep "
+                              "(whole experts per rank)."),
+    layers: Optional[int] = typer.Option(None, "--layers", help="Only the first N layers (then the output head)."),
+    tokens: int = typer.Option(8, "--tokens", help="Prompt length (seeded random ids over the whole vocabulary)."),
+    seed: int = typer.Option(0, "--seed", help="Seed of the prompt's token ids."),
+    dtype: str = typer.Option("float32", "--dtype", help="float32 | float64: both runs' precision."),
+    device: str = typer.Option("cpu", "--device", help="cpu (gloo, T processes) or cuda (NCCL, one GPU per rank)."),
+    fault: Optional[list[str]] = typer.Option(None, "--fault", help="Also run a planted sharding fault (repeatable; "
+                                              "'list' lists them)."),
+    json_out: bool = typer.Option(False, "--json", help="Print one JSON object on stdout."),
+    json_path: Optional[Path] = typer.Option(None, "--json-out", help="Write the JSON object to PATH (atomically)."),
+    sarif_path: Optional[Path] = sarif_option(),
+) -> None:
+    """Is the model sharded across T tensor-parallel ranks as the engine's rules say? Saved shards, and a
+    reference TP forward (each rank only its shards, the engine's collectives) against one device."""
+    from rich.table import Table
+
+    from .checks import sharding
+    from .checks.base import count, exit_code
+    from .faults import all_faults
+
+    if fault and "list" in fault:
+        for f in all_faults("sharding"):
+            print(f"{f.name}\t{f.description}")
+        return
+    if tp_size is None:
+        raise InputError("--tp T is required (the tensor-parallel size)")
+    if tokens < 1 or (layers is not None and layers < 1):
+        raise InputError("--tokens and --layers must be >= 1")
+    if engine_shards is not None and not engine_shards.is_dir():
+        raise InputError(f"--engine-shards {engine_shards}: not a directory")
+    path = model_file(file)
+    with terminal.stderr.status(f"tensor-parallel forward over {tp_size} ranks"):
+        res = sharding.run(path, tp_size, rules=rules, engine_shards=engine_shards, n_layer=layers, n_tokens=tokens,
+                           seed=seed, dtype=dtype, device=device, faults=fault)
+    code = exit_code(res.findings)
+    verdict = {0: "consistent", 1: "inconsistent", 2: "skipped"}[code]
+    # file=None: the envelope would hash the whole (possibly 400 GB) file; the path is in `model`
+    doc = envelope("check.sharding", argv=sys.argv[1:], verdict=verdict, exit_code=code, findings=res.findings,
+                   model={"path": str(path)}, seed=seed, tp=tp_size, rules=rules, device=device, dtype=dtype,
+                   layers=res.reference.n_layer, points=res.reference.points, roundings=res.reference.roundings,
+                   plans=[{"plan": p.plan, "first_divergence": p.first, "seconds": p.seconds} for p in res.plans],
+                   seconds=res.seconds)
+    emit(doc, False, json_path, sarif_path)
+    if json_out:
+        print(dumps(doc))
+        raise typer.Exit(code)
+    table = Table("status", "plan", "point", "max |diff| / budget", "what")
+    for f in res.findings:
+        if f.status != "pass" or f.target == "first-divergence":
+            ratio = f.metrics.get("max_over_budget")
+            table.add_row(f.status, f.subject, f.target, "" if ratio is None else f"{ratio:.3g}", f.explanation or f.reason)
+    terminal.stdout.print(f"{path.name}: T={tp_size} ({rules} rules), {res.reference.n_layer} layers, {tokens} tokens, "
+                          f"{dtype} on {device}")
+    terminal.stdout.print(table)
+    c = count(res.findings)
+    terminal.stdout.print(f"{verdict}: {c['passed']} passed, {c['failed']} failed, {c['skipped']} skipped "
+                          f"in {res.seconds:.1f} s")
     raise typer.Exit(code)
 
 

@@ -61,8 +61,8 @@ class Inputs:
     engine_gguf: Path | None = None  # the file the engine loads when it differs from --gguf (demo faults)
     engine_hf: Path | None = None  # the checkpoint the engine loads when it differs from --hf (planted faults)
     engine_dtype: str | None = None
-    engine_python: str | None = None  # the deployment's interpreter for engines run in their own environment (vLLM)
     manifest: Path | None = None  # a manifest of a known-good copy (llmdoctor manifest): compared in file-integrity
+    engine_python: str | None = None  # the deployment's interpreter for engines run in their own environment (vLLM)
     dequant_kernel: str | None = None
     attention_impl: str | None = None
     attention_contract: str | None = None
@@ -114,6 +114,9 @@ class Session:
         # on), which the emulated run's Q8 rounding would turn into another noise budget: pinned, so that
         # the same command gives the same budgets (issue 18).
         self.threads = inputs.threads or torch.get_num_threads()
+        # set when vLLM could not run --gguf and ran --hf DIR instead: from then on the reference reads
+        # that checkpoint too, so the engine is compared with the model it ran, not the quantized file
+        self.engine_ran_checkpoint: Path | None = None
 
     @contextlib.contextmanager
     def pinned_threads(self) -> Iterator[None]:
@@ -135,6 +138,8 @@ class Session:
         """The HF checkpoint directory the reference reads (--hf DIR with safetensors and no --gguf), or None."""
         from .reference.checkpoint import is_checkpoint
 
+        if self.engine_ran_checkpoint is not None:
+            return self.engine_ran_checkpoint
         hf = self.inputs.hf
         return Path(hf) if self.inputs.gguf is None and hf is not None and is_checkpoint(hf) else None
 
@@ -145,10 +150,11 @@ class Session:
         return self.inputs.gguf
 
     def reference_path(self) -> Path:
-        """What the reference reads: the GGUF, else the HF checkpoint directory (reference/checkpoint.py)."""
-        if self.inputs.gguf is not None:
-            return self.inputs.gguf
+        """What the reference reads: the GGUF, else the HF checkpoint directory (reference/checkpoint.py)
+        -- also when the engine ran the checkpoint in place of a GGUF it could not run."""
         ckpt = self.checkpoint()
+        if self.inputs.gguf is not None and ckpt is None:
+            return self.inputs.gguf
         if ckpt is None:
             raise Skip("no model for the reference (--gguf FILE, or --hf DIR with config.json and safetensors)")
         return ckpt
@@ -162,8 +168,8 @@ class Session:
     def config(self):
         from .reference.config import from_gguf, from_hf
 
-        if self.inputs.gguf is None:
-            return self.once("config", lambda: from_hf(self.reference_path()))
+        if self.checkpoint() is not None:
+            return self.once(f"config-{self.reference_path()}", lambda: from_hf(self.reference_path()))
         return self.once("config", lambda: from_gguf(self.gguf()))
 
     def tokens(self) -> list[int]:
@@ -209,7 +215,7 @@ class Session:
 
             return load(self.reference_path(), dtype=getattr(torch, dtype), cache=True)
 
-        return self.once(f"model-{dtype}", make)
+        return self.once(f"model-{dtype}-{self.reference_path()}", make)
 
     def reference(self, dtype: str = "float32", emulate: str | None = None):
         """(logits [T, V], captures, per-layer stats) of the reference run in `dtype`, optionally with
@@ -226,7 +232,7 @@ class Session:
                                              emulate=LLAMA_CPP_CPU if emulate == "llama.cpp" else None, extra=extra)
             return logits, caps, [st.as_dict() for st in model.stats]
 
-        return self.once(f"reference-{dtype}-{emulate}", make)
+        return self.once(f"reference-{dtype}-{emulate}-{self.reference_path()}", make)
 
     def close(self) -> None:
         for key, value in self._cache.items():
@@ -300,9 +306,11 @@ class Session:
             hf = self.inputs.hf
             if Path(path).suffix != ".gguf" or hf is None or not is_checkpoint(hf):
                 raise
-            self.progress(f"vLLM could not run the GGUF ({e}); running the checkpoint {hf}")
+            self.progress(f"vLLM could not run the GGUF ({e}); running the checkpoint {hf}, the reference too")
             run = vllm.run(python, hf, self.tokens(), dtype=dtype, threads=self.inputs.threads)
             run.info["gguf_error"] = str(e)
+            run.info["reference_reads"] = str(hf)
+            self.engine_ran_checkpoint = Path(hf)
         run.info["python"] = python
         cfg = self.config()
         return run.logits, vllm.reference_layout(run.captures, rope_neox=cfg.rope_neox, rope_dim=cfg.rope_dim), run.info
@@ -644,7 +652,8 @@ def h_engine_vs_reference(s: Session) -> list[Finding]:
                        top1_flips_beyond_noise=int(by["top1"].value), worst_position=worst["position"])
         budget.update(kl_mean_limit=by["kl"].limit, kl_noise_mean=by["kl"].noise,
                       top1_flips_allowed=int(by["top1"].limit))
-    metrics.update(positions=got.shape[0], failed_criteria=[c.name for c in failed])
+    metrics.update(positions=got.shape[0], failed_criteria=[c.name for c in failed],
+                   reference_reads=str(s.reference_path()))
     return [_finding(
         "engine-vs-reference", s.inputs.engine, "next-token distributions", "fail" if failed else "pass",
         confidence="high", hypothesis="the engine computes the model's distribution", metrics=metrics,
@@ -950,9 +959,9 @@ def plan(inputs: Inputs) -> list[Hypothesis]:
         Hypothesis("dsa-selection", "Does the engine's sparse-attention indexer select the reference's keys?",
                    h_dsa_selection),
         Hypothesis("moe-routing", "Does the engine route tokens to the reference's experts?", h_moe_routing),
-        Hypothesis("engine-finite", "Does the engine compute finite numbers?", h_engine_finite),
         Hypothesis("engine-backends", "Which attention backends does vLLM select, and did it build them?",
                    h_engine_backends),
+        Hypothesis("engine-finite", "Does the engine compute finite numbers?", h_engine_finite),
         Hypothesis("engine-vs-reference", "Does the engine compute the model's distribution?",
                    h_engine_vs_reference),
         Hypothesis("symptom-bisection", "Which symptom class does the endpoint show?", h_symptom_bisection),
