@@ -13,6 +13,7 @@ import torch
 from bitcheck import assert_bits_equal, bits_equal
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 
+from llmdoctor import native
 from llmdoctor.gguf import dequant, dequant_native
 from llmdoctor.gguf.dequant import dequantize
 
@@ -71,7 +72,7 @@ def test_a_stale_build_is_refused(monkeypatch):
 
 
 def test_without_the_library_the_reason_is_given(monkeypatch):
-    monkeypatch.setattr(dequant_native.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(native.importlib.util, "find_spec", lambda name: None)
     lib, why = dequant_native._load()
     assert lib is None and "not built" in why
 

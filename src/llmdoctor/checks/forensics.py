@@ -26,7 +26,6 @@ tensor's statistics move with it; a permutation of rows keeps every value). Thos
 from __future__ import annotations
 
 import ctypes
-import importlib.util
 import math
 import re
 import threading
@@ -41,6 +40,7 @@ import torch
 from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as QT
 
+from ..native import load_extension
 from .base import Finding
 
 CHECK = "forensics"
@@ -283,14 +283,8 @@ _NATIVE_ABI = 2  # llmd_fx_abi() of the C code this module calls
 
 def _load_native() -> ctypes.CDLL | None:
     """The C passes (built by setup.py as an optional extension), or None: then the torch passes."""
-    spec = importlib.util.find_spec("llmdoctor.checks._forensics_native")
-    if spec is None or not spec.origin:
-        return None
-    try:
-        lib = ctypes.CDLL(spec.origin)
-        if lib.llmd_fx_abi() != _NATIVE_ABI:
-            return None
-    except (OSError, AttributeError):
+    lib, _ = load_extension("llmdoctor.checks._forensics_native", "llmd_fx_abi", _NATIVE_ABI)
+    if lib is None:
         return None
     lib.llmd_fx_scan.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
     lib.llmd_fx_central.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p]

@@ -11,7 +11,6 @@ gguf-py). A tensor is one call through ctypes (which releases the GIL); the C po
 from __future__ import annotations
 
 import ctypes
-import importlib.util
 import os
 import threading
 from typing import Callable
@@ -21,6 +20,7 @@ import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 
+from ..native import load_extension
 from .dequant import register
 
 _MODULE = "llmdoctor.gguf._dequant_native"
@@ -38,17 +38,12 @@ _IQ4_KVALUES = np.array(gq.IQ4_NL.kvalues, dtype=np.int8)
 
 def _load() -> tuple[ctypes.CDLL | None, str]:
     """(library, "") or (None, why not)."""
-    spec = importlib.util.find_spec(_MODULE)
-    if spec is None or not spec.origin:
-        return None, "the native kernels were not built (no C compiler at install time?)"
-    try:
-        lib = ctypes.CDLL(spec.origin)
-        abi = lib.llmd_dq_abi()
-        missing = [name for name, _ in _FUNCTIONS.values() if not hasattr(lib, name)]
-    except (OSError, AttributeError) as e:
-        return None, f"cannot load {spec.origin} ({e}): rebuild it (pip install -e .)"
-    if abi != _ABI or missing or not hasattr(lib, "llmd_dq_parallel"):
-        return None, f"{spec.origin} is a stale build (interface {abi}, expected {_ABI}): rebuild it (pip install -e .)"
+    lib, why = load_extension(_MODULE, "llmd_dq_abi", _ABI)
+    if lib is None:
+        return None, why
+    missing = [name for name, _ in _FUNCTIONS.values() if not hasattr(lib, name)]
+    if missing or not hasattr(lib, "llmd_dq_parallel"):
+        return None, f"{_MODULE} is a stale build (no {', '.join(missing) or 'llmd_dq_parallel'}): rebuild it (pip install -e .)"
     lib.llmd_dq_layout.restype = ctypes.c_char_p
     layout = {}
     for item in lib.llmd_dq_layout().decode().split():
@@ -56,7 +51,7 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
         layout[T[name]] = (int(block_size), int(type_size))
     for q in _FUNCTIONS:
         if layout.get(q) != GGML_QUANT_SIZES[q]:
-            return None, (f"{spec.origin} assumes {q.name} blocks of {layout.get(q)} (values, bytes); "
+            return None, (f"{_MODULE} assumes {q.name} blocks of {layout.get(q)} (values, bytes); "
                           f"gguf says {GGML_QUANT_SIZES[q]}: rebuild it")
     return lib, ""
 
