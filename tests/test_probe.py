@@ -5,6 +5,7 @@ classified as expected. One server per model file; the proxy faults share the he
 from __future__ import annotations
 
 import json
+import math
 import re
 import sys
 from contextlib import contextmanager
@@ -108,7 +109,12 @@ def test_healthy_real_server_with_reference(server: str) -> None:
     ref = next(f for f in rep.findings if f.target == "reference")
     assert ref.status == "pass" and ref.metrics["top1_agreement"] == 1.0
     assert ref.metrics["kl_max"] <= THRESHOLDS["reference_kl_max"]["value"]
-    assert any(r["probe"].startswith("echo/") for r in ref.evidence)  # per prompt position
+    assert any(r.get("probe", "").startswith("echo/") for r in ref.evidence)  # per prompt position
+    # llama-cpp-python ignores return_tokens_as_token_ids: compared by text, the collisions stated
+    assert rep.features["top_logprobs_keys"] == ref.metrics["top_logprobs_keys"] == "text"
+    assert ref.evidence[0]["note"] == f"top_logprobs keyed by text: {ref.metrics['colliding_pieces']} " \
+        "colliding pieces (each stands for more than one token id: their reference probabilities are summed, " \
+        "the server lists one of them)"
     assert next(f for f in rep.findings if f.target == "echo/tokens").status == "pass"
     print(f"\nhealthy probe: {rep.wall_s:.0f} s, {rep.n_requests} requests, reference KL max "
           f"{ref.metrics['kl_max']:.2e} mean {ref.metrics['kl_mean']:.2e}")
@@ -242,3 +248,70 @@ def test_malformed_logprobs_are_an_endpoint_error():
 
     with pytest.raises(EndpointError, match="malformed"):
         _completion("http://x", {"choices": [{"text": "a", "logprobs": {"content": [{"logprob": -1.0}]}}]}, chat=False)
+
+
+def _stub_endpoint(honours_ids: bool, detokenize: bool = True) -> tuple[Endpoint, list[dict]]:
+    """An Endpoint over a stub transport answering one completion like vLLM does (top_logprobs keyed
+    "token_id:<id>" when the request sets return_tokens_as_token_ids) or like a server that ignores
+    the field (keyed by text). Token ids 7001 and 7002 both decode to "a": a text collision."""
+    import httpx
+
+    texts = {7001: "a", 7002: "a", 7003: "b"}
+    bodies: list[dict] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content)
+        bodies.append(body)
+        if request.url.path == "/detokenize":
+            if not detokenize:
+                return httpx.Response(404, json={"detail": "Not Found"})
+            return httpx.Response(200, json={"prompt": "".join(texts[i] for i in body["tokens"])})
+        top = {7001: -0.2, 7002: -1.9, 7003: -3.0}
+        if honours_ids and body.get("return_tokens_as_token_ids"):
+            key = {i: f"token_id:{i}" for i in texts}
+        else:
+            key = texts  # the server keeps one of the colliding pieces
+        lp = {"tokens": [key[7001]], "token_logprobs": [-0.2], "top_logprobs": [{key[i]: v for i, v in top.items()}]}
+        return httpx.Response(200, json={"choices": [{"text": "a", "finish_reason": "length", "logprobs": lp}]})
+
+    ep = Endpoint("http://stub", model="m", retries=0)
+    ep._client = httpx.Client(base_url="http://stub", transport=httpx.MockTransport(handler))
+    return ep, bodies
+
+
+@pytest.mark.parametrize("honours_ids, detokenize", [(True, True), (False, True), (True, False)])
+def test_logprobs_by_token_id_where_the_server_honours_it(honours_ids: bool, detokenize: bool) -> None:
+    ep, bodies = _stub_endpoint(honours_ids, detokenize)
+    c = ep.complete("x", logprobs=3)
+    assert bodies[0]["return_tokens_as_token_ids"] is True  # always asked
+    assert c.tokens == ["a"] and not ep.events
+    if honours_ids and detokenize:
+        assert c.token_ids == [7001] and c.top_ids == [{7001: -0.2, 7002: -1.9, 7003: -3.0}]
+        assert c.step(0) == c.top_ids[0] and set(c.top_logprobs[0]) == {"a", "b"}  # text collides, ids do not
+        ep.complete("x", logprobs=3)
+        assert sum(b.get("tokens") is not None for b in bodies) == 3  # /detokenize once per id (cached)
+    else:
+        assert c.token_ids is None and c.top_ids is None and set(c.step(0)) == {"a", "b"}
+    if honours_ids and not detokenize:  # ids nobody can name: asked again for text, and from then on
+        assert not ep.token_ids and "return_tokens_as_token_ids" not in bodies[-1]
+    ep.close()
+
+
+def test_comparisons_use_ids_where_both_answers_have_them() -> None:
+    """Two answers whose top-1 differs in id but not in text ("a" is ids 1 and 2): by id it is a
+    difference, by text (what a text-keyed server shows) it is not."""
+    from llmdoctor.checks.probes import _id_lookup, compare_completions
+    from llmdoctor.subjects.endpoint import Completion
+
+    def answer(top_ids: dict[int, float]) -> Completion:
+        return Completion("a", "length", {}, tokens=["a"], token_logprobs=[-0.1], top_logprobs=[{"a": -0.1}],
+                          token_ids=[max(top_ids, key=top_ids.get)], top_ids=[top_ids])
+
+    a, b = answer({1: -0.1, 2: -2.4}), answer({2: -0.1, 1: -2.4})
+    assert not compare_completions(a, b)["top1_agree"]
+    assert compare_completions(*(Completion(**{**x.__dict__, "top_ids": None}) for x in (a, b)))["same"]
+    import torch
+
+    lp = torch.tensor([0.1, 0.6, 0.3]).log()  # the reference's [V] log-probs
+    assert _id_lookup(lp, {0: -1.0, 5: -2.0}) == {0: pytest.approx(float(lp[0])), 5: -math.inf,
+                                                  1: pytest.approx(float(lp[1]))}

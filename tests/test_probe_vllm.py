@@ -54,3 +54,7 @@ def test_healthy_vllm_server_is_called_healthy(vllm_server: str) -> None:
     assert rep.features["tokenize_route"] == "/tokenize"
     ref = next(f for f in rep.findings if f.target == "reference")
     assert ref.status == "pass" and ref.metrics["kl_max"] < 1e-4, ref.metrics
+    # the probe asked for token ids and vLLM honoured them: every comparison was by id, no collisions
+    assert rep.features["top_logprobs_keys"] == ref.metrics["top_logprobs_keys"] == "token ids"
+    assert ref.metrics["colliding_pieces"] == 0 and ref.evidence[0]["note"] == "compared by token id"
+    assert all(isinstance(r["server_top"][0][0], int) for r in ref.evidence[1:]), ref.evidence

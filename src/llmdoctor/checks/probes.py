@@ -18,6 +18,10 @@ What a user can see from outside is text and top-k log-probs. The probes turn th
   KL and top-1 agreement per probe position (and per echoed prompt position) through
   `metrics.topk_tail`, after checking the server's tokenization against the GGUF's.
 
+Tokens are compared by id where the server returns log-probs keyed by token id (every request asks,
+subjects/endpoint.py; vLLM honours it), else by decoded text, where tokens of the same text collide:
+the reference finding then says how many of the listed pieces stand for more than one id.
+
 Every threshold is in `THRESHOLDS` with its derivation; the report shows them. A server that errors,
 times out, returns malformed JSON or omits logprobs is never called healthy.
 """
@@ -146,12 +150,21 @@ def batch_requests(n: int) -> list[tuple[str, int]]:
     return (fixed + more)[:n]
 
 
+def step_pair(a: Completion, ja: int, b: Completion, jb: int) -> tuple[dict[Any, float], dict[Any, float]]:
+    """Step ja of `a` and step jb of `b`, both keyed by token id where both answers carry ids, else by text."""
+    if a.top_ids is not None and b.top_ids is not None:
+        return a.step(ja), b.step(jb)
+    return (a.top_logprobs or [])[ja] or {}, (b.top_logprobs or [])[jb] or {}
+
+
 def compare_completions(a: Completion, b: Completion) -> dict[str, Any]:
     """Two answers to the same greedy request: same text, each step's top-k + tail KL
-    (metrics.topk_tail) and the chosen tokens' |delta log-prob|, against the same-distribution and
-    determinism thresholds. (Not every listed log-prob: the unlikely ones move by 0.17 nats on a
-    healthy server when the prompt cache changes the batch split, while the KL moves by 6e-4.)"""
-    steps = [topk_tail(y or {}, x or {}) for x, y in zip(a.top_logprobs or [], b.top_logprobs or [])]
+    (metrics.topk_tail, by token id where both have ids) and the chosen tokens' |delta log-prob|,
+    against the same-distribution and determinism thresholds. (Not every listed log-prob: the
+    unlikely ones move by 0.17 nats on a healthy server when the prompt cache changes the batch
+    split, while the KL moves by 6e-4.)"""
+    n = min(len(a.top_logprobs or []), len(b.top_logprobs or []))
+    steps = [topk_tail(*reversed(step_pair(a, j, b, j))) for j in range(n)]
     kls = [m["kl"] for m in steps]
     chosen = [abs(x - y) for x, y in zip(a.token_logprobs or [], b.token_logprobs or [])
               if x is not None and y is not None]
@@ -242,10 +255,12 @@ class Prober:
         self.subject = ep.base
         self.greedy: Completion | None = None  # the counting probe, 3 greedy tokens
         self.answers: dict[tuple[str, int], Completion] = {}  # (prompt, max_tokens) -> knowledge answer
-        self.knowledge_steps: dict[str, dict[str, float]] = {}  # probe -> its first step's top-k
-        self.position_steps: dict[int, dict[str, float]] = {}  # counting-run length -> top-k
+        self.knowledge_steps: dict[str, Completion] = {}  # probe -> its answer (step 0: the probe's top-k)
+        self.position_steps: dict[int, Completion] = {}  # counting-run length -> its answer (step 0)
         self.server_ids: dict[str, list[int]] = {}  # text -> the server's token ids
-        self.echo_steps: list[tuple[str, list[int], dict[str, float]]] = []  # (name, ids before, top-k after)
+        self.echo_steps: list[tuple[str, list[int], Completion, int]] = []  # (name, ids before, echo, step)
+        if gguf is not None:  # the ids' text from the file's vocabulary (the tokenization step checks it is the server's)
+            ep.pieces = self._piece
 
     # -- plumbing --------------------------------------------------------------------------
 
@@ -345,7 +360,8 @@ class Prober:
                 self.greedy = c
             self.answers[(probe.prompt, n)] = c
             top = c.top_logprobs[0] or {}
-            self.knowledge_steps[probe.name] = top
+            self.knowledge_steps[probe.name] = c
+            self.features.setdefault("top_logprobs_keys", "token ids" if c.top_ids is not None else "text")
             st = expected_stats(top, probe.expect)
             tt = topk_tail(top, top)
             metrics = {**st, "tail_mass": tt["tail_got"], "topk_entropy": tt["entropy_got"],
@@ -469,7 +485,7 @@ class Prober:
             if not self._with_logprobs(f"position/{n}", c):
                 continue
             top = c.top_logprobs[0] or {}
-            self.position_steps[n] = top
+            self.position_steps[n] = c
             st = expected_stats(top, expect)
             rows.append({"n": n, "prompt_tokens": c.usage.get("prompt_tokens"), **st})
         if len(rows) < 2:
@@ -507,7 +523,7 @@ class Prober:
             c = self._complete(f"prefill-vs-decode/{j}", text, max_tokens=1, logprobs=self.k)
             if not self._with_logprobs(f"prefill-vs-decode/{j}", c):
                 continue
-            m = topk_tail(g.top_logprobs[j] or {}, c.top_logprobs[0] or {})
+            m = topk_tail(*step_pair(g, j, c, 0))
             failed |= not (m["kl"] <= _t("same_distribution_kl_max") and m["top1_agree"])
             rows.append({"step": j, **m, "decode": _top(g.top_logprobs[j] or {}, 3),
                          "prefill": _top(c.top_logprobs[0] or {}, 3)})
@@ -564,12 +580,12 @@ class Prober:
                 ids = ours
         if ids is not None and len(ids) - len(body) in (0, 1):
             lead = len(ids) - len(body)  # ids before the text's first token (BOS)
-            self.echo_steps = [(f"echo/{i}", ids[:lead + i], top)
+            self.echo_steps = [(f"echo/{i}", ids[:lead + i], c, n_bos + i)
                                for i, top in enumerate(body_tops) if top and lead + i > 0]
         rows, failed = [], False
         for j in (0, 1):  # greedy token j sits at echoed position n_prompt - 2 + j
             top = tops[len(echoed) - 2 + j] or {}
-            m = topk_tail(g.top_logprobs[j] or {}, top)
+            m = topk_tail(*step_pair(g, j, c, len(echoed) - 2 + j))
             failed |= not (m["kl"] <= _t("same_distribution_kl_max") and m["top1_agree"])
             rows.append({"step": j, **m, "decode": _top(g.top_logprobs[j] or {}, 3), "echo": _top(top, 3)})
         self._find("echo", "fail" if failed else "pass", "decode-only" if failed else None,
@@ -583,6 +599,16 @@ class Prober:
     def _vocab(self) -> Any:
         """The GGUF's tokenizer (reference/tokenizer.py), or None without --gguf."""
         return _reference_for(self.gguf).tok if self.gguf is not None else None
+
+    def _named_top(self, d: dict[Any, float]) -> list[list[Any]]:
+        """The 3 most likely entries of a step; an id is shown with its text."""
+        return [[k, self.ep.piece(k), v] if isinstance(k, int) else [k, v] for k, v in _top(d, 3)]
+
+    def _piece(self, token_id: int) -> str | None:
+        """The text of a token id in the GGUF's vocabulary (special tokens as their text, as servers
+        key them); None outside it."""
+        tok = self._vocab()
+        return tok.piece(token_id, special=True).decode("utf-8", "replace") if 0 <= token_id < tok.n_vocab else None
 
     def front_end(self) -> None:
         self.tokenization()
@@ -757,38 +783,52 @@ class Prober:
             self._find("reference", "skip", reason="no --gguf given")
             return
         tok = self._vocab()
-        # (name, text, the server's top-k at the end of text)
-        items = [(f"knowledge/{p.name}", p.prompt, self.knowledge_steps.get(p.name))
+        # (name, text, the answer, its step whose top-k is the server's at the end of text)
+        items = [(f"knowledge/{p.name}", p.prompt, self.knowledge_steps.get(p.name), 0)
                  for p in knowledge_probes(self.seed)]
-        items += [(f"position/{n}", counting_run(n)[0], top) for n, top in self.position_steps.items()]
-        if self.greedy is not None and self.greedy.tokens:
-            items += [(f"decode/{j}", COUNT_PROMPT + "".join(self.greedy.tokens[:j]), self.greedy.top_logprobs[j])
-                      for j in range(1, len(self.greedy.tokens))]
-        items = [it for it in items if it[2]]
-        seqs: list[tuple[str, list[int], dict[str, float]]] = []
-        for name, text, top in items:
+        items += [(f"position/{n}", counting_run(n)[0], c, 0) for n, c in self.position_steps.items()]
+        g = self.greedy
+        if g is not None and g.tokens:
+            items += [(f"decode/{j}", COUNT_PROMPT + "".join(g.tokens[:j]), g, j) for j in range(1, len(g.tokens))]
+        items = [it for it in items if it[2] is not None and it[2].step(it[3])]
+        seqs: list[tuple[str, list[int], Completion, int]] = []
+        for name, text, c, j in items:
             ids = self.server_ids.get(text)
+            if name.startswith("decode/") and g.token_ids is not None and self.server_ids.get(COUNT_PROMPT):
+                ids = self.server_ids[COUNT_PROMPT] + g.token_ids[:j]  # the very ids the server decoded
             if ids is None and self.features.get("tokenize_route"):
                 ids = self._tokenize(text)
             if ids is None and tok is not None:
                 ids = tok.encode(text)
             if ids:
-                seqs.append((name, ids, top))
+                seqs.append((name, ids, c, j))
         seqs += self.echo_steps
         if not seqs or tok is None:
             self._find("reference", "skip", reason="no token ids for the probe texts")
             return
         self.progress(f"  reference forward pass on {self.gguf} ({len(seqs)} positions)")
         ref = _reference_for(self.gguf)
-        last = ref.last_logprobs([ids for _, ids, _ in seqs])
-        rows = []
-        for name, ids, top in seqs:
-            want, collisions = ref.groups.lookup(last[tuple(ids)], top)
+        last = ref.last_logprobs([ids for _, ids, _, _ in seqs])
+        rows, colliding = [], set()
+        by_ids = all(c.top_ids is not None for _, _, c, _ in seqs)
+        for name, ids, c, j in seqs:
+            if by_ids:
+                top = c.step(j)
+                want, collisions = _id_lookup(last[tuple(ids)], top), []
+            else:
+                top = (c.top_logprobs or [])[j] or {}
+                want, collisions = ref.groups.lookup(last[tuple(ids)], top)
+            colliding.update(collisions)
             m = topk_tail(top, want, want_complete=True)
             rows.append({"probe": name, "position": len(ids) - 1, "kl": m["kl"], "top1_agree": m["top1_agree"],
                          "tail_server": m["tail_got"], "tail_reference": m["tail_want"],
-                         "string_collisions": collisions, "server_top": _top(top, 3), "reference_top": _top(want, 3)})
+                         "string_collisions": collisions, "server_top": self._named_top(top),
+                         "reference_top": self._named_top(want)})
         rows.sort(key=lambda r: r["position"])
+        keys = "token ids" if by_ids else "text"
+        note = {"top_logprobs_keys": keys, "note": "compared by token id" if by_ids else
+                f"top_logprobs keyed by text: {len(colliding)} colliding pieces (each stands for more than "
+                "one token id: their reference probabilities are summed, the server lists one of them)"}
         bad = [r for r in rows if r["kl"] > _t("reference_kl_max") or not r["top1_agree"]]
         rho = spearman([r["position"] for r in rows], [r["kl"] for r in rows])
         position_dependent = bool(bad) and rows[0] not in bad and rho >= _t("position_trend_min")
@@ -797,8 +837,9 @@ class Prober:
         self._find("reference", status, symptom,
                    metrics={"kl_max": max(r["kl"] for r in rows), "kl_mean": sum(r["kl"] for r in rows) / len(rows),
                             "top1_agreement": sum(r["top1_agree"] for r in rows) / len(rows), "positions": len(rows),
-                            "kl_position_spearman": rho},
-                   budget={"kl_max": _t("reference_kl_max"), "top1_agree": True}, evidence=rows,
+                            "kl_position_spearman": rho, "top_logprobs_keys": keys,
+                            "colliding_pieces": len(colliding)},
+                   budget={"kl_max": _t("reference_kl_max"), "top1_agree": True}, evidence=[note, *rows],
                    hypothesis="the server's next-token distributions equal the reference forward pass on the same ids",
                    explanation="" if not bad else (
                        "agrees at short positions, diverges at long ones" if position_dependent
@@ -852,8 +893,17 @@ def _skipped_end_token(c: Completion, markers: set[str]) -> dict[str, Any] | Non
     return None
 
 
-def _top(d: dict[str, float], n: int) -> list[list[Any]]:
+def _top(d: dict[Any, float], n: int) -> list[list[Any]]:
     return [[k, round(v, 4)] for k, v in sorted(d.items(), key=lambda kv: -kv[1])[:n]]
+
+
+def _id_lookup(lp: Any, keys: dict[int, float]) -> dict[int, float]:
+    """{id: reference log-prob} for the server's listed ids (-inf outside the reference's vocabulary)
+    and the reference's most likely id. lp: [V] log-probs."""
+    out = {k: float(lp[k]) if 0 <= k < len(lp) else -math.inf for k in keys}
+    best = int(lp.argmax())
+    out[best] = float(lp[best])
+    return out
 
 
 def _leading(ids: list[int], bos: int | None):

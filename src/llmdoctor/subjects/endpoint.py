@@ -4,6 +4,11 @@ Speaks the OpenAI REST shapes (/v1/models, /v1/completions with legacy `logprobs
 /v1/chat/completions, server-sent events for `stream`), plus the tokenize routes of the engines we
 know (llama-cpp-python `/extras/tokenize`, llama.cpp server and vLLM `/tokenize`).
 
+Log-probs by token id: every completion and chat request sets vLLM's `return_tokens_as_token_ids`
+(vLLM's protocol.py: tokens and top_logprobs keys become "token_id:<id>"); llama.cpp's servers ignore
+the unknown field. Where the server honours it, a `Completion` carries the ids and the text of each
+id (the caller's `pieces`, else the server's `/detokenize`); elsewhere only the decoded text.
+
 The API key is read from an environment variable and only ever placed in the Authorization header;
 it is never part of an error, a repr or a report. Every failed attempt (connection error, timeout,
 HTTP 5xx/429, malformed JSON) is recorded in `Endpoint.events`, also when a retry recovered it,
@@ -14,15 +19,17 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import httpx
 
 from ..errors import InputError, LLMDoctorError
 
 _RETRY_STATUS = {429, 500, 502, 503, 504}
+_TOKEN_ID = re.compile(r"token_id:(\d+)")  # vLLM's format_token_id_placeholder
 
 
 class EndpointError(LLMDoctorError):
@@ -39,7 +46,9 @@ class Completion:
 
     `tokens`, `token_logprobs`, `top_logprobs` are per returned token (with echo: the prompt's
     tokens first; the first prompt token's logprobs are None). `top_logprobs` maps the token's text
-    to its logprob: tokens with the same text collide, the server keeps one.
+    to its logprob: tokens with the same text collide, the server keeps one. Where the server
+    returned token ids, `token_ids` and `top_ids` hold them (no collisions) and `tokens` /
+    `top_logprobs` the text of each id.
     """
 
     text: str
@@ -49,10 +58,17 @@ class Completion:
     token_logprobs: list[float | None] | None = None
     top_logprobs: list[dict[str, float] | None] | None = None
     elapsed: float = 0.0
+    token_ids: list[int] | None = None
+    top_ids: list[dict[int, float] | None] | None = None
 
     @property
     def has_logprobs(self) -> bool:
         return bool(self.tokens) and self.top_logprobs is not None and any(self.top_logprobs)
+
+    def step(self, j: int) -> dict[Any, float]:
+        """Step j's top log-probs keyed by token id where the server gave ids, else by text."""
+        tops = self.top_ids if self.top_ids is not None else self.top_logprobs
+        return (tops or [])[j] or {}
 
 
 @dataclass
@@ -67,6 +83,8 @@ class Endpoint:
     backoff: float = 0.5
     events: list[dict[str, Any]] = field(default_factory=list)
     n_requests: int = 0
+    token_ids: bool = True  # ask for log-probs keyed by token id (vLLM's return_tokens_as_token_ids)
+    pieces: Callable[[int], str | None] | None = None  # id -> text (None: unknown); else the server's /detokenize
 
     def __post_init__(self) -> None:
         base = self.url.rstrip("/")
@@ -82,6 +100,7 @@ class Endpoint:
                 raise InputError(f"environment variable {self.api_key_env} (the API key) is not set")
             headers["authorization"] = f"Bearer {key}"
         self._client = httpx.Client(base_url=base, headers=headers, timeout=self.timeout)
+        self._texts: dict[int, str] = {}  # id -> the server's /detokenize text
 
     def __repr__(self) -> str:  # never shows the key
         return f"Endpoint({self.base!r}, model={self.model!r})"
@@ -170,11 +189,7 @@ class Endpoint:
             body["stop"] = stop
         if seed is not None:
             body["seed"] = seed
-        t0 = time.perf_counter()
-        data = self._request("POST", "/v1/completions", body, stream=stream)
-        out = _merge_chunks(self.base, data) if stream else _completion(self.base, data)
-        out.elapsed = time.perf_counter() - t0
-        return out
+        return self._generate("/v1/completions", body, stream=stream, chat=False)
 
     def chat(self, messages: list[dict[str, str]], *, max_tokens: int = 32, stream: bool = False,
              logprobs: int | None = None) -> Completion:
@@ -184,11 +199,53 @@ class Endpoint:
                                 "temperature": 0.0, "stream": stream}
         if logprobs is not None:
             body.update(logprobs=True, top_logprobs=logprobs)
+        return self._generate("/v1/chat/completions", body, stream=stream, chat=True)
+
+    def _generate(self, path: str, body: dict[str, Any], *, stream: bool, chat: bool) -> Completion:
+        """One completion or chat request; log-probs keyed by token id where the server honours it."""
         t0 = time.perf_counter()
-        data = self._request("POST", "/v1/chat/completions", body, stream=stream)
-        out = _merge_chunks(self.base, data, chat=True) if stream else _completion(self.base, data, chat=True)
+        if self.token_ids:
+            body["return_tokens_as_token_ids"] = True
+        data = self._request("POST", path, body, stream=stream)
+        out = _merge_chunks(self.base, data, chat=chat) if stream else _completion(self.base, data, chat=chat)
+        if _keyed_by_ids(out) and not self._name_ids(out):
+            self.token_ids = False  # ids nobody can name: ask for text from now on
+            return self._generate(path, {k: v for k, v in body.items() if k != "return_tokens_as_token_ids"},
+                                  stream=stream, chat=chat)
         out.elapsed = time.perf_counter() - t0
         return out
+
+    def _name_ids(self, out: Completion) -> bool:
+        """Move "token_id:<id>" tokens and keys to `token_ids` / `top_ids` and put each id's text in
+        their place; False when an id has no text (no `pieces`, no /detokenize route)."""
+        ids = [int(_TOKEN_ID.fullmatch(t)[1]) for t in out.tokens or []]
+        tops = [None if top is None else {int(_TOKEN_ID.fullmatch(k)[1]): v for k, v in top.items()}
+                for top in out.top_logprobs or []]
+        try:
+            out.tokens = [self.piece(i) for i in ids]
+            out.top_logprobs = [None if top is None else {self.piece(i): v for i, v in top.items()} for top in tops]
+        except EndpointError:
+            return False
+        out.token_ids, out.top_ids = ids, tops
+        return True
+
+    def piece(self, token_id: int) -> str:
+        """The text of one token id: `pieces` where given, else the server's /detokenize (cached)."""
+        text = self.pieces(token_id) if self.pieces is not None else None
+        if text is not None:
+            return text
+        if token_id not in self._texts:
+            try:
+                data = self._request("POST", "/detokenize", {"model": self.model, "tokens": [token_id]})
+            except EndpointError as e:
+                if e.kind == "http" and e.status in (400, 404, 405, 422):
+                    self.events.pop()  # no such route: feature detection, not a server error
+                raise
+            text = data.get("prompt") if isinstance(data, dict) else None
+            if not isinstance(text, str):
+                raise EndpointError("malformed", self.base + "/detokenize", "no prompt text in the answer")
+            self._texts[token_id] = text
+        return self._texts[token_id]
 
     def tokenize(self, text: str) -> tuple[list[int], str] | None:
         """The server's token ids for `text` as a completion prompt would get them, and the route
@@ -210,6 +267,12 @@ class Endpoint:
             if isinstance(toks, list) and all(isinstance(t, dict) and "id" in t for t in toks):
                 return [t["id"] for t in toks], path  # llama.cpp with_pieces
         return None
+
+
+def _keyed_by_ids(c: Completion) -> bool:
+    """Every returned token and top-k key is vLLM's "token_id:<id>" (the request's ids were honoured)."""
+    keys = [k for top in c.top_logprobs or [] if top for k in top]
+    return bool(c.tokens) and all(_TOKEN_ID.fullmatch(t) for t in [*c.tokens, *keys])
 
 
 def _http_error(url: str, r: httpx.Response) -> EndpointError:
