@@ -117,7 +117,8 @@ def test_healthy_real_server_with_reference(server: str) -> None:
         "the server lists one of them)"
     assert next(f for f in rep.findings if f.target == "echo/tokens").status == "pass"
     print(f"\nhealthy probe: {rep.wall_s:.0f} s, {rep.n_requests} requests, reference KL max "
-          f"{ref.metrics['kl_max']:.2e} mean {ref.metrics['kl_mean']:.2e}")
+          f"{ref.metrics['kl_max']:.2e} mean {ref.metrics['kl_mean']:.2e}, by text: "
+          f"{ref.metrics['colliding_pieces']} colliding pieces")
 
 
 @pytest.mark.slow

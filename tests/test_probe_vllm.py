@@ -58,3 +58,5 @@ def test_healthy_vllm_server_is_called_healthy(vllm_server: str) -> None:
     assert rep.features["top_logprobs_keys"] == ref.metrics["top_logprobs_keys"] == "token ids"
     assert ref.metrics["colliding_pieces"] == 0 and ref.evidence[0]["note"] == "compared by token id"
     assert all(isinstance(r["server_top"][0][0], int) for r in ref.evidence[1:]), ref.evidence
+    print(f"\nvLLM probe: {rep.wall_s:.0f} s, {rep.n_requests} requests, by token id, reference KL max "
+          f"{ref.metrics['kl_max']:.2e} mean {ref.metrics['kl_mean']:.2e} over {ref.metrics['positions']} positions")
