@@ -20,8 +20,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import httpx
-import numpy as np
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType, Keys
+from gguf import GGUFValueType, Keys
 
 from ..gguf import open_gguf
 from . import register
@@ -31,37 +30,9 @@ from . import register
 
 # Types whose blocks start with the fp16 super-scale `d` (ggml-common.h block_q5_0 / q8_0 / q4_K /
 # q5_K / q6_K ... put it first, except Q6_K which puts it last).
-_D_FIRST = {GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q5_0,
-            GGMLQuantizationType.Q5_1, GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q2_K,
-            GGMLQuantizationType.Q3_K, GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K}
-
-
 def _copy(src: Path, out_dir: Path, suffix: str) -> Path:
     dst = Path(out_dir) / f"{Path(src).stem}.{suffix}.gguf"
     shutil.copyfile(src, dst)
-    return dst
-
-
-@register("attn-block-scales", "file",
-          "attn_output weights of every layer: each block's fp16 scale multiplied by a random factor in [-2, 2]",
-          "reference-mismatch")
-def attn_block_scales(src: Path, out_dir: Path, *, seed: int = 0, layers: str = "attn_output") -> Path:
-    """Perturb the per-block fp16 scale `d` of the `layers` attention weights in a copy of `src`."""
-    rng = np.random.default_rng(seed)
-    with open_gguf(src) as g:
-        targets = [(t.offset, t.nbytes, t.type) for t in g.tensors if t.name.endswith(f"{layers}.weight")]
-    dst = _copy(src, out_dir, "attn-scales")
-    mm = np.memmap(dst, dtype=np.uint8, mode="r+")
-    for offset, nbytes, qtype in targets:
-        if qtype not in _D_FIRST:
-            continue
-        block_bytes = GGML_QUANT_SIZES[qtype][1]
-        blocks = mm[offset:offset + nbytes].reshape(-1, block_bytes)  # [n_blocks, block_bytes]
-        d = blocks[:, :2].copy().view(np.float16)[:, 0].astype(np.float32)  # d: [n_blocks]
-        d *= rng.uniform(-2.0, 2.0, size=d.shape).astype(np.float32)
-        blocks[:, :2] = d.astype(np.float16).view(np.uint8).reshape(-1, 2)
-    mm.flush()
-    del mm
     return dst
 
 

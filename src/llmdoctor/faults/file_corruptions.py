@@ -3,8 +3,8 @@
 Every builder has the signature `build(src, out_dir, *, tensor=..., seed=0) -> Path`: it copies `src`
 (opened read-only) into `out_dir` and patches bytes of the copy in place (same size, same layout).
 `expect` says whether a lone file's statistics can find it ("forensics") or cannot ("unseen: ...").
-The registry's other file faults complete the set: `attn-block-scales` (block scales x U(-2, 2) on
-the types whose d comes first) and `mapping-swap-layers` (two layers' tensors exchanged).
+`attn-block-scales` (every attn_output's block scales x U(-2, 2)) lives here too; `mapping-swap-layers`
+(two layers' tensors exchanged, faults/mapping.py) completes the set.
 """
 
 from __future__ import annotations
@@ -48,18 +48,43 @@ def _d_field(qtype: QT):
     return fields[0]
 
 
+def _perturb_d(blocks: np.ndarray, qtype: QT, rng: np.random.Generator) -> None:
+    """Multiply every block's float16 scale d (at its own offset in the block) by U(-2, 2), in place.
+    blocks: [n_blocks, type_size] writable bytes."""
+    f = _d_field(qtype)
+    field = blocks[:, f.offset:f.offset + 2]  # [n_blocks, 2] bytes of d
+    d = np.ascontiguousarray(field).view("<f2")[:, 0].astype(np.float32)
+    d *= rng.uniform(-2.0, 2.0, size=d.shape).astype(np.float32)
+    field[:] = d.astype("<f2").view(np.uint8).reshape(-1, 2)
+
+
 @register("scale-noise", "file", "one tensor's block scales d multiplied by U(-2, 2) noise (seeded), any block type",
           expect="forensics")
 def scale_noise(src: Path, out_dir: Path, *, tensor: str = "blk.1.ffn_down.weight", seed: int = 0) -> Path:
-    """Like `attn-block-scales` (faults/endpoint.py), which perturbs the types whose d comes first in
-    the block, but at d's own offset for every type (Q6_K, Q3_K, Q2_K keep it at the end)."""
+    """d of every block of `tensor`, at d's own offset for every type (Q6_K, Q3_K, Q2_K keep it at the end)."""
     dst, mm, info = _patch(src, out_dir, "scale-noise", tensor)
-    f = _d_field(info[2])
-    field = _blocks(mm, info)[:, f.offset:f.offset + 2]  # [n_blocks, 2] bytes of d
-    d = np.ascontiguousarray(field).view("<f2")[:, 0].astype(np.float32)
-    d *= np.random.default_rng(seed).uniform(-2.0, 2.0, size=d.shape).astype(np.float32)
-    field[:] = d.astype("<f2").view(np.uint8).reshape(-1, 2)
+    _perturb_d(_blocks(mm, info), info[2], np.random.default_rng(seed))
     mm.flush()
+    return dst
+
+
+@register("attn-block-scales", "file",
+          "attn_output weights of every layer: each block's fp16 scale multiplied by a random factor in [-2, 2]",
+          "reference-mismatch")
+def attn_block_scales(src: Path, out_dir: Path, *, seed: int = 0, layers: str = "attn_output") -> Path:
+    """`scale-noise` on every `layers` tensor of the model that has a float16 block scale d."""
+    rng = np.random.default_rng(seed)
+    with open_gguf(src) as g:
+        targets = [(t.offset, t.nbytes, t.type, t.type_size, t.shape) for t in g.tensors
+                   if t.name.endswith(f"{layers}.weight") and any(f.name == "d" and f.encoding == "f16"
+                                                                   for f in SCALE_FIELDS.get(QT(t.type), ()))]
+    dst = Path(out_dir) / f"{Path(src).stem}.attn-scales.gguf"
+    shutil.copyfile(src, dst)
+    mm = np.memmap(dst, dtype=np.uint8, mode="r+")
+    for info in targets:
+        _perturb_d(_blocks(mm, info), info[2], rng)
+    mm.flush()
+    del mm
     return dst
 
 
