@@ -257,12 +257,13 @@ def cpu_attention(python: str) -> Callable:
 
 
 def _installed_version() -> str:
-    try:
-        from importlib.metadata import version
+    """vLLM's version in llmdoctor's own environment (the deployment's may differ: it is its driver's)."""
+    from importlib.metadata import PackageNotFoundError, version
 
+    try:
         return version("vllm")
-    except Exception:  # noqa: BLE001
-        return "?"
+    except PackageNotFoundError:
+        return "not installed beside llmdoctor"
 
 
 def default_python_or_reason() -> tuple[Optional[str], str]:
