@@ -44,8 +44,8 @@ def test_planted_nan_in_a_diagnosis(demo_path):
     caps["l_out-2"][3] = np.inf
     s = dg.Session(dg.Inputs(gguf=demo_path, engine="llama.cpp"))
     try:
-        s._cache["engine"] = (np.full_like(ref, np.nan), caps, {})
-        s._cache["reference-float32-None"] = (ref, ref_caps, [])
+        s.engine_run = lambda: (np.full_like(ref, np.nan), caps, {})
+        s.reference = lambda dtype="float32", emulate=None: (ref, ref_caps, [])
         logits, acts = dg.h_engine_finite(s)
     finally:
         s.close()
