@@ -2,6 +2,7 @@
 
     python bench/bench_attention_gpu.py run --preset glm-5 --subjects sdpa-math,flex --device cuda \
         --dtype bfloat16,float16 --out OUT.json        # one group: findings + wall time as JSON
+    (a subject is a built-in name or MODULE:FUNC=CONTRACT, e.g. llmdoctor.faults.attention:prefill=prefill)
     python bench/bench_attention_gpu.py table OUT1.json OUT2.json ...   # markdown table for RESULTS.md
 
 Each `run` is one process so that an outer `timeout` can bound a group (compiled flex may spend long in
@@ -23,7 +24,8 @@ def run(a: argparse.Namespace) -> None:
 
     t0 = time.perf_counter()
     shape = ca.PRESETS[a.preset]
-    res = ca.run(shape, [(s, None) for s in a.subjects.split(",")], device=a.device, dtypes=tuple(a.dtype.split(",")),
+    subjects = [tuple(s.split("=", 1)) if "=" in s else (s, None) for s in a.subjects.split(",")]
+    res = ca.run(shape, subjects, device=a.device, dtypes=tuple(a.dtype.split(",")),
                  timeout=a.timeout, on_step=lambda s: print(f"[{time.perf_counter() - t0:6.1f}s] {s}", flush=True))
     Path(a.out).write_text(dumps({"preset": a.preset, "device": a.device, "env": provenance(),
                                   "wall_s": time.perf_counter() - t0, "subjects": res.subjects,
@@ -32,8 +34,8 @@ def run(a: argparse.Namespace) -> None:
 
 
 def table(a: argparse.Namespace) -> None:
-    rows: dict[tuple, dict] = defaultdict(lambda: {"pass": 0, "fail": 0, "skip": 0, "ratio": 0.0, "failed": [],
-                                                   "skipped": set()})
+    rows: dict[tuple, dict] = defaultdict(lambda: {"pass": 0, "fail": 0, "skip": 0, "ratio": 0.0, "bound": 0.0,
+                                                   "failed": [], "skipped": set()})
     wall: dict[str, float] = defaultdict(float)
     env = None
     for p in a.files:
@@ -48,15 +50,19 @@ def table(a: argparse.Namespace) -> None:
             err = f["metrics"].get("max_abs_diff")
             if f["status"] != "skip" and isinstance(err, float) and fl:
                 r["ratio"] = max(r["ratio"], err / fl)
+            if f["status"] != "skip" and isinstance(f["metrics"].get("bound_used"), float):
+                r["bound"] = max(r["bound"], f["metrics"]["bound_used"])
             if f["status"] == "fail":
                 r["failed"].append(f["target"].split("/")[0])
             if f["status"] == "skip":
                 r["skipped"].add(f["reason"][:90])
     print(f"GPU {env['gpu']} (cc {env['compute_capability']}), torch {env['torch']}, triton {env['triton']}\n")
-    print("| preset | subject | dtype | pass | fail | skip | worst err / floor | failing cases | skip reasons |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| preset | subject | dtype | pass | fail | skip | worst err / floor | float32 bound used | failing cases "
+          "| skip reasons |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for (preset, subject, dt), r in sorted(rows.items()):
         print(f"| {preset} | {subject} | {dt} | {r['pass']} | {r['fail']} | {r['skip']} | {r['ratio']:.2f} | "
+              f"{r['bound']:.2g} | "
               f"{', '.join(r['failed'])} | {'; '.join(sorted(r['skipped']))} |")
     print()
     for preset, s in wall.items():

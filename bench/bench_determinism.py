@@ -4,7 +4,7 @@ by default; each prints identical/different (with the first difference) and the 
 
     python bench/bench_determinism.py diagnose [--runs 50] [--load 2]
     python bench/bench_determinism.py check-dequant [--runs 50] [--load 2]
-    python bench/bench_determinism.py check-attention [--runs 50] [--load 2]
+    python bench/bench_determinism.py check-attention [--runs 50] [--load 2] [--device cuda]
 
 `--load N` keeps N extra processes spinning on the CPU for the whole campaign (a loaded machine).
 What legitimately changes from run to run is left out of the comparison: wall-clock times (`is_time`).
@@ -126,30 +126,37 @@ def cpu_load(n: int) -> Iterator[None]:
 
 # ---- one function per command ---------------------------------------------------------------------
 
-def bench_diagnose(runs: int) -> list[Outcome]:
+def bench_diagnose(runs: int, device: str) -> list[Outcome]:
     """`diagnose` on the demo deployment (llama.cpp): findings, layer budgets and the layer curve."""
+    _cpu_only("diagnose", device)
     return [repeat("diagnose (demo, llama.cpp)", ["diagnose", "--json"], runs, _progress)]
 
 
-def bench_check_dequant(runs: int) -> list[Outcome]:
+def bench_check_dequant(runs: int, device: str) -> list[Outcome]:
     """`check dequant` on the demo model with the built-in kernels and with llama.cpp's (ggml)."""
+    _cpu_only("check-dequant", device)
     return [repeat(f"check dequant --kernel {k}", ["check", "dequant", "--json", "--kernel", k], runs, _progress)
             for k in ("torch", "native", "ggml")]
 
 
-def bench_check_attention(runs: int) -> list[Outcome]:
+def bench_check_attention(runs: int, device: str) -> list[Outcome]:
     """`check attention` as issue 18 ran it (glm-5, a plain float32 prefill kernel, every prefill case and the
     consistency pair), and llama-3-8b in every dtype with the online-softmax kernel (another summation order)."""
     def cmd(preset: str, kernel: str, dtype: str) -> list[str]:
         return ["check", "attention", "--preset", preset, "--impl", f"llmdoctor.faults.attention:{kernel}",
-                "--contract", "prefill", "--device", "cpu", "--dtype", dtype, "--json"]
+                "--contract", "prefill", "--device", device, "--dtype", dtype, "--json"]
 
     return [repeat("check attention glm-5 float32 (plain kernel)", cmd("glm-5", "prefill", "float32"), runs, _progress),
             repeat("check attention llama-3-8b all dtypes (online-softmax kernel)",
                    cmd("llama-3-8b", "prefill_blocked", "float32,bfloat16,float16"), runs, _progress)]
 
 
-COMMANDS: dict[str, Callable[[int], list[Outcome]]] = {
+def _cpu_only(command: str, device: str) -> None:
+    if device != "cpu":
+        raise SystemExit(f"{command}: runs on the CPU only (its engine and kernels are the CPU's); drop --device")
+
+
+COMMANDS: dict[str, Callable[[int, str], list[Outcome]]] = {
     "diagnose": bench_diagnose,
     "check-dequant": bench_check_dequant,
     "check-attention": bench_check_attention,
@@ -165,10 +172,11 @@ def main() -> None:
     ap.add_argument("command", choices=sorted(COMMANDS))
     ap.add_argument("--runs", type=int, default=50)
     ap.add_argument("--load", type=int, default=2, help="extra CPU-spinning processes meanwhile")
+    ap.add_argument("--device", default="cpu", help="check-attention only: where the kernel and reference run")
     a = ap.parse_args()
-    print(f"{a.command}: {a.runs} runs, {os.cpu_count()} cores, {a.load} spinning processes", flush=True)
+    print(f"{a.command}: {a.runs} runs on {a.device}, {os.cpu_count()} cores, {a.load} spinning processes", flush=True)
     with cpu_load(a.load):
-        outcomes = COMMANDS[a.command](a.runs)
+        outcomes = COMMANDS[a.command](a.runs, a.device)
     for o in outcomes:
         print(o.line())
     sys.exit(1 if any(o.different for o in outcomes) else 0)

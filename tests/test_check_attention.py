@@ -269,6 +269,20 @@ def test_float32_bound_passes_two_summation_orders_and_faults_still_fail():
     assert any(f.status == "fail" and "top-left" in f.explanation for f in top_left)
 
 
+@pytest.mark.gpu
+def test_float32_bound_on_cuda_judges_as_on_the_cpu():
+    """On CUDA the per-element float32 bound is compared with errors gathered on the CPU (the H200 run
+    crashed on the mix): the two correct orders pass, the capped kernel fails its long case."""
+    capped = "llmdoctor.faults.attention:prefill_last_1024"
+    res = ca.run(GLM, [(PLAIN, "prefill"), (BLOCKED, "prefill"), (capped, "prefill")], device="cuda",
+                 dtypes=("float32",), only={"ragged", "long-keys"})
+    for spec in (PLAIN + " ", BLOCKED + " "):
+        mine = _by(res.findings, spec)
+        assert len(mine) == 2 and all(f.status == "pass" and f.metrics["bound_used"] < 1 for f in mine), mine
+    bad = {f.target: f.status for f in _by(res.findings, capped)}
+    assert bad == {"ragged/float32": "pass", "long-keys/float32": "fail"}, bad
+
+
 def test_rounding_bound_holds_for_a_float32_order_and_is_linear_in_the_keys():
     g = torch.Generator().manual_seed(3)
     q, k, v = (torch.randn(n, 2, 64, generator=g, dtype=torch.float64) for n in (4, 2000, 2000))

@@ -289,21 +289,24 @@ def test_selection_comparison_accepts_ties_only():
 
 def test_glm_dsa_selection_and_logits_match_transformers(glm):
     ix = from_hf(glm.config).mla.indexer
-    _, _, cap = float64_bound(glm.gguf_path, IDS)
     hf_sel: dict[int, torch.Tensor] = {}
     hf_logits(glm, IDS, record=hf_sel)
     assert sorted(hf_sel) == [il for il, full in enumerate(ix.full) if full]
+    # transformers' selections fed to ours: every layer sees the hidden states transformers' did (a tie broken
+    # the other way in one layer would change every later layer's scores), and our indexer's own choice
+    # from its scores there is compared with transformers' up to ties
+    overrides = {il: hf_sel[il] for il in hf_sel}
+    bound, ours, cap = float64_bound(glm.gguf_path, IDS, overrides)
     differ = ties = 0
     for il in hf_sel:
         score = cap[f"indexer_score-{il}"]
-        assert cap[f"top_k-{il}"].shape == hf_sel[il].shape == (T, ix.top_k)
+        mine = mla.topk_indices(score, ix.top_k)
+        assert mine.shape == hf_sel[il].shape == (T, ix.top_k)
         # rounding of one index score: H_idx dot products of length D_idx and their weighted sum, both sides
         tol = 2 * (ix.head_dim + ix.n_head) * U * float(score[torch.isfinite(score)].abs().max())
-        d, t = same_selection_up_to_ties(cap[f"top_k-{il}"], hf_sel[il], score, ix.top_k, tol)
+        d, t = same_selection_up_to_ties(mine, hf_sel[il], score, ix.top_k, tol)
         differ, ties = differ + d, ties + t
     # the same selection fed to both sides: the logits agree to float64 rounding
-    overrides = {il: hf_sel[il] for il in hf_sel}
-    bound, ours, cap = float64_bound(glm.gguf_path, IDS, overrides)
     for il, full in enumerate(ix.full):
         src = il if full else max(j for j in range(il) if ix.full[j])
         assert torch.equal(cap[f"top_k-{il}"], hf_sel[src])  # shared layers reuse the last full one

@@ -709,7 +709,7 @@ def judge(shape: Shape, case: Case, x: dict[str, torch.Tensor], got: Got, fl: Op
             "nonfinite": int((~torch.isfinite(out)).sum()), "kernel_seconds": got.seconds}
     if isinstance(bud.out, torch.Tensor):  # how much of the per-element bound the worst element uses
         err = metrics.abs_diff(out, want)
-        lim = bud.out.reshape(-1)
+        lim = bud.out.detach().to("cpu", torch.float64).reshape(-1)  # abs_diff's values are on the CPU
         used = err[lim > 0] / lim[lim > 0]
         mets["bound_used"] = float(used.max()) if used.numel() else 0.0
     per_seq = [bud.within(out[sp], want[sp], sp) for sp in _seq_spans(case)]

@@ -277,7 +277,7 @@ def over_budget(got: Any, want: Any, bound: torch.Tensor) -> torch.Tensor:
     one side only). NaN on both sides and equal infinities are within any budget."""
     g, w = _pair(got, want)
     d = abs_diff(g, w)
-    return ~(d <= bound) & ~(torch.isnan(g) & torch.isnan(w))
+    return ~(d <= _f64(bound)) & ~(torch.isnan(g) & torch.isnan(w))
 
 
 # ----------------------------------------------------------------------------- top-k + tail (endpoints)

@@ -33,12 +33,12 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Te
     x = torch.einsum("thd,shd->hts", q.float(), kf) * scale  # [H, t, s]
     x = x.masked_fill(~allowed[None], float("-inf"))
     if bug == "kv0-nan":  # the textbook softmax: 0/0 on an empty row
-        m = x.amax(-1, keepdim=True) if x.shape[-1] else torch.zeros(*x.shape[:2], 1)
+        m = x.amax(-1, keepdim=True) if x.shape[-1] else torch.zeros(*x.shape[:2], 1, device=x.device)
         e = torch.exp(x - m)
         p = e / e.sum(-1, keepdim=True)
         lse = torch.log(e.sum(-1)) + m[..., 0]
         out = torch.einsum("hts,shd->thd", p, vf) if x.shape[-1] else torch.full(
-            (q.shape[0], h, v.shape[2]), float("nan"))
+            (q.shape[0], h, v.shape[2]), float("nan"), device=q.device)
         return out.to(q.dtype), lse
     lse = torch.logsumexp(x, -1)  # [H, t]
     p = torch.exp(x - torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))[..., None])
@@ -56,9 +56,9 @@ def _attend_online(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: t
     """Flash-attention order: keys in tiles, a running max m, sum l and output, rescaled when m grows.
     q [t, H, D], k [s, Hk, D], v [s, Hk, Dv], allowed [t, s] -> out [t, H, Dv], lse [H, t] (+inf: no key)."""
     h, hk, t = q.shape[1], k.shape[1], q.shape[0]
-    m = torch.full((h, t), float("-inf"))
-    l = torch.zeros(h, t)
-    acc = torch.zeros(h, t, v.shape[2])  # [H, t, Dv]
+    m = torch.full((h, t), float("-inf"), device=q.device)
+    l = torch.zeros(h, t, device=q.device)
+    acc = torch.zeros(h, t, v.shape[2], device=q.device)  # [H, t, Dv]
     for j in range(0, k.shape[0], tile):
         kb = k[j:j + tile].float().repeat_interleave(h // hk, 1)  # [tile, H, D]
         vb = v[j:j + tile].float().repeat_interleave(h // hk, 1)
@@ -84,7 +84,8 @@ def _prefill(q, k, v, cu_q, cu_k, scale, causal, bug: str = ""):
     for b in range(len(cq) - 1):
         a = max(ck[b] - (1 if bug == "batch-offset" and b > 0 else 0), 0)  # reads one row of the previous sequence
         t, s = cq[b + 1] - cq[b], ck[b + 1] - ck[b]
-        allowed = _causal(t, s, bug == "top-left", q.device) if causal else torch.ones(t, s, dtype=torch.bool)
+        allowed = (_causal(t, s, bug == "top-left", q.device) if causal
+                   else torch.ones(t, s, dtype=torch.bool, device=q.device))
         if bug == "last-1024":  # keys before the last 1024 of the sequence are never read
             allowed[:, : max(s - 1024, 0)] = False
         if bug == "blocked":  # not a bug: the online-softmax order
@@ -109,9 +110,9 @@ def _latent(q, kv_cache, block_table, cu_q, seq_lens, topk, scale, r, bug: str =
         t = cu_q[b + 1] - cu_q[b]
         allowed = _causal(t, s, False, q.device)
         if bug == "page-tail":
-            allowed = torch.ones(t, rows.shape[0], dtype=torch.bool)
+            allowed = torch.ones(t, rows.shape[0], dtype=torch.bool, device=q.device)
         if topk is not None:
-            sel = torch.zeros(t, rows.shape[0], dtype=torch.bool)
+            sel = torch.zeros(t, rows.shape[0], dtype=torch.bool, device=q.device)
             for i in range(t):
                 pos = topk[cu_q[b] + i]
                 pos = pos[(pos >= 0) & (pos < s)].long()
@@ -151,13 +152,14 @@ def mla_sparse_decode_iterating(q, kv_cache, block_table, seq_lens, topk_indices
     """Correct sparse MLA decode written as sparse kernels are: each query walks its top-k list one entry
     at a time (online softmax), skipping -1; a listed duplicate (an input indexers never give) counts twice."""
     bs = kv_cache.shape[1]
-    out = torch.zeros(q.shape[0], q.shape[1], kv_lora_rank, dtype=q.dtype)
-    lse = torch.full((q.shape[1], q.shape[0]), float("-inf"))
+    dev = q.device
+    out = torch.zeros(q.shape[0], q.shape[1], kv_lora_rank, dtype=q.dtype, device=dev)
+    lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), device=dev)
     for b in range(q.shape[0]):
         qf = q[b].float()  # [H, R+Dr]
-        m = torch.full((q.shape[1],), float("-inf"))
-        l = torch.zeros(q.shape[1])
-        acc = torch.zeros(q.shape[1], kv_lora_rank)
+        m = torch.full((q.shape[1],), float("-inf"), device=dev)
+        l = torch.zeros(q.shape[1], device=dev)
+        acc = torch.zeros(q.shape[1], kv_lora_rank, device=dev)
         for idx in topk_indices[b].tolist():
             if idx < 0:
                 continue

@@ -229,8 +229,11 @@ def indexer_scores(x: torch.Tensor, q_resid: torch.Tensor, wq_b: torch.Tensor, w
 
 
 def topk_indices(score: torch.Tensor, top_k: int) -> torch.Tensor:
-    """Indices [T, min(top_k, S)] of each query's highest index scores (ties: torch.topk's choice)."""
-    return score.topk(min(top_k, score.shape[-1]), dim=-1).indices
+    """Indices [T, min(top_k, S)] of each query's highest index scores, best first; among equal scores the
+    lower position first, on every device. (torch.topk breaks ties one way on the CPU and another on CUDA:
+    an indexer's ReLU gives many keys a score of exactly 0, and the reference must not depend on where it
+    runs. Engines' own tie order is unspecified, so comparisons with them allow ties: tests/test_reference_mla.)"""
+    return score.sort(dim=-1, descending=True, stable=True).indices[:, : min(top_k, score.shape[-1])]
 
 
 def selection_mask(idx: torch.Tensor, s: int) -> torch.Tensor:

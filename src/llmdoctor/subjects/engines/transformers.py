@@ -129,6 +129,25 @@ def _routing_hook(into: dict[str, np.ndarray], il: int):
     return hook
 
 
+def _indexers(model) -> list[tuple[int, torch.nn.Module]]:
+    """(layer, indexer) for each layer with its own DSA indexer (GlmMoeDsa's `self_attn.indexer`; shared
+    layers have none), whose forward returns the chosen key positions [B, T, k]."""
+    return [(int(m.group(1)), module) for name, module in model.named_modules()
+            if (m := re.fullmatch(r"model\.layers\.(\d+)\.self_attn\.indexer", name))
+            and type(module).__name__.endswith("Indexer")]
+
+
+def _selection_hook(into: dict[str, np.ndarray], il: int):
+    """A forward hook keeping the keys an indexer chose, [T, k] as int64 (llama.cpp's `top_k-{il}`): the
+    model leaves the choice among keys tied at the k-th score open, and the reference follows the engine's
+    (diagnose's dsa_overrides; the dsa-selection check judges the choice)."""
+
+    def hook(module, inputs, output):
+        into[f"top_k-{il}"] = output.reshape(-1, output.shape[-1]).to(torch.int64).numpy()
+
+    return hook
+
+
 @torch.inference_mode()
 def run(path: str | os.PathLike, tokens: list[int], *, dtype: str = "float32",
         n_threads: int | None = None, dequant_kernel: str | None = None) -> EngineRun:
@@ -153,6 +172,7 @@ def run(path: str | os.PathLike, tokens: list[int], *, dtype: str = "float32",
         model, cfg = build(path, torch_dtype)
     routing: dict[str, np.ndarray] = {}
     hooks = [module.register_forward_hook(_routing_hook(routing, il)) for il, module in _routers(model)]
+    hooks += [module.register_forward_hook(_selection_hook(routing, il)) for il, module in _indexers(model)]
     try:
         out = model(torch.tensor([tokens]), output_hidden_states=True, use_cache=False)
     finally:
