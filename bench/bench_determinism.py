@@ -109,6 +109,7 @@ def repeat(name: str, argv: list[str], runs: int, on_run: Callable[[int, float],
             out.different += 1
             out.first_difference = out.first_difference or f"run {i + 1}: {d}"
         on_run(i, out.seconds[-1])
+    print(out.line(), flush=True)  # as soon as it is known: a campaign cut short keeps what finished
     return out
 
 
@@ -177,8 +178,6 @@ def main() -> None:
     print(f"{a.command}: {a.runs} runs on {a.device}, {os.cpu_count()} cores, {a.load} spinning processes", flush=True)
     with cpu_load(a.load):
         outcomes = COMMANDS[a.command](a.runs, a.device)
-    for o in outcomes:
-        print(o.line())
     sys.exit(1 if any(o.different for o in outcomes) else 0)
 
 
