@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU side of llmdoctor in one device call (the lent H200; see notes/device-checks.md):
 #   the GPU tests, verify on CUDA against the CPU, check attention's correct and faulty kernels on CUDA
-#   in every dtype, and check attention's run-to-run determinism on CUDA.
+#   in every dtype, and check attention's run-to-run determinism on CUDA (meanwhile, on the same GPU).
 # Carry: .whl (gguf 0.19.0, pip-downloaded for cp312) and .devdata (planted.gguf: the verify test's
 # planted subset of the demo). Writes at most 8 files under $OUT (the device tool brings back 8).
 set -uo pipefail
@@ -46,12 +46,12 @@ strip = lambda d: [{k: v for k, v in f.items() if k != "metrics"} for f in d["fi
 print("findings identical (metrics aside):", strip(docs["cpu"]) == strip(docs["cuda"]))
 print(json.dumps(docs["cuda"]["findings"], indent=1)[:4000])
 PY
+step "determinism of check attention on CUDA"
+timeout 300 python3 bench/bench_determinism.py check-attention --runs "${RUNS:-5}" --load 2 --device cuda \
+    > "$OUT/determinism.txt" 2>&1
 wait
 step "check attention done"
 tail -n 4 /tmp/attn-*.log >> "$OUT/steps.txt"
 python3 bench/bench_attention_gpu.py table "$OUT"/attn-*.json > "$OUT/attn-table.md" 2>&1
 
-step "determinism of check attention on CUDA"
-timeout 300 python3 bench/bench_determinism.py check-attention --runs "${RUNS:-5}" --load 2 --device cuda \
-    > "$OUT/determinism.txt" 2>&1
 step "end"

@@ -51,3 +51,25 @@ def test_planted_nan_in_a_diagnosis(demo_path):
         s.close()
     assert logits.status == "fail" and logits.explanation.startswith("engine logits NaN at 6 of 6 positions")
     assert acts.status == "fail" and acts.metrics["first_point"] == "l_out-2" and "inf in 16 of 96" in acts.explanation
+
+
+def test_layer_localization_says_non_finite_in_words(demo_path, monkeypatch):
+    """A NaN capture is the first divergent point, said as non-finite, never "off by nan"."""
+    import numpy as np
+
+    rng = np.random.default_rng(2)
+    ref_caps = {f"l_out-{i}": rng.standard_normal((6, 16)).astype(np.float32) for i in range(4)}
+    noisy = {k: v + np.float32(1e-6) * rng.standard_normal(v.shape).astype(np.float32) for k, v in ref_caps.items()}
+    caps = {k: v.copy() for k, v in noisy.items()}
+    caps["l_out-2"][1] = caps["l_out-3"][1] = np.nan  # it propagates, as in a real engine
+    monkeypatch.setattr(dg, "substitutions", lambda s, point: [])
+    s = dg.Session(dg.Inputs(gguf=demo_path, engine="llama.cpp"))
+    try:
+        s.engine_run = lambda: (None, caps, {})
+        s.reference = lambda dtype="float32", emulate=None: (None, ref_caps, [])
+        s.budget_reference = lambda: (None, noisy, [])
+        (f,) = dg.h_layer_localization(s)
+    finally:
+        s.close()
+    assert f.status == "fail" and f.metrics["first_divergent_layer"] == 2
+    assert "l_out-2 is not finite in the engine" in f.explanation and "off by" not in f.explanation

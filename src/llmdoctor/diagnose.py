@@ -816,9 +816,17 @@ def _router_inputs_differ(s: Session, il: int, engine_caps, ref_caps, emu_caps, 
     if name in engine_caps and name in ref_caps and name in emu_caps:
         p = PointError(il, "ffn_norm", M.rel_l2(engine_caps[name], ref_caps[name]),
                        M.rel_l2(emu_caps[name], ref_caps[name]))
-        return f"{name} is off by {p.error:.3g} where the engine's noise is {p.noise:.3g}" if p.divergent else ""
+        return f"{name} {_off_by(p)}" if p.divergent else ""
     before = sorted((layer, pt) for layer, pt in diverged if layer < il or layer == il and pt in _BEFORE_ROUTER)
     return f"the engine diverges at {before[0][1]}-{before[0][0]}" if before else ""
+
+
+def _off_by(p) -> str:
+    """How far a capture point (checks/layers.PointError) is from the reference, in words; a non-finite
+    error is said as such (never "off by nan")."""
+    if not math.isfinite(p.error):
+        return "is not finite in the engine (inf/NaN) where the reference is finite"
+    return f"is off by {p.error:.3g} (rel. L2) where the engine's noise is {p.noise:.3g}"
 
 
 def h_layer_localization(s: Session) -> list[Finding]:
@@ -843,8 +851,7 @@ def h_layer_localization(s: Session) -> list[Finding]:
                               "noise": point.noise, "limit": point.limit,
                               "substitutions": swaps},
                      evidence=[p.as_dict() for p in curve if p.layer in (layer - 1, layer, layer + 1)],
-                     explanation=f"first divergent layer {layer}: {point.point}-{layer} is off by "
-                                 f"{point.error:.3g} (rel. L2) where the engine's noise is {point.noise:.3g}"
+                     explanation=f"first divergent layer {layer}: {point.point}-{layer} {_off_by(point)}"
                                  + (f"; swapping {confirmed[0]['swap']} into the reference alone reproduces it"
                                     if confirmed else
                                     ("; no single swap into the reference reproduces it" if swaps else "")))]
