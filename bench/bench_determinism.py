@@ -27,13 +27,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
-# Keys whose values are wall-clock measurements: they differ between identical runs (also any key
-# ending in "_seconds", e.g. check dequant's kernel_seconds).
-TIME_KEYS = frozenset({"seconds", "timings_s", "wall_s"})
-
-
 def is_time(key: str) -> bool:
-    return key in TIME_KEYS or key.endswith("_seconds")
+    """Keys whose values are wall-clock measurements, which differ between identical runs: "seconds" and
+    any key ending in "_seconds" or "_s" (check dequant's kernel_seconds, timings_s, wall_s, an engine's
+    load_s)."""
+    return key == "seconds" or key.endswith(("_seconds", "_s"))
 
 
 def stable(doc: Any) -> Any:

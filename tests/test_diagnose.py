@@ -55,6 +55,7 @@ def test_healthy_demo_raises_no_alarm(healthy):
         if f["status"] == "skip":
             assert f["reason"]
     assert len(healthy["layer_curve"]) == 18 * 5
+    assert healthy["engine_run"]["engine"] == "llama.cpp" and healthy["engine_run"]["llama_cpp_python"]
 
 
 def test_diagnose_is_repeatable_under_load(healthy):

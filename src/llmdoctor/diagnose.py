@@ -89,12 +89,16 @@ class Diagnosis:
     curve: list[dict] = field(default_factory=list)
     timings: dict[str, float] = field(default_factory=dict)
     reference_threads: int | None = None  # torch's thread count in every reference run (Session.threads)
+    # what the engine said of itself when it ran: its versions as its own environment has them (vLLM's
+    # driver reports the deployment's vLLM, torch and transformers; env.engines is llmdoctor's environment)
+    engine_run: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "suspects": [f.id for f in self.suspects],
             "ruled_out": [f.id for f in self.ruled_out],
             "layer_curve": self.curve,
+            "engine_run": self.engine_run,
             "reference_threads": self.reference_threads,
             "timings_s": self.timings,
         }
@@ -261,6 +265,12 @@ class Session:
         if isinstance(result, Skip):
             raise result
         return result
+
+    def engine_info(self) -> dict[str, Any] | None:
+        """What the engine reported of itself (versions, dtype, backends) if it ran in this session; never
+        runs it."""
+        ran = self._cache.get("engine")
+        return ran[2] if isinstance(ran, tuple) else None
 
     def engine_model(self) -> Path:
         """What the engine loads: its own copy when one is given (a planted fault), else the reference's model."""
@@ -1038,4 +1048,5 @@ def _run(s: Session, inputs: Inputs, progress: Callable[[str], None]) -> Diagnos
         verdict, code = "could not diagnose: nothing was compared", 2
     else:
         verdict, code = "healthy", 0
-    return Diagnosis(findings, suspects, ruled_out, verdict, code, s.curve, timings, s.threads)
+    return Diagnosis(findings, suspects, ruled_out, verdict, code, s.curve, timings, s.threads,
+                     engine_run=s.engine_info())
