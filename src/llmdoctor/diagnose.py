@@ -39,13 +39,14 @@ NO_GGUF = "no GGUF file (the reference reads the HF checkpoint)"
 ENGINES = ("llama.cpp", "transformers", "vllm")
 CONFIDENCE_ORDER = {"high": 0, "medium": 1, "low": 2, "": 3}
 # Reference capture points compared with an engine's (checks/layers.py POINTS).
-REFERENCE_POINTS = ("l_out-*", "attn_norm-*", "Qcur-*", "Kcur-*", "kqv_out-*", "ffn_inp-*", "ffn_norm-*", "ffn_out-*", "ffn_moe_topk-*",
+REFERENCE_POINTS = ("l_out-*", "attn_norm-*", "q_pe-*", "k_pe-*", "Qcur-*", "Kcur-*", "kqv_out-*", "ffn_inp-*", "ffn_norm-*", "ffn_out-*", "ffn_moe_topk-*",
                     "top_k-*", "indexer_score-*", "result_norm")
 
 
 # The layer curve's points in graph order: the layer points of checks/layers.py plus q and k after RoPE
-# where an engine exposes them (vLLM), so a divergence inside attention is named to the op.
-CURVE_POINTS = ("attn_norm", "Qcur", "Kcur", "kqv_out", "ffn_inp", "ffn_out", "l_out")
+# where an engine exposes them (vLLM; MLA: the rope parts q_pe and k_pe), so a divergence inside
+# attention is named to the op.
+CURVE_POINTS = ("attn_norm", "q_pe", "k_pe", "Qcur", "Kcur", "kqv_out", "ffn_inp", "ffn_out", "l_out")
 
 
 class Skip(Exception):

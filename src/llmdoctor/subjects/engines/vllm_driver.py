@@ -77,12 +77,17 @@ class _Hooks:
       ffn_out-i    the MLP / MoE block's output
       Qcur-i, Kcur-i  q and k after RoPE, as passed to the Attention layer [T, H, D] (dense models)
       kqv_out-i    the attention output before o_proj [T, H * Dv]
+      q_pe-i, k_pe-i  MLA: the rope parts of q [T, H, Dr] and of the shared key [T, Dr] after RoPE (the
+                   output of the attention's rotary_emb; vLLM shares one rotary module between layers,
+                   so a pre-hook on each layer says whose call it is)
       ffn_moe_topk-i  the experts the MoE router chose [T, k] (router.select_experts)
     """
 
     def __init__(self, model, n: int):
         self.n, self.caps, self.handles = n, {}, []
         self.restore = []
+        self.layer = -1  # the decoder layer running now (for modules shared between layers)
+        hooked_ropes: set[int] = set()
         import torch
 
         # the decoder layers: the first ModuleList named "...layers" (model.layers, or a multimodal
@@ -104,6 +109,12 @@ class _Hooks:
             attn = getattr(layer, "self_attn", None)
             if hasattr(attn, "o_proj"):
                 self._in(attn.o_proj, f"kqv_out-{i}", lambda a: a[0])
+            rope = getattr(attn, "rotary_emb", None)
+            if hasattr(attn, "mla_attn") and rope is not None:
+                self.handles.append(layer.register_forward_pre_hook(lambda m, a, i=i: setattr(self, "layer", i)))
+                if id(rope) not in hooked_ropes:
+                    hooked_ropes.add(id(rope))
+                    self.handles.append(rope.register_forward_hook(self._rope_out))
             inner = getattr(attn, "attn", None)
             if inner is not None and not hasattr(attn, "mla_attn"):
                 heads = getattr(inner, "num_heads", None)
@@ -124,6 +135,14 @@ class _Hooks:
     def _out(self, module, name: str, pick) -> None:
         if module is not None:  # a model without this module exposes no such point
             self.handles.append(module.register_forward_hook(lambda m, a, o: self._keep(name, pick(o))))
+
+    def _rope_out(self, module, args, out) -> None:
+        """MLA rotary output (q_pe [T, H, Dr], k_pe [T, 1, Dr]) of the layer running now; the first call per
+        layer is the attention's (an indexer may call the same module after it)."""
+        if isinstance(out, tuple) and len(out) == 2 and self.layer >= 0:
+            q, k = out
+            self._keep(f"q_pe-{self.layer}", q)
+            self._keep(f"k_pe-{self.layer}", k.reshape(k.shape[0], -1))
 
     def _in(self, module, name: str, pick) -> None:
         self.handles.append(module.register_forward_pre_hook(lambda m, a: self._keep(name, pick(a))))
