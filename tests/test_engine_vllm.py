@@ -137,10 +137,13 @@ def test_planted_fault_in_the_engines_checkpoint_is_found_at_its_op(kind, tensor
     assert torch.__version__  # the reference side ran in this process
 
 
-def test_deepseek_v3_mla(ckpts, vllm_python):
-    """DeepSeek-V3 with real MLA dims: vLLM's CPU_MLA (float32) against the reference."""
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_deepseek_v3_mla(dtype, ckpts, vllm_python):
+    """DeepSeek-V3 with real MLA dims: vLLM's CPU_MLA against the reference. In bfloat16 its router flips a
+    near-tie of two expert groups (layer 2, position 3): the reference takes the engine's experts and the
+    routing check allows the flip (it once failed this healthy engine, bench/RESULTS.md)."""
     code, doc, _ = diagnose("--hf", str(ckpts["deepseek"][0]), "--engine", "vllm", "--engine-python", vllm_python,
-                            "--engine-dtype", "float32")
+                            "--engine-dtype", dtype)
     f = by_check(doc)
     b = f["engine-backends"]
     assert b["status"] == "pass" and b["metrics"]["kind"] == "mla", b

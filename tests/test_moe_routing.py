@@ -12,7 +12,7 @@ import pytest
 
 import fixtures_mla
 from llmdoctor import diagnose as dg
-from llmdoctor.checks.layers import routing_disagreement, routing_limit
+from llmdoctor.checks.layers import routing_disagreement, routing_inadmissible, routing_limit, routing_tolerance
 from llmdoctor.gguf import open_gguf
 
 IDS = [int(i) for i in np.random.default_rng(0).integers(1, 90, size=40)]
@@ -48,6 +48,25 @@ def test_routing_metric():
     assert routing_disagreement(a, a[:, ::-1]) == 0.0  # order within top-k does not matter
     assert routing_disagreement(a, np.array([[1, 2], [3, 5], [5, 6]])) == pytest.approx(1 / 3)
     assert routing_limit(0.0, 100) == pytest.approx(0.03, abs=1e-3)
+
+
+def test_routing_admissibility_allows_near_ties_only():
+    """The near-tie a healthy vLLM in bfloat16 flipped (tiny DeepSeek-V3, layer 2, position 3: two expert
+    groups whose scores, sums of their two best experts, are 0.0009 apart): the other group's experts are
+    admissible within the emulated run's score error, not without it; a choice below a clear winner is not."""
+    sc = np.array([[0.50, 0.610955, 0.662887, 0.40, 0.628752, 0.644139, 0.30, 0.20]])
+    engine = np.array([[5, 4]])
+    assert routing_inadmissible(sc, engine, 2, tol=0.0, n_group=2, topk_group=1).tolist() == [True]
+    assert routing_inadmissible(sc, engine, 2, tol=0.002, n_group=2, topk_group=1).tolist() == [False]
+    assert routing_inadmissible(sc, np.array([[2, 1]]), 2, tol=0.0, n_group=2, topk_group=1).tolist() == [False]
+    assert routing_inadmissible(sc, np.array([[2, 5]]), 2, tol=0.002, n_group=2, topk_group=1).tolist() == [True]  # two groups
+    assert routing_inadmissible(sc, np.array([[2, 0]]), 2, tol=0.002, n_group=2, topk_group=1).tolist() == [True]  # 0.50 < 0.61
+    # ungrouped: ties either way, duplicates and out-of-range ids never
+    flat = np.array([[0.9, 0.5, 0.5, 0.1]])
+    assert routing_inadmissible(np.repeat(flat, 4, 0), np.array([[0, 1], [2, 0], [0, 3], [0, 0]]), 2, tol=1e-9).tolist() \
+        == [False, False, True, True]
+    # the tolerance: K x both experts' largest score error, plus a few float32 roundings
+    assert routing_tolerance(sc, sc + 1e-3) == pytest.approx(3 * 2 * 1e-3 + 8 * 2.0**-24 * 0.662887)
 
 
 def test_llama_cpp_routes_like_the_reference(deepseek):

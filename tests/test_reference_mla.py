@@ -159,7 +159,7 @@ def test_route_matches_transformers_router(deepseek):
     with fx.float64_mode(), torch.no_grad():
         logits, w_hf, idx_hf = router(x)
     moe = from_hf(deepseek.config).moe
-    w, idx = route(logits, router.e_score_correction_bias, moe)
+    w, idx, _ = route(logits, router.e_score_correction_bias, moe)
     order_hf, order = idx_hf.sort(-1), idx.sort(-1)
     assert torch.equal(order_hf.values, order.values)
     torch.testing.assert_close(w.gather(1, order.indices), w_hf.gather(1, order_hf.indices), rtol=1e-14, atol=0)
@@ -170,12 +170,12 @@ def test_route_softmax_grouped():
     logits = torch.tensor([[0.0, 3.0, 1.0, 2.9, 0.5, 0.4]], dtype=torch.float64)
     moe = MoE(n_expert=6, n_used=2, n_shared=0, n_ff_exp=1, gating="softmax", norm_topk=False, scale=2.0,
               n_group=3, topk_group=2)
-    w, idx = route(logits, None, moe)
+    w, idx, _ = route(logits, None, moe)
     p = torch.softmax(logits, -1)[0]
     # groups {0,1}, {2,3}, {4,5}: top-2 sums pick groups 0 and 1; then experts 1 and 3
     assert sorted(idx[0].tolist()) == [1, 3]
     torch.testing.assert_close(w[0].sort().values, (2 * p[[3, 1]]).sort().values)
-    w, _ = route(logits, None, MoE(**{**moe.__dict__, "norm_topk": True}))
+    w, _, _ = route(logits, None, MoE(**{**moe.__dict__, "norm_topk": True}))
     assert float(w.sum()) == pytest.approx(2.0)
 
 

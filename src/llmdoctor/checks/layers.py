@@ -137,6 +137,60 @@ def selection_disagreement(scores: Any, selected: Any, top_k: int, rel_tol: floa
     return float(bad.mean()) if t_n else 0.0
 
 
+def routing_tolerance(ref_scores: Any, emu_scores: Any) -> float:
+    """How far apart two experts' selection scores may be and still swap places in a healthy engine: the
+    emulated run's largest score error (its arithmetic on the same routing), counted for both experts
+    of a comparison, times the layer budget's K; at least a few float32 roundings of the largest score."""
+    import numpy as np
+
+    ref, emu = np.asarray(ref_scores, dtype=np.float64), np.asarray(emu_scores, dtype=np.float64)
+    d = float(np.max(np.abs(emu - ref))) if ref.size else 0.0
+    return K * 2 * d + 8 * 2.0**-24 * float(np.max(np.abs(ref), initial=0.0))
+
+
+def routing_inadmissible(scores: Any, chosen: Any, k: int, tol: float, n_group: int = 1,
+                         topk_group: int = 1) -> Any:
+    """bool [T]: positions whose chosen experts are no top-k choice the reference's selection scores
+    allow within `tol` (routing_tolerance). Ungrouped: every chosen expert scores at least the best
+    unchosen one minus tol. Grouped (DeepSeek-V3's n_group / topk_group): the chosen experts' groups,
+    filled up with the best other groups, are a top-topk_group set of group scores within 2 tol (a group
+    score sums two experts', reference/arch_deepseek.group_scores), and the experts are a top-k set within
+    those groups. Duplicates, out-of-range ids and a wrong count are inadmissible.
+    scores: float [T, E]; chosen: int [T, k]."""
+    import numpy as np
+    import torch
+
+    from ..reference.arch_deepseek import group_scores
+
+    sc = np.asarray(scores, dtype=np.float64)
+    sel = np.asarray(chosen, dtype=np.int64)
+    t_n, e_n = sc.shape
+    if sel.ndim != 2 or sel.shape != (t_n, k):
+        return np.ones(t_n, dtype=bool)
+    grouped = n_group > 1 and e_n % n_group == 0
+    gs = group_scores(torch.from_numpy(sc), n_group).numpy() if grouped else None  # [T, G]
+    per = e_n // n_group if grouped else e_n
+    bad = np.zeros(t_n, dtype=bool)
+    for t in range(t_n):
+        picks = {int(j) for j in sel[t]}
+        if len(picks) != k or not all(0 <= j < e_n for j in picks):
+            bad[t] = True
+            continue
+        pool = np.arange(e_n)
+        if grouped:
+            mine = {j // per for j in picks}
+            rest = [g for g in np.argsort(-gs[t], kind="stable") if g not in mine]
+            keep = sorted(mine | set(rest[: max(topk_group - len(mine), 0)]))
+            out = [g for g in range(n_group) if g not in keep]
+            if len(mine) > topk_group or (out and gs[t, keep].min() < gs[t, out].max() - 2 * tol):
+                bad[t] = True
+                continue
+            pool = np.concatenate([np.arange(g * per, (g + 1) * per) for g in keep])
+        unchosen = [j for j in pool if j not in picks]
+        bad[t] = bool(unchosen) and sc[t, sorted(picks)].min() < sc[t, unchosen].max() - tol
+    return bad
+
+
 def routing_limit(noise: float, n_positions: int) -> float:
     """Most disagreement a healthy engine shows: its own arithmetic flips near-tied routing decisions
     as often as the emulated run does (`noise`), give or take three binomial standard errors (with

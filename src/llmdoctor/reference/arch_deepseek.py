@@ -25,6 +25,7 @@ glm-dsa.cpp callbacks, shapes are those of its absorbed (is_mla) path:
     indexer_score-{i}  [T, T]          DSA index scores, -inf above the diagonal (full indexer layers)
     top_k-{i}          [T, k]          the keys each query attends (glm-dsa)
     ffn_moe_topk-{i}, ffn_moe_weights-{i}  [T, n_used]  chosen experts and their weights
+    ffn_moe_scores-{i} [T, E]          the scores experts are chosen by (gate probabilities + correction bias)
 """
 
 from __future__ import annotations
@@ -206,22 +207,35 @@ def _mla_hf(d: dict) -> ModelConfig:
 
 # ---- MoE ---------------------------------------------------------------------------------------------
 
-def route(logits: torch.Tensor, bias: torch.Tensor | None, moe: MoE) -> tuple[torch.Tensor, torch.Tensor]:
-    """Router logits [T, E] (+ correction bias [E]) -> (weights [T, k], expert ids [T, k])."""
+def group_scores(choice: torch.Tensor, n_group: int) -> torch.Tensor:
+    """Selection scores [T, E] -> each expert group's score [T, G]: the sum of its two best experts'
+    (DeepSeek-V3's noaux_tc grouping, as llama.cpp's and vLLM's grouped top-k compute it)."""
+    t, e = choice.shape
+    return choice.view(t, n_group, e // n_group).topk(2, dim=-1).values.sum(-1)
+
+
+def route(logits: torch.Tensor, bias: torch.Tensor | None, moe: MoE,
+          override: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Router logits [T, E] (+ correction bias [E]) -> (weights [T, k], expert ids [T, k], the selection
+    scores [T, E] the ids were chosen by). `override` [T, k]: use these experts instead of choosing (an
+    engine's choice among near-tied experts; the moe-routing check judges whether it is one the scores
+    allow), weighted as the router weights its own."""
     t, e = logits.shape
     probs = torch.sigmoid(logits) if moe.gating == "sigmoid" else torch.softmax(logits, dim=-1)  # [T, E]
-    choice = probs + bias.to(probs.dtype) if bias is not None else probs
-    if moe.n_group > 1:
-        grouped = choice.view(t, moe.n_group, e // moe.n_group)  # [T, G, E/G]
-        group_score = grouped.topk(2, dim=-1).values.sum(-1)  # [T, G]
-        keep = group_score.topk(moe.topk_group, dim=-1).indices  # [T, topk_group]
-        gmask = torch.zeros_like(group_score, dtype=torch.bool).scatter_(1, keep, True)
-        choice = choice.masked_fill(~gmask.repeat_interleave(e // moe.n_group, dim=1), float("-inf"))
-    idx = choice.topk(moe.n_used, dim=-1).indices  # [T, k]
+    scores = probs + bias.to(probs.dtype) if bias is not None else probs
+    if override is not None:
+        idx = override.to(device=logits.device, dtype=torch.long)
+    else:
+        choice = scores
+        if moe.n_group > 1:
+            keep = group_scores(scores, moe.n_group).topk(moe.topk_group, dim=-1).indices  # [T, topk_group]
+            gmask = torch.zeros(t, moe.n_group, dtype=torch.bool, device=logits.device).scatter_(1, keep, True)
+            choice = scores.masked_fill(~gmask.repeat_interleave(e // moe.n_group, dim=1), float("-inf"))
+        idx = choice.topk(moe.n_used, dim=-1).indices  # [T, k]
     w = probs.gather(1, idx)
     if moe.norm_topk:
         w = w / w.sum(-1, keepdim=True)
-    return w * moe.scale, idx
+    return w * moe.scale, idx, scores
 
 
 def experts(h: torch.Tensor, w: torch.Tensor, idx: torch.Tensor,
@@ -238,12 +252,16 @@ def experts(h: torch.Tensor, w: torch.Tensor, idx: torch.Tensor,
     return out
 
 
+MOE_OVERRIDE = "moe_topk_override"  # Step.extra key: {layer: expert ids [T, k]} to replace the router's choice
+
+
 def moe_ffn(st: Step, h: torch.Tensor) -> torch.Tensor:
     moe = st.cfg.moe
     acc = attn.acc_dtype(h.dtype)
     logits = linear(h.to(acc), st.w(MODEL_TENSOR.FFN_GATE_INP).to(acc))  # [T, E]
     bias = st.w(MODEL_TENSOR.FFN_EXP_PROBS_B, "bias") if st.has(MODEL_TENSOR.FFN_EXP_PROBS_B, "bias") else None
-    w, idx = route(logits, bias, moe)
+    w, idx, scores = route(logits, bias, moe, override=st.extra.get(MOE_OVERRIDE, {}).get(st.il))
+    st.cap("ffn_moe_scores", scores)
     st.cap("ffn_moe_topk", idx)
     st.cap("ffn_moe_weights", w)
     kinds = {"gate": MODEL_TENSOR.FFN_GATE_EXP, "up": MODEL_TENSOR.FFN_UP_EXP, "down": MODEL_TENSOR.FFN_DOWN_EXP}
