@@ -95,18 +95,6 @@ def first_divergent_layer(curve: list[PointError]) -> tuple[int | None, PointErr
     return None, None
 
 
-def routing_disagreement(want: Any, got: Any) -> float:
-    """Fraction of positions whose chosen expert SET differs (order within top-k is irrelevant).
-    want, got: int [T, k]."""
-    import numpy as np
-
-    a = np.sort(np.asarray(want, dtype=np.int64), -1)
-    b = np.sort(np.asarray(got, dtype=np.int64), -1)
-    if a.shape != b.shape:
-        return 1.0
-    return float((a != b).any(-1).mean()) if a.size else 0.0
-
-
 def selection_disagreement(scores: Any, selected: Any, top_k: int, rel_tol: float = 1e-5) -> float:
     """Fraction of queries whose selection is not a top-k set of the reference's own scores. A row
     agrees when its distinct, in-range, visible picks are min(k, visible keys) many, include every
@@ -192,9 +180,10 @@ def routing_inadmissible(scores: Any, chosen: Any, k: int, tol: float, n_group: 
 
 
 def routing_limit(noise: float, n_positions: int) -> float:
-    """Most disagreement a healthy engine shows: its own arithmetic flips near-tied routing decisions
-    as often as the emulated run does (`noise`), give or take three binomial standard errors (with
-    at least one flip's worth of rate, so a noiseless emulation does not demand perfection)."""
+    """Most disagreement a healthy engine shows in a discrete choice (the DSA indexer's key selections):
+    its own arithmetic flips near-tied decisions as often as the emulated run does (`noise`), give or
+    take three binomial standard errors (with at least one flip's worth of rate, so a noiseless
+    emulation does not demand perfection)."""
     p = max(noise, 1.0 / max(n_positions, 1))
     return noise + 3 * math.sqrt(p * (1 - p) / max(n_positions, 1))
 
