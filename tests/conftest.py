@@ -45,3 +45,23 @@ def vllm_python() -> str:
             pytest.fail(f"CI: {why}; .ci/run builds it")
         pytest.skip(why)
     return path
+
+
+@pytest.fixture(scope="session")
+def demo_hf(demo_path, tmp_path_factory) -> Path:
+    """The demo GGUF as an HF checkpoint (float32 weights, the GGUF's tokenizer and chat template), as a
+    vLLM deployment of the demo model would serve it."""
+    import torch
+    import transformers
+
+    from llmdoctor.gguf import open_gguf
+    from llmdoctor.subjects.engines.transformers import build
+
+    out = tmp_path_factory.mktemp("demo-hf")
+    model, _ = build(demo_path, torch.float32)
+    model.save_pretrained(out)
+    tok = transformers.AutoTokenizer.from_pretrained(str(demo_path.parent), gguf_file=demo_path.name)
+    with open_gguf(demo_path) as g:
+        tok.chat_template = str(g.get("tokenizer.chat_template"))
+    tok.save_pretrained(out)
+    return out

@@ -48,9 +48,12 @@ def ckpts(tmp_path_factory):
     return {k: vllm_checkpoint(k, out / k) for k in ("llama", "qwen2", "deepseek", "glm")}
 
 
-def diagnose(*args: str) -> tuple[int, dict, float]:
+def diagnose(*args: str, token_ids: list[int] | None = TOKENS) -> tuple[int, dict, float]:
+    """(exit code, JSON, seconds) of `llmdoctor diagnose *args` on `token_ids` (None: the default prompt
+    through the model's own tokenizer)."""
     t0 = time.perf_counter()
-    r = CliRunner().invoke(app, ["diagnose", *args, "--token-ids", ",".join(map(str, TOKENS)), "--json"])
+    ids = ["--token-ids", ",".join(map(str, token_ids))] if token_ids else []
+    r = CliRunner().invoke(app, ["diagnose", *args, *ids, "--json"])
     took = time.perf_counter() - t0
     assert r.stdout.strip(), r.output[-3000:]
     return r.exit_code, json.loads(r.stdout), took
@@ -156,6 +159,22 @@ def test_deepseek_v3_mla(dtype, ckpts, vllm_python):
     assert {"q_pe", "k_pe", "kqv_out", "l_out"} <= points, points
     print("worst q_pe/k_pe point / limit:", max(p["error"] / p["limit"] for p in doc["layer_curve"]
                                                  if p["point"] in ("q_pe", "k_pe")))
+
+
+def test_the_demo_model_in_bfloat16_is_healthy_and_float16_is_refused_by_both(demo_hf, vllm_python):
+    """Gemma 3 270M (the demo, as a checkpoint) in vLLM: bfloat16 is healthy; float16 is a fault on two
+    counts that agree: its residual stream overflows float16 at layer 7 (fp16-overflow, measured), and
+    vLLM itself refuses float16 for gemma3 (quoted in the engine's skip)."""
+    code, doc, _ = diagnose("--hf", str(demo_hf), "--engine", "vllm", "--engine-python", vllm_python,
+                            "--engine-dtype", "bfloat16", token_ids=None)
+    f = by_check(doc)
+    assert code == 0 and f["engine-vs-reference"]["status"] == "pass" and f["layer-localization"]["status"] == "pass"
+    assert f["engine-backends"]["metrics"]["selected"]["decode"] == "CPU_ATTN"
+    code, doc, _ = diagnose("--hf", str(demo_hf), "--engine", "vllm", "--engine-python", vllm_python,
+                            "--engine-dtype", "float16", token_ids=None)
+    f = by_check(doc)
+    assert code == 1 and f["fp16-overflow"]["status"] == "fail" and "layer 7" in f["fp16-overflow"]["explanation"]
+    assert f["engine-vs-reference"]["status"] == "skip" and "does not support float16" in f["engine-vs-reference"]["reason"]
 
 
 def test_glm_dsa_cannot_run_on_cpu_and_says_why(ckpts, vllm_python):

@@ -18,27 +18,9 @@ from llmdoctor.subjects.engines import vllm as vllm_engine
 from servers import free_port, serve
 
 
-def demo_checkpoint(out: Path) -> Path:
-    """The demo GGUF as an HF checkpoint: float32 weights, the GGUF's tokenizer and chat template."""
-    import torch
-    import transformers
-
-    from llmdoctor.gguf import open_gguf
-    from llmdoctor.subjects.engines.transformers import build
-
-    gguf = model_path()
-    model, _ = build(gguf, torch.float32)
-    model.save_pretrained(out)
-    tok = transformers.AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    with open_gguf(gguf) as g:
-        tok.chat_template = str(g.get("tokenizer.chat_template"))
-    tok.save_pretrained(out)
-    return out
-
-
 @pytest.fixture(scope="module")
-def vllm_server(vllm_python: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    ckpt = demo_checkpoint(tmp_path_factory.mktemp("demo-hf"))
+def vllm_server(vllm_python: str, demo_hf: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    ckpt = demo_hf
     log = tmp_path_factory.mktemp("vllm-server") / "server.log"
     port = free_port()
     cmd = vllm_engine.server_command(vllm_python, ckpt, port, dtype="float32", name="demo")
