@@ -6,7 +6,6 @@ invalid JSON). Reports are written atomically (temp file + rename).
 
 from __future__ import annotations
 
-import hashlib
 import importlib.metadata
 import json
 import math
@@ -18,6 +17,7 @@ from typing import Any, Iterable
 
 from .. import __version__
 from ..checks.base import Finding, count
+from ..file_digest import sha256_file
 from ..errors import InputError
 
 # Environment variables that change which kernels an engine picks or how it computes.
@@ -43,14 +43,6 @@ def _pkg_version(dist: str) -> str | None:
         return importlib.metadata.version(dist)
     except importlib.metadata.PackageNotFoundError:
         return None
-
-
-def sha256_file(path: str | os.PathLike) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 22):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _gpu() -> tuple[str | None, str | None]:
