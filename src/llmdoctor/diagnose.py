@@ -289,7 +289,7 @@ class Session:
             # in a child process: an abort inside llama.cpp must not end the diagnosis
             run = llama_cpp.run_isolated(
                 path, self.tokens(), n_threads=self.inputs.threads,
-                capture=("l_out-*", "attn_norm-*", "kqv_out-*", "sa_out-*", "ffn_norm-*", "ffn_out-*", "ffn_moe_topk-*", "ffn_moe_scores-*",
+                capture=("l_out-*", "attn_norm-*", "kqv_out-*", "sa_out-*", "ffn_norm-*", "ffn_out-*", "ffn_moe_topk-*",
                          "top_k-*", "result_norm"))
             return run.logits, engine_names_to_reference(run.captures, LLAMA_CPP_ALIASES), run.info
         if name == "vllm":

@@ -128,7 +128,7 @@ def selection_disagreement(scores: Any, selected: Any, top_k: int, rel_tol: floa
 def routing_tolerance(ref_scores: Any, emu_scores: Any) -> float:
     """How far apart two experts' selection scores may be and still swap places in a healthy engine: the
     emulated run's largest score error (its arithmetic on the same routing), counted for both experts
-    of a comparison, times the layer budget's K; at least a few float32 roundings of the largest score."""
+    of a comparison, times the layer budget's K, plus a few float32 roundings of the largest score."""
     import numpy as np
 
     ref, emu = np.asarray(ref_scores, dtype=np.float64), np.asarray(emu_scores, dtype=np.float64)
