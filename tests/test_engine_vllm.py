@@ -142,9 +142,10 @@ def test_planted_fault_in_the_engines_checkpoint_is_found_at_its_op(kind, tensor
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_deepseek_v3_mla(dtype, ckpts, vllm_python):
-    """DeepSeek-V3 with real MLA dims: vLLM's CPU_MLA against the reference. In bfloat16 its router flips a
-    near-tie of two expert groups (layer 2, position 3): the reference takes the engine's experts and the
-    routing check allows the flip (it once failed this healthy engine, bench/RESULTS.md)."""
+    """DeepSeek-V3 with real MLA dims: vLLM's CPU_MLA against the reference. In bfloat16 its router may take
+    a near-tie the other way (here it did: two expert groups 0.0009 apart at layer 2, position 3, which once
+    failed this healthy engine, bench/RESULTS.md): the reference takes the engine's experts and the routing
+    check allows and counts it (whether it happens depends on the CPU's bf16 kernels, so it is not asserted)."""
     code, doc, _ = diagnose("--hf", str(ckpts["deepseek"][0]), "--engine", "vllm", "--engine-python", vllm_python,
                             "--engine-dtype", dtype)
     f = by_check(doc)
@@ -152,6 +153,7 @@ def test_deepseek_v3_mla(dtype, ckpts, vllm_python):
     assert b["status"] == "pass" and b["metrics"]["kind"] == "mla", b
     assert b["metrics"]["selected"]["decode"] in ("CPU_MLA", "AMX_MLA"), b
     assert f["moe-routing"]["status"] == "pass", f["moe-routing"]
+    print(f"{dtype}: near-ties taken the other way: {f['moe-routing']['metrics']['near_ties_taken']}")
     # healthy (bench/RESULTS.md: worst point 0.39 of its limit), with the rope parts of MLA's q and k after
     # RoPE compared as op-level points (vLLM's rotary output against the reference's q_pe / k_pe)
     assert code == 0 and f["engine-vs-reference"]["status"] == "pass", doc["verdict"]

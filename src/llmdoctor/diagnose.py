@@ -792,8 +792,11 @@ def h_moe_routing(s: Session) -> list[Finding]:
             tol = routing_tolerance(ref_caps[scores], emu_caps[scores])
             bad = routing_inadmissible(ref_caps[scores], engine_caps[name], moe.n_used, tol, moe.n_group,
                                        moe.topk_group)
+            # not the reference's own top k, yet allowed: a near-tie the engine's arithmetic took the other way
+            other = routing_inadmissible(ref_caps[scores], engine_caps[name], moe.n_used, 0.0, moe.n_group,
+                                         moe.topk_group) & ~bad
             rows.append({"layer": il, "disagreement": float(bad.mean()), "tolerance": tol,
-                         "positions": [int(p) for p in np.nonzero(bad)[0][:8]]})
+                         "positions": [int(p) for p in np.nonzero(bad)[0][:8]], "near_ties_taken": int(other.sum())})
     if not rows:
         raise Skip("the engine exposed no routing decisions (ffn_moe_topk)")
     curve, _, _ = s.divergence()
@@ -816,9 +819,11 @@ def h_moe_routing(s: Session) -> list[Finding]:
                                      "score-correction bias, grouped top-k and gating function")]
     return [_finding("moe-routing", s.inputs.engine, f"{len(rows)} MoE layers", "pass", confidence="high",
                      hypothesis="the engine routes tokens to the reference's experts",
-                     metrics={"layers": len(rows), "max_disagreement": max(r["disagreement"] for r in rows)},
+                     metrics={"layers": len(rows), "max_disagreement": max(r["disagreement"] for r in rows),
+                              "near_ties_taken": sum(r["near_ties_taken"] for r in rows)},
                      evidence=rows, explanation=f"expert choices are ones the router's scores allow in "
-                                                f"{len(rows)} MoE layers (near-ties may go either way)")]
+                                                f"{len(rows)} MoE layers ({sum(r['near_ties_taken'] for r in rows)} "
+                                                "near-ties taken the other way, which rounding may do)")]
 
 
 def _router_inputs_differ(s: Session, il: int, engine_caps, ref_caps, emu_caps, diverged: set) -> str:
