@@ -40,6 +40,9 @@ def test_ci_runs_the_readme_commands_verbatim():
     ci = (ROOT / ".ci/run").read_text()
     assert 'eval "$INSTALL"' in ci and 'eval "$MAIN_JOB"' in ci and 'eval "$TEST"' in ci
     assert '"$rc" -eq 5' in ci  # pytest's "no tests" must not pass
+    # the README's commands run in a virtual environment made afresh on every run (issue 24)
+    fresh = ci.index('rm -rf "$CI_VENV"'), ci.index('python3 -m venv "$CI_VENV"'), ci.index('. "$CI_VENV/bin/activate"')
+    assert list(fresh) == sorted(fresh) and fresh[-1] < ci.index('eval "$INSTALL"')
 
 
 def test_readme_main_job_runs():
