@@ -8,7 +8,7 @@ by default; each prints identical/different (with the first difference) and the 
 
 `--load N` keeps N extra processes spinning on the CPU for the whole campaign (a loaded machine).
 What legitimately changes from run to run is left out of the comparison: wall-clock times (`is_time`).
-tests/test_determinism.py runs the same functions in a bounded form (a few runs).
+tests/test_determinism.py runs the same comparison in a bounded form (tests/rerun.py holds what both use).
 
 Adding a command: write `bench_<name>(runs: int) -> list[Outcome]` that calls `repeat` with the
 command's argv, and add it to `COMMANDS`.
@@ -17,50 +17,16 @@ command's argv, and add it to `COMMANDS`.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from pathlib import Path
+from typing import Callable
 
-def is_time(key: str) -> bool:
-    """Keys whose values are wall-clock measurements, which differ between identical runs: "seconds" and
-    any key ending in "_seconds" or "_s" (check dequant's kernel_seconds, timings_s, wall_s, an engine's
-    load_s)."""
-    return key == "seconds" or key.endswith(("_seconds", "_s"))
-
-
-def stable(doc: Any) -> Any:
-    """`doc` without its wall-clock times (every `is_time` key, at any depth)."""
-    if isinstance(doc, dict):
-        return {k: stable(v) for k, v in doc.items() if not is_time(k)}
-    if isinstance(doc, list):
-        return [stable(v) for v in doc]
-    return doc
-
-
-def first_difference(a: Any, b: Any, path: str = "") -> str | None:
-    """Where two JSON documents first differ ("findings[3].metrics.error: 0.1 != 0.2"), or None."""
-    if type(a) is not type(b):
-        return f"{path or '.'}: {a!r} != {b!r}"
-    if isinstance(a, dict):
-        for k in sorted(set(a) | set(b)):
-            if k not in a or k not in b:
-                return f"{path}.{k}: only in {'the first' if k in a else 'this'} run"
-            d = first_difference(a[k], b[k], f"{path}.{k}")
-            if d:
-                return d
-        return None
-    if isinstance(a, list):
-        if len(a) != len(b):
-            return f"{path}: {len(a)} items != {len(b)}"
-        return next((d for i, (x, y) in enumerate(zip(a, b)) if (d := first_difference(x, y, f"{path}[{i}]"))), None)
-    return None if a == b else f"{path or '.'}: {a!r} != {b!r}"
-
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from rerun import cpu_load, first_difference, run_json, stable  # noqa: E402  (shared with the tests)
 
 @dataclass
 class Outcome:
@@ -79,15 +45,6 @@ class Outcome:
         return (f"{self.name}: {self.runs} runs {verdict} (exit codes {sorted(self.exit_codes)}); "
                 f"s/run min {min(t):.1f} median {statistics.median(t):.1f} max {max(t):.1f}"
                 + (f"\n    first difference: {self.first_difference}" if self.first_difference else ""))
-
-
-def run_json(argv: list[str]) -> tuple[Any, int]:
-    """(the JSON document, exit code) of `python -m llmdoctor.cli *argv` in a fresh process."""
-    p = subprocess.run([sys.executable, "-m", "llmdoctor.cli", *argv], capture_output=True, text=True)
-    try:
-        return json.loads(p.stdout), p.returncode
-    except json.JSONDecodeError:
-        return {"no JSON": p.stderr[-500:]}, p.returncode
 
 
 def repeat(name: str, argv: list[str], runs: int, on_run: Callable[[int, float], None] = lambda i, s: None) -> Outcome:
@@ -109,18 +66,6 @@ def repeat(name: str, argv: list[str], runs: int, on_run: Callable[[int, float],
         on_run(i, out.seconds[-1])
     print(out.line(), flush=True)  # as soon as it is known: a campaign cut short keeps what finished
     return out
-
-
-@contextlib.contextmanager
-def cpu_load(n: int) -> Iterator[None]:
-    """n processes spinning on the CPU meanwhile (ended, each by its own id, on exit)."""
-    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
-    try:
-        yield
-    finally:
-        for p in procs:
-            p.kill()
-            p.wait()
 
 
 # ---- one function per command ---------------------------------------------------------------------

@@ -13,9 +13,7 @@ emulation's Q8 rounding would turn into another budget.
 
 from __future__ import annotations
 
-import sys
 import threading
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -24,8 +22,7 @@ from gguf import GGMLQuantizationType as Q
 
 from llmdoctor.gguf import dequantize
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-import bench_determinism as bd  # noqa: E402
+import rerun as bd
 
 
 def test_dequant_pool_threads_leave_torchs_thread_count_alone(monkeypatch):
