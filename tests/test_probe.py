@@ -229,8 +229,11 @@ def test_probe_bad_input_is_one_line_and_exit_2(args, says):
     assert r.exit_code == 2 and r.stderr.startswith("error: ") and says in r.stderr, r.stderr
 
 
-def test_human_output_renders_every_finding_shape():
-    """The terminal table handles each probe's metrics (determinism findings carry kl without top1_agree)."""
+def test_human_output_renders_every_finding_shape(capsys: pytest.CaptureFixture[str],
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """The terminal table shows each probe's row with its status, symptom and numbers in every metrics
+    shape (determinism findings carry kl without top1_agree: a KeyError once), the thresholds and the
+    verdict with its symptoms."""
     from llmdoctor.checks.base import Finding
     from llmdoctor.checks.probes import ProbeReport
     from llmdoctor.cli import _render_probe
@@ -239,9 +242,37 @@ def test_human_output_renders_every_finding_shape():
           Finding("probe", "s", "batch", "pass", metrics={"kl": 2e-4, "top1_agree": True}),
           Finding("probe", "s", "knowledge/count", "pass",
                   metrics={"expected_logprob": -0.05, "expected_rank": 1, "tail_mass": 0.01}),
-          Finding("probe", "s", "echo", "skip", reason="no echo")]
-    rep = ProbeReport("http://x", "m", "healthy", fs, {}, {}, 1.0, 4, [])
-    _render_probe(rep)  # raised KeyError('top1_agree') before
+          Finding("probe", "s", "echo", "skip", reason="no echo"),
+          Finding("probe", "s", "position/40", "fail", metrics={"kl": 0.5, "top1_agree": False,
+                                                                "symptom": "position-dependent"},
+                  explanation="diverges at long positions"),
+          Finding("probe", "s", "reference", "pass",
+                  metrics={"kl_max": 1.2e-3, "kl_mean": 1e-4, "top1_agreement": 1.0, "positions": 12}),
+          Finding("probe", "s", "transport", "pass", metrics={"requests": 40})]
+    rep = ProbeReport("http://x", "m", "degraded", fs, {"position-dependent": [fs[4].id]}, {}, 1.0, 4, [])
+    monkeypatch.setenv("COLUMNS", "250")  # one line per row
+    _render_probe(rep)
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    assert lines[0] == "http://x  model m  (1 s, 4 requests)"
+
+    def row(target: str) -> list[str]:
+        cells = next([c.strip() for c in ln.split("│")] for ln in lines if f"│ {target} " in ln)
+        assert len(cells) == 4, cells
+        return cells
+
+    assert row("repeat") == ["pass", "repeat", "", "max |dlogprob| 1.00e-02, same text True"]
+    assert row("batch") == ["pass", "batch", "", "KL 2.00e-04, top-1 same"]
+    assert row("knowledge/count") == ["pass", "knowledge/count", "", "expected logprob -0.050, rank 1, tail 0.010"]
+    assert row("echo") == ["skip", "echo", "", "no echo"]
+    assert row("position/40") == ["fail", "position/40", "position-dependent",
+                                  "diverges at long positions (KL 5.00e-01, top-1 differs)"]
+    assert row("reference") == ["pass", "reference", "", "KL max 1.20e-03, top-1 agreement 1.00 over 12 positions"]
+    assert row("transport") == ["pass", "transport", "", "requests 40"]
+    thresholds = next(ln for ln in lines if ln.startswith("thresholds: "))
+    for k, v in THRESHOLDS.items():
+        assert f"{k} {v['value']:.3g}" in thresholds
+    assert lines[-1] == "verdict: degraded  symptoms: position-dependent"
 
 
 def test_malformed_logprobs_are_an_endpoint_error():
