@@ -112,8 +112,57 @@ void llmd_fx_codes16(const uint8_t *base, int64_t n, int64_t stride, const doubl
     state[0] = last; state[1] = sum; state[2] = jumps;
 }
 
+/* One block's extreme e (as a histogram index) or, where its codes are all zero, the zero count. */
+static inline void llmd_fx_tally(int e, int any, int64_t *hist, int64_t *zero) {
+    if (any) hist[e] += 1;
+    else *zero += 1;
+}
+
+/* The sub-block codes of n K-quant blocks (block i's packed codes at base + i * stride), in the packing
+ * of `kind`: 2 Q2_K, 3 Q3_K, 4 Q4_K and Q5_K, 6 Q6_K (checks/forensics.py's SUBBLOCKS and
+ * subblock_codes say where they sit and what they mean; this is the same unpacking). For family f (0 the
+ * scales, 1 the mins of kinds 2 and 4) of each block: zero[f] += 1 where its codes are all zero, else
+ * hist[f * 256 + e - lo] += 1 with e the block's largest code (kinds 2, 4) or smallest (3, 6) and lo
+ * its type's smallest code (-128 for Q6_K's signed bytes, else 0). */
+void llmd_fx_subblocks(const uint8_t *base, int64_t n, int64_t stride, int kind, int64_t *hist, int64_t *zero) {
+    for (int64_t i = 0; i < n; i++) {
+        const uint8_t *p = base + i * stride;
+        int s = 0, m = 0, sa = 0;
+        if (kind == 2) { /* max of the low nibbles (scales) and of the high nibbles (mins) */
+            for (int j = 0; j < 16; j++) {
+                int a = p[j] & 15, b = p[j] >> 4;
+                s = a > s ? a : s; m = b > m ? b : m;
+            }
+            llmd_fx_tally(s, s != 0, hist, zero);
+            llmd_fx_tally(m, m != 0, hist + 256, zero + 1);
+        } else if (kind == 4) { /* max of the 6-bit scales and of the 6-bit mins */
+            for (int j = 0; j < 8; j++) {
+                int a = j < 4 ? p[j] & 63 : (p[j + 4] & 15) | ((p[j - 4] >> 6) << 4);
+                int b = j < 4 ? p[j + 4] & 63 : (p[j + 4] >> 4) | ((p[j] >> 6) << 4);
+                s = a > s ? a : s; m = b > m ? b : m;
+            }
+            llmd_fx_tally(s, s != 0, hist, zero);
+            llmd_fx_tally(m, m != 0, hist + 256, zero + 1);
+        } else if (kind == 3) { /* min of the 6-bit codes (stored with +32) */
+            s = 63;
+            for (int j = 0; j < 16; j++) {
+                int a = (j < 8 ? p[j] & 15 : p[j - 8] >> 4) | (((p[8 + j % 4] >> (2 * (j / 4))) & 3) << 4);
+                s = a < s ? a : s; sa |= a;
+            }
+            llmd_fx_tally(s, sa != 0, hist, zero);
+        } else { /* 6: min of the signed bytes */
+            s = 127;
+            for (int j = 0; j < 16; j++) {
+                int a = (int8_t)p[j];
+                s = a < s ? a : s; sa |= a;
+            }
+            llmd_fx_tally(s + 128, sa != 0, hist, zero);
+        }
+    }
+}
+
 /* Bumped with every change of the functions above, so that a stale build is refused. */
-int llmd_fx_abi(void) { return 2; }
+int llmd_fx_abi(void) { return 3; }
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_forensics_native",
                                     "Forensics' moment passes (called through ctypes).", -1, NULL};

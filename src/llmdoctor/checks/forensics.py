@@ -17,8 +17,10 @@ Streaming API (verify calls it per chunk):
 
 What the statistics can see (tests/test_forensics.py plants each): non-finite scales or weights
 (absolute rule); block scales multiplied by noise (signs, the spread of |scale| in binades); a Q4_K tensor
-whose d and dmin were exchanged (dmin/d ratio, mean/RMS, RMS). What they cannot see: two layers'
-tensors exchanged, or one tensor's rows permuted; every statistic here is invariant under both (a
+whose d and dmin were exchanged (dmin/d ratio, mean/RMS, RMS). Inside K-quant blocks, the sub-block
+scale and min codes are held to where llama.cpp's quantizer always puts the block's extreme sub-block
+(SUBBLOCKS, below; tests/test_forensics_subblocks.py plants changed code bytes). What they cannot
+see: two layers' tensors exchanged, or one tensor's rows permuted; every statistic here is invariant under both (a
 tensor's statistics move with it; a permutation of rows keeps every value). Those need a second copy:
 `diff`, `--manifest`, or `--hf`.
 """
@@ -26,6 +28,7 @@ tensor's statistics move with it; a permutation of rows keeps every value). Thos
 from __future__ import annotations
 
 import ctypes
+import functools
 import math
 import re
 import threading
@@ -39,6 +42,8 @@ import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as QT
+from gguf.constants import QK_K
+from gguf.quants import Q4_K
 
 from ..native import load_extension
 from .base import Finding
@@ -212,6 +217,161 @@ class ScaleStats:
         return out
 
 
+# ---- sub-block scales inside K-quant blocks ------------------------------------------------------------
+# A K-quant super-block of QK_K values holds, besides d (and dmin), one small integer code per sub-block
+# that multiplies d (and one per sub-block that multiplies dmin). llama.cpp's quantizer (ggml-quants.c:
+# quantize_row_q*_K_ref without an importance matrix, quantize_row_q*_K_impl with one) fits each
+# sub-block's scale first and then chooses d so that the block's extreme sub-block lands on the end of
+# the code range. That end is in every block it writes, so a block without it was written by something
+# else: the bytes were changed after quantization. Per type, from the source (names as in ggml-quants.c):
+#   Q6_K  int8 codes; iscale = -128 / max_scale (the signed sub-block scale of largest |.|), each code
+#         nearest_int(iscale * scale_j) capped at 127: the extreme's code is exactly -128, with or without
+#         an importance matrix (both paths share that step). A block whose sub-blocks are all zero is
+#         written as zero bytes.
+#   Q3_K  6-bit codes stored with +32 (code - 32 is the signed scale). Without an importance matrix:
+#         iscale = -32 / max_scale, the extreme's code is -32 + 32 = 0. With one: make_qx_quants(nmax 32)
+#         tries iscale = -(32 + 0.1 k) / max for k in -9..9, so the extreme's l = nearest_int(-(32 + 0.1 k))
+#         clamped to [-32, 31] is -32 or -31: its code is 0 or 1. Rule: the smallest code is 0 or 1.
+#   Q4_K, Q5_K  6-bit scale codes and 6-bit min codes; without an importance matrix inv_scale =
+#         63 / max_scale and inv_min = 63 / max_min, so the largest scale code and the largest min code
+#         are exactly 63 (all codes 0 where max_scale, or max_min, is 0).
+#   Q2_K  4-bit scale and min codes (low and high nibble); likewise 15 / max_scale and 15 / max_min:
+#         the largest of each is exactly 15.
+# With an importance matrix Q2_K, Q4_K and Q5_K fit their codes by make_qp_quants, whose refinement
+# may lower the extreme's code (measured on llama.cpp's own quantizer: the largest scale code 58..63,
+# the largest min code down to 42 on data of one sign), so for those three types the rule is exact
+# only for files quantized without one; for the others the share of blocks off the end is compared
+# among role siblings instead (see compare). Corrupted codes are seen only where they move the extreme:
+# a random byte in a block's scales breaks the rule when it hits the extreme sub-block's code (about one
+# block in 8 to 16, by type: tests/test_forensics_subblocks.py measures it), so one damaged block in a
+# tensor may go unseen while tens of them are found with certainty.
+
+
+@dataclass(frozen=True)
+class CodeFamily:
+    """One kind of sub-block code of a K-quant block, and where llama.cpp's quantizer pins it."""
+
+    name: str  # "scales" (multiply d) or "mins" (multiply dmin)
+    reduce: str  # "max" or "min": the end of a block's codes that its extreme sub-block takes
+    pinned: tuple[int, ...]  # the values that end takes in every block the quantizer writes
+    lo: int  # the code range (histogram bins), inclusive
+    hi: int
+    every_path: bool  # pinned with and without an importance matrix (else: only without one)
+
+
+@dataclass(frozen=True)
+class SubBlockLayout:
+    """Where a K-quant block keeps its packed sub-block codes (ggml-common.h's block structs, in the
+    byte order of gguf.quants.<TYPE>.dequantize_blocks), and the code families unpacked from them."""
+
+    offset: int
+    size: int
+    families: tuple[CodeFamily, ...]
+    kind: int  # the packing's number in _forensics_native.c's llmd_fx_subblocks
+
+
+_SIX_BIT = dict(lo=0, hi=63)
+SUBBLOCKS: dict[QT, SubBlockLayout] = {
+    QT.Q2_K: SubBlockLayout(0, QK_K // 16, (CodeFamily("scales", "max", (15,), 0, 15, False),
+                                            CodeFamily("mins", "max", (15,), 0, 15, False)), 2),
+    QT.Q3_K: SubBlockLayout(QK_K // 8 + QK_K // 4, 12,
+                            (CodeFamily("scales", "min", (0, 1), every_path=True, **_SIX_BIT),), 3),
+    QT.Q4_K: SubBlockLayout(4, 12, (CodeFamily("scales", "max", (63,), every_path=False, **_SIX_BIT),
+                                    CodeFamily("mins", "max", (63,), every_path=False, **_SIX_BIT)), 4),
+    QT.Q6_K: SubBlockLayout(QK_K // 2 + QK_K // 4, QK_K // 16,
+                            (CodeFamily("scales", "min", (-128,), -128, 127, True),), 6),
+}
+SUBBLOCKS[QT.Q5_K] = SUBBLOCKS[QT.Q4_K]  # the same 12 bytes after d and dmin
+
+
+def subblock_codes(blocks: np.ndarray, qtype: QT) -> dict[str, np.ndarray]:
+    """The sub-block codes of K-quant blocks uint8 [n, type_size]: family name -> int16 [n, sub-blocks]
+    (Q3_K's as stored, 0..63; Q6_K's signed)."""
+    lay = SUBBLOCKS[qtype]
+    s = blocks[:, lay.offset:lay.offset + lay.size]  # [n, size] packed codes
+    if qtype == QT.Q2_K:  # scale in the low nibble, min in the high
+        return {"scales": (s & 0xF).astype(np.int16), "mins": (s >> 4).astype(np.int16)}
+    if qtype == QT.Q6_K:
+        return {"scales": s.view(np.int8).astype(np.int16)}
+    if qtype == QT.Q3_K:  # low 4 bits: bytes 0..7 (j < 8 low nibble, j >= 8 high); high 2 bits: bytes 8..11
+        low = np.concatenate([s[:, :8] & 0xF, s[:, :8] >> 4], axis=1)  # [n, 16]
+        high = (s[:, None, 8:12] >> np.array([0, 2, 4, 6], np.uint8)[None, :, None]) & 3  # [n, j // 4, j % 4]
+        return {"scales": (low | (high.reshape(-1, 16) << 4)).astype(np.int16)}
+    sc, m = Q4_K.get_scale_min(np.ascontiguousarray(s))  # Q4_K, Q5_K: [n, 8] each
+    return {"scales": sc.astype(np.int16), "mins": m.astype(np.int16)}
+
+
+@functools.cache
+def _off_bins(fam: CodeFamily) -> np.ndarray:
+    """bool [hi - lo + 1]: the histogram bins of extremes off the pinned end."""
+    return ~np.isin(np.arange(fam.lo, fam.hi + 1), fam.pinned)
+
+
+@dataclass
+class SubBlockStats:
+    """Per code family of one K-quant tensor, streamed: a histogram of each block's extreme code (its
+    largest or smallest, CodeFamily.reduce) over blocks whose codes are not all zero, the number of
+    all-zero blocks (what the quantizer writes for a block of zeros), and the first block whose extreme
+    is not where the quantizer pins it."""
+
+    qtype: QT
+    blocks: int = 0
+    hist: dict[str, np.ndarray] = field(default_factory=dict)  # family -> int64 [hi - lo + 1]
+    zero: dict[str, int] = field(default_factory=dict)
+    first_off: dict[str, tuple[int, int]] = field(default_factory=dict)  # family -> (block, its extreme code)
+
+    def add(self, blocks: np.ndarray) -> None:
+        """blocks: consecutive raw blocks of the tensor, uint8 [n, type_size]. The counts in C where it is
+        built (numpy's unpacking costs about twice the moment passes); the first off block is then
+        located with numpy, once per family."""
+        lay = SUBBLOCKS[self.qtype]
+        if _NATIVE is not None and blocks.flags.c_contiguous:
+            hist, zero = np.zeros((2, 256), np.int64), np.zeros(2, np.int64)
+            _NATIVE.llmd_fx_subblocks(blocks.ctypes.data + lay.offset, blocks.shape[0], blocks.shape[1], lay.kind,
+                                      hist.ctypes.data, zero.ctypes.data)
+            counts = {f.name: (hist[i, :f.hi - f.lo + 1], int(zero[i])) for i, f in enumerate(lay.families)}
+        else:
+            counts = {}
+        codes = None
+        for fam in lay.families:
+            if fam.name in counts:
+                h, z = counts[fam.name]
+            else:
+                codes = subblock_codes(blocks, self.qtype) if codes is None else codes
+                h, z = self._counts(fam, codes[fam.name])
+            self.hist[fam.name] = self.hist[fam.name] + h if fam.name in self.hist else h
+            self.zero[fam.name] = self.zero.get(fam.name, 0) + z
+            if fam.name not in self.first_off and h[_off_bins(fam)].any():
+                codes = subblock_codes(blocks, self.qtype) if codes is None else codes
+                ext = self._extreme(fam, codes[fam.name])
+                off = np.flatnonzero(codes[fam.name].any(1) & ~np.isin(ext, fam.pinned))[0]
+                self.first_off[fam.name] = (self.blocks + int(off), int(ext[off]))
+        self.blocks += blocks.shape[0]
+
+    @staticmethod
+    def _extreme(fam: CodeFamily, codes: np.ndarray) -> np.ndarray:
+        return codes.max(1) if fam.reduce == "max" else codes.min(1)  # [n]
+
+    def _counts(self, fam: CodeFamily, codes: np.ndarray) -> tuple[np.ndarray, int]:
+        """(histogram of the extremes of blocks not all zero, number of all-zero blocks) of codes [n, k]."""
+        zero = ~codes.any(1)
+        h = np.bincount(self._extreme(fam, codes)[~zero] - fam.lo, minlength=fam.hi - fam.lo + 1)
+        return h, int(zero.sum())
+
+    def summary(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"blocks": self.blocks}
+        for fam in SUBBLOCKS[self.qtype].families:
+            h = self.hist.get(fam.name, np.zeros(fam.hi - fam.lo + 1, np.int64))
+            codes = np.arange(fam.lo, fam.hi + 1)
+            first = self.first_off.get(fam.name)
+            out[fam.name] = {"reduce": fam.reduce, "pinned": list(fam.pinned), "every_path": fam.every_path,
+                             "zero_blocks": self.zero.get(fam.name, 0), "off_blocks": int(h[_off_bins(fam)].sum()),
+                             "extreme_codes": {int(c): int(n) for c, n in zip(codes, h) if n},
+                             "first_off_block": None if first is None else first[0],
+                             "first_off_code": None if first is None else first[1]}
+        return out
+
+
 @dataclass
 class TensorStats:
     """One tensor's statistics: per scale field, and of its dequantized (finite) values."""
@@ -227,10 +387,11 @@ class TensorStats:
     scales: dict[str, dict[str, Any]] = field(default_factory=dict)
     scale_medians: dict[str, float] = field(default_factory=dict)  # log2 of the median |s| per field
     first_nonfinite_block: int | None = None
+    subblocks: dict[str, Any] = field(default_factory=dict)  # K-quants: SubBlockStats.summary()
 
     def as_dict(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in ("name", "qtype", "n_values", "nonfinite", "rms", "mean", "max_abs",
-                                              "kurtosis", "scales", "first_nonfinite_block")}
+                                              "kurtosis", "scales", "first_nonfinite_block", "subblocks")}
 
 
 # ---- the moments of the values, chunk by chunk ------------------------------------------------------
@@ -278,7 +439,7 @@ class TensorStats:
 ROW = 1024  # the C file's ROW too
 _SAFE = (2.0 ** -20, 2.0 ** 20)
 _scratch = threading.local()
-_NATIVE_ABI = 2  # llmd_fx_abi() of the C code this module calls
+_NATIVE_ABI = 3  # llmd_fx_abi() of the C code this module calls
 
 
 def _load_native() -> ctypes.CDLL | None:
@@ -290,7 +451,10 @@ def _load_native() -> ctypes.CDLL | None:
     lib.llmd_fx_central.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p]
     lib.llmd_fx_codes16.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
                                     ctypes.c_void_p, ctypes.c_void_p]
+    lib.llmd_fx_subblocks.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p,
+                                      ctypes.c_void_p]
     lib.llmd_fx_scan.restype = lib.llmd_fx_central.restype = lib.llmd_fx_codes16.restype = None
+    lib.llmd_fx_subblocks.restype = None
     return lib
 
 
@@ -403,6 +567,7 @@ class Accumulator:
         self.name, self.qtype = name, QT(qtype)
         self.fields = SCALE_FIELDS.get(self.qtype, ())
         self.scales = {f.name: ScaleStats(f.encoding) for f in self.fields}
+        self.subblocks = SubBlockStats(self.qtype) if self.qtype in SUBBLOCKS else None
         self.moments = Moments()  # of the finite values
         self.n = self.nonfinite = 0
         self.max_abs = 0.0
@@ -415,6 +580,8 @@ class Accumulator:
         if blocks is not None:
             for f in self.fields:
                 self.scales[f.name].add_blocks(blocks, f)
+            if self.subblocks is not None:
+                self.subblocks.add(blocks)
         v = torch.as_tensor(values).detach().reshape(-1)  # [n]
         if v.dtype != torch.float32 or not v.is_contiguous():
             v = v.to(torch.float32).contiguous()
@@ -453,7 +620,7 @@ class Accumulator:
         return TensorStats(self.name, self.qtype.name, self.n, self.nonfinite, math.sqrt(var + m.mean * m.mean),
                            m.mean, self.max_abs, m.m4 / k / (var * var) if var > 0 else math.nan, summaries,
                            {n: s["log2_median"] for n, s in summaries.items() if "log2_median" in s},
-                           self.first_nonfinite_block)
+                           self.first_nonfinite_block, self.subblocks.summary() if self.subblocks is not None else {})
 
 
 CHUNK_VALUES = 1 << 20  # values per chunk (verify's chunk): two float32 scratch buffers of 4 MiB
@@ -512,6 +679,9 @@ METRICS = (
     Metric("dmin_over_d", "binades of median dmin over median d", "binades", True),
     Metric("rms", "RMS of the weights", "log2", False),
     Metric("mean_over_rms", "mean / RMS of the weights", "plain", False),
+    # only where the sub-block rule is not exact (an importance matrix was, or may have been, used)
+    Metric("scales_off", "of blocks whose extreme sub-block scale code is off the quantizer's end", "fraction", True),
+    Metric("mins_off", "of blocks whose largest sub-block min code is off the quantizer's end", "fraction", True),
 )
 
 # A role needs this many tensors before its median and MAD mean anything: with 4, one outlier leaves a
@@ -556,6 +726,9 @@ def metric_values(st: TensorStats) -> dict[str, tuple[float, int]]:
             out["d_jitter"] = (s["jitter"], n)
     if "d" in st.scale_medians and "dmin" in st.scale_medians:
         out["dmin_over_d"] = (st.scale_medians["dmin"] - st.scale_medians["d"], st.n_values)
+    for fam, sb in st.subblocks.items():
+        if isinstance(sb, dict) and sb.get("rule") == "siblings":
+            out[f"{fam}_off"] = (sb["off_blocks"] / st.subblocks["blocks"], st.subblocks["blocks"])
     if st.rms > 0:
         out["rms"] = (st.rms, st.n_values)
         out["mean_over_rms"] = (st.mean / st.rms, st.n_values)
@@ -636,10 +809,81 @@ def outliers(stats: list[TensorStats]) -> tuple[list[dict[str, Any]], dict[str, 
                    "roles_too_few_siblings": sorted(too_few - roles)}
 
 
+IMATRIX_KEYS = "quantize.imatrix."  # llama-quantize records the importance matrix it used under these keys
+
+
+def _imatrix_recorded(file: str | Path) -> bool:
+    """Whether the file's metadata says an importance matrix was used (False where there is no file)."""
+    if not file or not Path(file).is_file():
+        return False
+    from ..gguf import open_gguf
+
+    with open_gguf(file) as g:
+        return any(k.startswith(IMATRIX_KEYS) for k in g.fields)
+
+
+def subblock_rules(stats: list[TensorStats], file: str | Path = "") -> dict[str, Any]:
+    """Decide, for the code families pinned only without an importance matrix (Q2_K, Q4_K, Q5_K), whether
+    the exact rule holds in this file, and write each family's rule ("exact" or "siblings") into its
+    tensor's summary. Not exact when the metadata records an importance matrix, or when the file bears
+    its mark without the record (the library call llama_model_quantize writes none): more than half of
+    at least MIN_SIBLINGS such tensors with blocks off the end. Damage that reaches most tensors of a
+    file is then compared among siblings instead; corruption of a few tensors leaves the majority exact."""
+    partial = [st for st in stats if st.subblocks and not all(
+        f.every_path for f in SUBBLOCKS[QT[st.qtype]].families)]
+    off = sum(any(st.subblocks[f.name]["off_blocks"] for f in SUBBLOCKS[QT[st.qtype]].families) for st in partial)
+    recorded = _imatrix_recorded(file) if partial else False
+    marked = len(partial) >= MIN_SIBLINGS and off > len(partial) / 2
+    exact = not (recorded or marked)
+    for st in stats:
+        for f in SUBBLOCKS[QT[st.qtype]].families if st.subblocks else ():
+            st.subblocks[f.name]["rule"] = "exact" if f.every_path or exact else "siblings"
+    return {"tensors": sum(1 for st in stats if st.subblocks), "partial_rule_exact": exact,
+            "imatrix_recorded": recorded, "partial_tensors_off": off, "partial_tensors": len(partial)}
+
+
+def _subblock_finding(st: TensorStats, file: str | Path) -> Finding | None:
+    """A fail finding for a tensor whose blocks break an exact sub-block rule, else None."""
+    sb = st.subblocks
+    bad = [(n, v) for n, v in sb.items() if isinstance(v, dict) and v.get("rule") == "exact" and v["off_blocks"]]
+    if not bad:
+        return None
+    words = []
+    for name, v in bad:
+        end = " or ".join(str(c) for c in v["pinned"])
+        words.append(f"{v['off_blocks']} of {sb['blocks']} {st.qtype} blocks have their {v['reduce']} sub-block "
+                     f"{name[:-1]} code off {end} (first: block {v['first_off_block']}, {v['reduce']} "
+                     f"{v['first_off_code']})")
+    return Finding(CHECK, "gguf", st.name, "fail", id=f"{CHECK}/subblocks/{st.name}",
+                   hypothesis=SUBBLOCK_HYPOTHESIS, confidence="high",
+                   metrics={"subblocks": sb, "off_blocks": sum(v["off_blocks"] for _, v in bad)},
+                   budget={"off_blocks_max": 0},
+                   explanation=f"{st.name}: " + "; ".join(words) + ": llama.cpp's quantizer puts the block's "
+                               "extreme sub-block there in every block it writes, so sub-block scale bytes "
+                               "were changed after quantization",
+                   evidence=[{"tensor": st.name, "file": str(file), "family": n, **{k: v[k] for k in (
+                       "first_off_block", "first_off_code", "extreme_codes")}} for n, v in bad])
+
+
+def _subblock_words(rules: dict[str, Any]) -> str:
+    if not rules["tensors"]:
+        return ""
+    how = "" if rules["partial_rule_exact"] else \
+        " (Q2_K/Q4_K/Q5_K compared among siblings: " + ("the metadata records an importance matrix)"
+                                                        if rules["imatrix_recorded"] else
+                                                        "most of their tensors bear an importance matrix's mark)")
+    return f"{rules['tensors']} K-quant tensors' sub-block codes end where llama.cpp's quantizer puts them{how}; "
+
+
+SUBBLOCK_HYPOTHESIS = "every K-quant block's sub-block codes end where llama.cpp's quantizer puts them"
+
+
 def compare(stats: list[TensorStats], *, file: str | Path = "") -> list[Finding]:
-    """The findings: one per tensor with non-finite scales or weights, one per sibling outlier tensor
-    (its worst metrics side by side with its siblings'), then one pass or skip summary."""
+    """The findings: one per tensor with non-finite scales or weights, one per tensor whose K-quant
+    sub-block codes break an exact rule, one per sibling outlier tensor (its worst metrics side by
+    side with its siblings'), then one pass or skip summary."""
     out: list[Finding] = []
+    rules = subblock_rules(stats, file)
     for st in stats:
         bad_scales = {f: s["nonfinite"] for f, s in st.scales.items() if s["nonfinite"]}
         if st.nonfinite or bad_scales:
@@ -649,7 +893,9 @@ def compare(stats: list[TensorStats], *, file: str | Path = "") -> list[Finding]
             out.append(Finding(CHECK, "gguf", st.name, "fail", metrics=st.as_dict(), hypothesis=HYPOTHESIS,
                                explanation=f"{st.name}: " + ", ".join(what) + ": the tensor is corrupted",
                                evidence=[{"tensor": st.name, "file": str(file)}]))
+    out += [f for f in (_subblock_finding(st, file) for st in stats) if f is not None]
     found, summary = outliers(stats)
+    summary["subblocks"] = rules
     by_tensor: dict[str, list[dict]] = defaultdict(list)
     for o in found:
         by_tensor[o["tensor"]].append(o)
@@ -671,8 +917,9 @@ def compare(stats: list[TensorStats], *, file: str | Path = "") -> list[Finding]
         else:
             out.append(Finding(CHECK, "gguf", "siblings", "pass", hypothesis=HYPOTHESIS, metrics=summary,
                                budget={"robust_z_max": summary["limit"]},
-                               explanation=f"{len(stats)} tensors finite; {summary['tests']} statistics in {n} "
-                                           f"roles within {summary['limit']:.1f} robust spreads of their siblings"))
+                               explanation=f"{len(stats)} tensors finite; {_subblock_words(rules)}"
+                                           f"{summary['tests']} statistics in {n} roles within "
+                                           f"{summary['limit']:.1f} robust spreads of their siblings"))
     return out
 
 

@@ -3,7 +3,8 @@
 Every builder has the signature `build(src, out_dir, *, tensor=..., seed=0) -> Path`: it copies `src`
 (opened read-only) into `out_dir` and patches bytes of the copy in place (same size, same layout).
 `expect` says whether a lone file's statistics can find it ("forensics") or cannot ("unseen: ...").
-`attn-block-scales` (every attn_output's block scales x U(-2, 2)) lives here too; `mapping-swap-layers`
+`attn-block-scales` (every attn_output's block scales x U(-2, 2)) and `subblock-scales` (bytes of a
+K-quant tensor's packed sub-block scales changed) live here too; `mapping-swap-layers`
 (two layers' tensors exchanged, faults/mapping.py) completes the set.
 """
 
@@ -16,7 +17,7 @@ import numpy as np
 from gguf import GGMLQuantizationType as QT
 from gguf import GGUFValueType as VT
 
-from ..checks.forensics import SCALE_FIELDS
+from ..checks.forensics import SCALE_FIELDS, SUBBLOCKS
 from ..gguf import open_gguf
 from . import register
 
@@ -24,13 +25,18 @@ from . import register
 _INT_TYPES = {VT.UINT32: "<u4", VT.INT32: "<i4", VT.UINT64: "<u8", VT.INT64: "<i8"}
 
 
-def _patch(src: Path, out_dir: Path, tag: str, tensor: str) -> tuple[Path, np.memmap, object]:
-    """A copy of `src` as `<stem>.<tag>.gguf`, mapped writable, and `tensor`'s info (from the source)."""
+def _info(src: Path, tensor: str) -> tuple:
+    """`tensor`'s (offset, nbytes, type, type_size, shape) in `src`."""
     with open_gguf(src) as g:
         if not g.has_tensor(tensor):
             raise ValueError(f"{src}: no tensor {tensor!r}")
         t = g.tensor(tensor)
-        info = (t.offset, t.nbytes, t.type, t.type_size, t.shape)
+        return t.offset, t.nbytes, t.type, t.type_size, t.shape
+
+
+def _patch(src: Path, out_dir: Path, tag: str, tensor: str) -> tuple[Path, np.memmap, object]:
+    """A copy of `src` as `<stem>.<tag>.gguf`, mapped writable, and `tensor`'s info (from the source)."""
+    info = _info(src, tensor)
     dst = Path(out_dir) / f"{Path(src).stem}.{tag}.gguf"
     shutil.copyfile(src, dst)
     return dst, np.memmap(dst, dtype=np.uint8, mode="r+"), info
@@ -112,6 +118,30 @@ def q4k_d_dmin_swap(src: Path, out_dir: Path, *, tensor: str | None = None) -> P
     b = _blocks(mm, info)
     d, dmin = (next(f for f in SCALE_FIELDS[QT.Q4_K] if f.name == n).offset for n in ("d", "dmin"))
     b[:, [d, d + 1, dmin, dmin + 1]] = b[:, [dmin, dmin + 1, d, d + 1]]
+    mm.flush()
+    return dst
+
+
+@register("subblock-scales", "file",
+          "K-quant tensors: one byte of the packed sub-block scales changed in a share of their blocks (seeded)",
+          expect="forensics")
+def subblock_scales(src: Path, out_dir: Path, *, tensor: str | tuple[str, ...] = "blk.1.ffn_down.weight",
+                    fraction: float = 0.05, seed: int = 0) -> Path:
+    """In `fraction` of each named tensor's blocks (at least one, chosen at random), one byte of the
+    sub-block codes (checks/forensics.py's SUBBLOCKS: where each K-quant keeps them) XORed with a random
+    nonzero byte. `tensor`: one name or several (one copy, each patched)."""
+    names = (tensor,) if isinstance(tensor, str) else tuple(tensor)
+    dst, mm, info = _patch(src, out_dir, "subblock-scales", names[0])
+    rng = np.random.default_rng(seed)
+    for name in names:
+        info = _info(src, name) if name != names[0] else info
+        lay = SUBBLOCKS.get(QT(info[2]))
+        if lay is None:
+            raise ValueError(f"{name} is {QT(info[2]).name}, not a K-quant with sub-block scales")
+        b = _blocks(mm, info)
+        rows = rng.choice(b.shape[0], size=max(1, round(fraction * b.shape[0])), replace=False)
+        cols = lay.offset + rng.integers(0, lay.size, size=rows.size)
+        b[rows, cols] ^= rng.integers(1, 256, size=rows.size, dtype=np.uint8)
     mm.flush()
     return dst
 
