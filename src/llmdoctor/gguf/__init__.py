@@ -6,7 +6,8 @@
 from typing import Any
 
 from ..errors import GGUFError
-from .reader import GGUFFile, MetadataField, StringArray, TensorInfo, open_gguf
+from .reader import GGUFFile, MetadataField, StringArray, TensorInfo
+from .split import open_gguf
 
 __all__ = ["GGUFError", "GGUFFile", "MetadataField", "StringArray", "TensorInfo", "dequantize", "open_gguf"]
 

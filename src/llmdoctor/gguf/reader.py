@@ -5,8 +5,8 @@ allocated or looped over, so a hostile file costs bounded work and memory. Each 
 `GGUFError` naming the problem and the file offset where it was found. Format constants (magic,
 value types, GGML types, block sizes) come from the `gguf` package (llama.cpp's gguf-py).
 
-A split model (`name-00001-of-00003.gguf`, ...) opens as one model through `open_gguf` given any of
-its shards: `split.py` validates the set and joins it into its first shard's `GGUFFile`, whose
+A split model (`name-00001-of-00003.gguf`, ...) opens as one model through `open_gguf` (split.py) given
+any of its shards: split.py validates the set and joins it into its first shard's `GGUFFile`, whose
 `tensors` then lists every shard's tensors (each reading from its own shard) and whose `shards` lists
 the files; metadata is the first shard's.
 
@@ -541,10 +541,3 @@ class GGUFFile:
         off = cur.u64(f"data offset of tensor {name!r}")
         return name, ttype, tuple(ne), off, nbytes, at
 
-
-def open_gguf(path: str | os.PathLike) -> GGUFFile:
-    """Open and index a GGUF model read-only: a file, or the whole split set of which `path` is any
-    shard. Raises `GGUFError` on any format or safety violation, naming the file (shard) at fault."""
-    from .split import open_set
-
-    return open_set(GGUFFile(path))

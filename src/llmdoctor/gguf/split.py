@@ -1,4 +1,5 @@
-"""Split GGUF models: the shards `<prefix>-%05d-of-%05d.gguf` opened and validated as one model.
+"""Split GGUF models: the shards `<prefix>-%05d-of-%05d.gguf` opened and validated as one model
+(`open_gguf`, the way every model file is opened: a lone file is a set of one).
 
 The layout is llama.cpp's gguf-split (tools/gguf-split/gguf-split.cpp, and gguf-py's GGUFWriter with
 `split_max_tensors`): the first shard holds every metadata key; every shard holds `split.no` (its
@@ -47,9 +48,12 @@ def _int(g: GGUFFile, key: str) -> int | None:
     return int(f.value)
 
 
-def open_set(g: GGUFFile) -> GGUFFile:
-    """`g` itself when it is a lone file (no `split.count`, or 1), else its whole split set joined into
-    the first shard's `GGUFFile`. Closes what it opened (and `g`) when the set is invalid."""
+def open_gguf(path: str | os.PathLike) -> GGUFFile:
+    """Open and index a GGUF model read-only: a file, or the whole split set of which `path` is any
+    shard. Raises `GGUFError` on any format or safety violation, naming the file (shard) at fault.
+    A lone file (no `split.count`, or 1) is its own `GGUFFile`; a set is joined into its first shard's.
+    Closes what it opened when the set is invalid."""
+    g = GGUFFile(path)
     try:
         count = _int(g, SPLIT_COUNT)
         if count is None or count == 1:
