@@ -2,9 +2,10 @@
 
 Most deployments (vLLM's above all) serve a checkpoint directory, not a GGUF. `Checkpoint(dir)` reads
 its config.json into the same `ModelConfig` a GGUF gives (config.from_hf) and lists the tensors of every
-`*.safetensors` file in it; `CheckpointWeights` is forward.py's `Weights` over it. Asked for a GGUF
-tensor (`blk.0.attn_q.weight`), it reads the HF tensors gguf/layout.py's plan names for it and applies
-that rule's forward transform: the very names and transforms convert_hf_to_gguf.py applies and `check
+`*.safetensors` file in it; `CheckpointWeights` hands its tensors out as forward.py's `Weights` does
+(the same methods, so a block cannot tell the two apart). Asked for a GGUF tensor
+(`blk.0.attn_q.weight`), it reads the HF tensors gguf/layout.py's plan names for it and applies that
+rule's forward transform: the very names and transforms convert_hf_to_gguf.py applies and `check
 mapping` inverts (llama's Q/K rope permutation, gemma's +1 norm offset, MLA's kv_b split with k_b
 transposed, per-expert tensors stacked). So every block of the reference runs unchanged from either
 source, and an F32 GGUF converted from the same checkpoint gives bit-identical weights and logits
@@ -32,7 +33,6 @@ from ..errors import InputError
 from ..gguf import layout
 from ..hf_config import read_hf_config, text_config
 from .config import ModelConfig, from_hf
-from .forward import Weights
 
 # safetensors dtype names (the header's "dtype") the reference widens exactly; a quantized checkpoint
 # (FP8 with weight_scale_inv, GPTQ/AWQ int packs) needs its scales applied first and is refused by name.
@@ -136,10 +136,11 @@ class Checkpoint:
         self.close()
 
 
-class CheckpointWeights(Weights):
-    """forward.py's `Weights` with a checkpoint as the source: the same GGUF names, the tensors the
-    layout plan's forward transforms make of the checkpoint's. Nothing is dequantized (no GGML type is
-    remembered, so an engine's activation quantization is not emulated on these weights)."""
+class CheckpointWeights:
+    """forward.py's `Weights` interface (has, get, rows, slab, row_slices; `qtypes`) with a checkpoint as
+    the source: the same GGUF names, the tensors the layout plan's forward transforms make of the
+    checkpoint's. Nothing is dequantized (no GGML type is remembered, so an engine's activation
+    quantization is not emulated on these weights)."""
 
     def __init__(self, ckpt: Checkpoint, *, dtype: torch.dtype, device: torch.device, cache: bool):
         self.ckpt, self.rules = ckpt, ckpt.rules
@@ -171,6 +172,9 @@ class CheckpointWeights(Weights):
         by 4.8e-7)."""
         out = torch.empty(w.shape, dtype=self.dtype, device=self.device)
         return out.copy_(w)
+
+    def has(self, name: str) -> bool:
+        return name in self._names
 
     def _is_copy(self, name: str) -> bool:
         return self._rule(name).transform == "copy"

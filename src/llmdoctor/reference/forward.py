@@ -53,6 +53,7 @@ from gguf import MODEL_TENSOR, TENSOR_NAMES
 from ..errors import InputError
 from ..gguf import open_gguf
 from . import attention as attn
+from .checkpoint import Checkpoint, CheckpointWeights
 from .config import ModelConfig, from_gguf
 from .emulate import EnginePrecision, quantize_activations
 
@@ -80,7 +81,8 @@ class Weights:
 
     Every tensor handed out is remembered with its GGML type (by storage address, which is unique
     while the tensor is alive) so that `linear` can reproduce an engine's activation quantization
-    for it when a run emulates one (reference/emulate.py).
+    for it when a run emulates one (reference/emulate.py). The other weight sources a `Step` may hold
+    offer the same methods: checkpoint.CheckpointWeights (an HF checkpoint), tensor_parallel.RankWeights.
     """
 
     def __init__(self, g, *, dtype: torch.dtype, device: torch.device, cache: bool,
@@ -391,8 +393,6 @@ class ReferenceModel:
         self.path = path
         self.dtype, self.device = dtype, torch.device(device)
         if Path(path).is_dir():  # an HF checkpoint: no GGUF (`g` is None), no dequantizer to swap
-            from .checkpoint import Checkpoint, CheckpointWeights
-
             if dequantizer is not None:
                 raise InputError(f"{path}: a dequant kernel applies to GGUF weights, not to an HF checkpoint")
             self.g, self.source = None, Checkpoint(path)
