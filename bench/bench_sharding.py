@@ -43,6 +43,7 @@ def main() -> int:
     import fixtures_mla as fx
 
     from llmdoctor.checks import sharding
+    from llmdoctor.faults.sharding import plant
 
     dims = dict(hidden_size=args.hidden, intermediate_size=args.ffn, moe_intermediate_size=args.expert_ffn,
                 num_hidden_layers=args.layers, num_attention_heads=64, num_key_value_heads=64, n_shared_experts=1,
@@ -68,7 +69,7 @@ def main() -> int:
         for rules, faults in (("vllm", generic), ("vllm-ep", ["sharding-experts-wrong-rank"])):
             t0 = time.perf_counter()
             res = sharding.run(f.gguf_path, args.tp, rules=rules, n_tokens=args.tokens, device=args.device,
-                               faults=faults)
+                               faults=faults, plant=plant)
             used = [x.metrics["max_over_budget"] for x in res.findings
                     if x.subject == "rules" and "max_over_budget" in x.metrics]
             out["runs"].append({

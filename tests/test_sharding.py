@@ -14,6 +14,7 @@ from typer.testing import CliRunner
 
 from llmdoctor.checks import sharding
 from llmdoctor.faults import get as get_fault
+from llmdoctor.faults.sharding import plant
 from llmdoctor.gguf import open_gguf
 from llmdoctor.reference import forward as fw
 from llmdoctor.reference import tensor_parallel as tp
@@ -133,7 +134,7 @@ def test_mla_tp2(deepseek, tmp_path):
     saved = _save(base, tmp_path / "shards", 2, torch.bfloat16)
     faults = ["sharding-heads-permuted", "sharding-kv-b-latent-axis", "sharding-vocab-offset",
               "sharding-missing-all-reduce"]
-    res = sharding.run(deepseek.gguf_path, 2, engine_shards=saved, n_tokens=5, faults=faults)
+    res = sharding.run(deepseek.gguf_path, 2, engine_shards=saved, n_tokens=5, faults=faults, plant=plant)
     engine = f"engine-shards:{saved}"
     assert all(f.status == "pass" for f in res.findings if f.subject in (engine, "engine-shards")), \
         [f.reason for f in res.findings if f.status != "pass" and f.subject in (engine, "engine-shards")]
@@ -171,7 +172,8 @@ def test_saved_shards_of_the_wrong_shape(deepseek, tmp_path):
 def test_mla_tp4_expert_parallel(deepseek):
     """T=4 with whole experts per rank: the rules' plan passes (the last rank's vocabulary shard is all
     padding); experts on the wrong rank are found at the first MoE layer (1) and the expert tensors named."""
-    res = sharding.run(deepseek.gguf_path, 4, rules="vllm-ep", n_tokens=5, faults=["sharding-experts-wrong-rank"])
+    res = sharding.run(deepseek.gguf_path, 4, rules="vllm-ep", n_tokens=5, faults=["sharding-experts-wrong-rank"],
+                       plant=plant)
     assert all(f.status == "pass" for f in res.findings if f.subject == "rules")
     first = {p.plan: p.first for p in res.plans}["fault:sharding-experts-wrong-rank"]
     assert first["point"] == "ffn_out-1"
@@ -195,6 +197,7 @@ def test_nccl_tp2(deepseek):
     """The same forward over NCCL, one GPU per rank (NVLink multicast off)."""
     if torch.cuda.device_count() < 2:
         pytest.skip("skipped: needs 2 CUDA GPUs")
-    res = sharding.run(deepseek.gguf_path, 2, n_tokens=5, device="cuda", faults=["sharding-missing-all-reduce"])
+    res = sharding.run(deepseek.gguf_path, 2, n_tokens=5, device="cuda", faults=["sharding-missing-all-reduce"],
+                       plant=plant)
     assert all(f.status == "pass" for f in res.findings if f.subject == "rules")
     assert {p.plan: p.first for p in res.plans}["fault:sharding-missing-all-reduce"]["point"] == "attn_out-0"

@@ -689,6 +689,7 @@ def check_sharding(
     from .checks import sharding
     from .checks.base import count, exit_code
     from .faults import all_faults
+    from .faults.sharding import plant
 
     if fault and "list" in fault:
         for f in all_faults("sharding"):
@@ -703,7 +704,7 @@ def check_sharding(
     path = model_file(file)
     with terminal.stderr.status(f"tensor-parallel forward over {tp_size} ranks"):
         res = sharding.run(path, tp_size, rules=rules, engine_shards=engine_shards, n_layer=layers, n_tokens=tokens,
-                           seed=seed, dtype=dtype, device=device, faults=fault)
+                           seed=seed, dtype=dtype, device=device, faults=fault, plant=plant)
     code = exit_code(res.findings)
     verdict = {0: "consistent", 1: "inconsistent", 2: "skipped"}[code]
     # file=None: the envelope would hash the whole (possibly 400 GB) file; the path is in `model`

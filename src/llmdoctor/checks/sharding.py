@@ -40,7 +40,7 @@ import time
 import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -53,6 +53,9 @@ from .base import Finding
 
 CHECK = "sharding"
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
+# (fault name, the rules' plan) -> the engine plan with that fault planted: faults/sharding.py `plant`,
+# handed in by the caller (checks never import faults) and pickled to the ranks as a module-level function
+Plant = Callable[[str, tp.Plan], tp.Plan]
 
 
 # ---- the engine's saved shards ---------------------------------------------------------------------
@@ -347,6 +350,7 @@ class Job:
     ref: Reference
     localize: bool = True
     stored: dict[str, torch.dtype] = field(default_factory=dict)  # the engine's narrower storage dtypes
+    plant: Plant | None = None  # builds the ("fault", name) plans
 
 
 @dataclass
@@ -357,16 +361,14 @@ class PlanResult:
     seconds: float = 0.0
 
 
-def build_plan(spec: tuple[str, str | None], base: tp.Plan) -> tp.Plan:
+def build_plan(spec: tuple[str, str | None], base: tp.Plan, plant: Plant | None) -> tp.Plan:
     kind, arg = spec
     if kind == "rules":
         return base
     if kind == "engine-shards":
         return EngineShards(base, Path(arg))
     if kind == "fault":
-        from ..faults import get
-
-        return get(arg).build(base)
+        return plant(arg, base)
     raise ValueError(spec)
 
 
@@ -419,7 +421,7 @@ def worker(rank: int, t: int, device: torch.device, job: Job) -> list[PlanResult
     results = []
     for spec in job.plans:
         t0 = time.perf_counter()
-        plan = build_plan(spec, base)
+        plan = build_plan(spec, base, job.plant)
         label = spec[0] if spec[1] is None else f"{spec[0]}:{spec[1]}"
         res = PlanResult(label)
         runner = tp.Rank(plan, rank, positions)
@@ -510,9 +512,10 @@ def _first_finding(res: PlanResult, layer_of: dict[str, str]) -> Finding:
 
 def run(path: Path, t: int, *, rules: str = "vllm", engine_shards: Path | None = None, n_layer: int | None = None,
         n_tokens: int = 8, seed: int = 0, dtype: str = "float32", device: str = "cpu",
-        faults: list[str] | None = None, localize: bool = True) -> Result:
+        faults: list[str] | None = None, plant: Plant | None = None, localize: bool = True) -> Result:
     """Saved shards (when given) and the tensor-parallel forward of every plan: the engine's saved
-    shards, else the rules' own (a self-check of the collectives); `faults` adds planted engine plans."""
+    shards, else the rules' own (a self-check of the collectives); `faults` adds planted engine plans,
+    each built on the ranks by `plant` (faults/sharding.py `plant`)."""
     from ..gguf import open_gguf
     from ..reference.config import from_gguf
 
@@ -522,6 +525,8 @@ def run(path: Path, t: int, *, rules: str = "vllm", engine_shards: Path | None =
         raise InputError(f"--rules {rules!r}: one of {', '.join(tp.RULES)}")
     if dtype not in DTYPES:
         raise InputError(f"--dtype {dtype!r}: one of {', '.join(DTYPES)}")
+    if faults and plant is None:
+        raise ValueError("faults need plant (faults/sharding.py plant) to build their plans")
     tp.check_devices(t, device)
     t0 = time.perf_counter()
     with open_gguf(path) as g:
@@ -541,7 +546,7 @@ def run(path: Path, t: int, *, rules: str = "vllm", engine_shards: Path | None =
     plans = [("engine-shards", str(engine_shards)) if engine_shards else ("rules", None)]
     plans += [("fault", f) for f in faults or ()]
     try:
-        results = tp.launch(t, worker, (Job(str(path), dtype, rules, plans, ref, localize, stored),), device=device)
+        results = tp.launch(t, worker, (Job(str(path), dtype, rules, plans, ref, localize, stored, plant),), device=device)
     except tp.RankFailed as e:
         if engine_shards is None:
             raise

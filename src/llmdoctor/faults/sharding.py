@@ -1,6 +1,7 @@
 """Planted tensor-parallel sharding faults: an engine plan (reference/tensor_parallel.py `Plan`) that
 holds or joins its shards wrongly. `build(plan)` wraps the rules' plan and returns the faulty one;
-`check sharding` (checks/sharding.py) must find the first divergent layer and name `expect`.
+`check sharding` (checks/sharding.py) must find the first divergent layer and name `expect`. Its
+caller hands it `plant`, which its ranks call to build a fault's plan by name.
 """
 
 from __future__ import annotations
@@ -10,9 +11,14 @@ from gguf import MODEL_TENSOR
 
 from ..errors import InputError
 from ..reference import tensor_parallel as tp
-from . import register
+from . import get, register
 
 KIND = "sharding"
+
+
+def plant(name: str, plan: tp.Plan) -> tp.Plan:
+    """The rules' `plan` with the planted fault `name` (checks/sharding.py `Plant`)."""
+    return get(name).build(plan)
 
 
 class _HeadsPermuted(tp.PlanWrapper):
