@@ -77,11 +77,12 @@ def test_a_healthy_engine_is_not_blamed_for_the_file_it_shares(demo_path, tmp_pa
     file itself is the lone-file checks' business (forensics)."""
     from llmdoctor import diagnose as dg
     from llmdoctor import faults
+    from llmdoctor.diagnose import hypotheses
 
     bad = faults.get(fault).build(demo_path, tmp_path, **where)
     s = dg.Session(dg.Inputs(gguf=bad, engine="llama.cpp", threads=2))
     try:
-        evr, loc = dg.h_engine_vs_reference(s)[0], dg.h_layer_localization(s)[0]
+        evr, loc = hypotheses.h_engine_vs_reference(s)[0], hypotheses.h_layer_localization(s)[0]
     finally:
         s.close()
     assert evr.status == "pass", evr.explanation

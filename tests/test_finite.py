@@ -4,6 +4,8 @@ folded into a metric: planted NaN logits and activations."""
 from __future__ import annotations
 
 from llmdoctor import diagnose as dg
+from llmdoctor.diagnose import hypotheses
+from llmdoctor.subjects.engines.base import EngineRun
 
 
 def test_planted_nan_is_its_own_finding():
@@ -44,9 +46,9 @@ def test_planted_nan_in_a_diagnosis(demo_path):
     caps["l_out-2"][3] = np.inf
     s = dg.Session(dg.Inputs(gguf=demo_path, engine="llama.cpp"))
     try:
-        s.engine_run = lambda: (np.full_like(ref, np.nan), caps, {})
+        s.engine_run = lambda: EngineRun(np.full_like(ref, np.nan), caps)
         s.reference = lambda dtype="float32", emulate=None: (ref, ref_caps, [])
-        logits, acts = dg.h_engine_finite(s)
+        logits, acts = hypotheses.h_engine_finite(s)
     finally:
         s.close()
     assert logits.status == "fail" and logits.explanation.startswith("engine logits NaN at 6 of 6 positions")
@@ -62,13 +64,13 @@ def test_layer_localization_says_non_finite_in_words(demo_path, monkeypatch):
     noisy = {k: v + np.float32(1e-6) * rng.standard_normal(v.shape).astype(np.float32) for k, v in ref_caps.items()}
     caps = {k: v.copy() for k, v in noisy.items()}
     caps["l_out-2"][1] = caps["l_out-3"][1] = np.nan  # it propagates, as in a real engine
-    monkeypatch.setattr(dg, "substitutions", lambda s, point: [])
+    monkeypatch.setattr(hypotheses, "substitutions", lambda s, point: [])
     s = dg.Session(dg.Inputs(gguf=demo_path, engine="llama.cpp"))
     try:
-        s.engine_run = lambda: (None, caps, {})
+        s.engine_run = lambda: EngineRun(None, caps)
         s.reference = lambda dtype="float32", emulate=None: (None, ref_caps, [])
         s.budget_reference = lambda: (None, noisy, [])
-        (f,) = dg.h_layer_localization(s)
+        (f,) = hypotheses.h_layer_localization(s)
     finally:
         s.close()
     assert f.status == "fail" and f.metrics["first_divergent_layer"] == 2

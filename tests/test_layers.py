@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from llmdoctor.checks.layers import (LLAMA_CPP_ALIASES, engine_names_to_reference, error_curve,
+from llmdoctor.checks.layers import (error_curve,
                                      first_divergent_layer)
 
 N_LAYER = 6
@@ -53,7 +53,9 @@ def test_nan_is_divergent_and_bit_exact_budget_has_a_floor():
 
 
 def test_llama_cpp_names_are_aliased():
-    out = engine_names_to_reference({"sa_out-3": 1, "l_out-3": 2, "result_norm": 3}, LLAMA_CPP_ALIASES)
+    from llmdoctor.subjects.engines.llama_cpp import to_reference_names
+
+    out = to_reference_names({"sa_out-3": 1, "l_out-3": 2, "result_norm": 3})
     assert out == {"ffn_inp-3": 1, "l_out-3": 2, "result_norm": 3}
 
 
@@ -73,7 +75,7 @@ def test_blow_up_diverges_even_when_the_budget_blows_up_too():
 def test_selection_disagreement_allows_ties_at_the_kth_score_only():
     import numpy as np
 
-    from llmdoctor.checks.layers import selection_disagreement
+    from llmdoctor.checks.routing import selection_disagreement
 
     inf = float("-inf")
     scores = np.array([[1.0, inf, inf, inf],       # query 0 sees key 0 only
@@ -89,7 +91,7 @@ def test_selection_disagreement_allows_ties_at_the_kth_score_only():
 def test_selection_disagreement_catches_short_duplicated_padded_and_future_picks():
     import numpy as np
 
-    from llmdoctor.checks.layers import selection_disagreement
+    from llmdoctor.checks.routing import selection_disagreement
 
     inf = float("-inf")
     scores = np.array([[1.0, inf, inf, inf], [2.0, 1.0, inf, inf], [3.0, 2.0, 1.0, inf], [3.0, 2.0, 1.0, 0.5]])

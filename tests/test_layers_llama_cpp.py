@@ -7,8 +7,7 @@ import pytest
 import torch
 
 from llmdoctor import faults
-from llmdoctor.checks.layers import (LLAMA_CPP_ALIASES, engine_names_to_reference, error_curve,
-                                     first_divergent_layer)
+from llmdoctor.checks.layers import error_curve, first_divergent_layer
 from llmdoctor.reference import load
 from llmdoctor.reference.emulate import LLAMA_CPP_CPU
 from llmdoctor.subjects.engines import llama_cpp as engine
@@ -30,7 +29,7 @@ def reference(demo_path):
 
 def _engine(path):
     run = engine.run(path, IDS, capture=CAPTURE, n_threads=2)
-    return engine_names_to_reference(run.captures, LLAMA_CPP_ALIASES)
+    return engine.to_reference_names(run.captures)
 
 
 def test_healthy_llama_cpp_stays_within_its_noise(demo_path, reference):

@@ -13,6 +13,7 @@ from gguf import GGUFValueType as VT
 from typer.testing import CliRunner
 
 from llmdoctor import diagnose as dg
+from llmdoctor.diagnose import hypotheses
 from llmdoctor import faults
 from llmdoctor.checks import frontend, plausibility
 from llmdoctor.cli import app
@@ -102,7 +103,7 @@ def test_inconsistent_metadata_skips_what_needs_a_model(demo_path, tmp_path):
     assert "head_count_kv = 3 does not divide head_count = 4" in res.verdict
     assert res.suspects[0].target == "gemma3.attention.head_count_kv"
     s = dg.Session(dg.Inputs(gguf=bad, engine="llama.cpp"))
-    for h in (dg.h_fp16_overflow, dg.h_engine_vs_reference, dg.h_layer_localization):
+    for h in (hypotheses.h_fp16_overflow, hypotheses.h_engine_vs_reference, hypotheses.h_layer_localization):
         with pytest.raises(dg.Skip, match="the metadata is inconsistent"):
             h(s)
     s.close()

@@ -12,6 +12,7 @@ import pytest
 from typer.testing import CliRunner
 
 from llmdoctor import diagnose as dg
+from llmdoctor.diagnose import hypotheses
 from llmdoctor.checks import manifest as MF
 from llmdoctor.cli import app
 from llmdoctor.gguf import open_gguf
@@ -71,10 +72,10 @@ def test_diagnose_manifest_in_file_integrity(known_good, tmp_path):
     bad = _patched(path, tmp_path / "bad.gguf", tensor="blk.0.attn_q.weight", key=ROPE, value=1.0)
     s = dg.Session(dg.Inputs(gguf=bad, manifest=m))
     with open_gguf(bad) as g:
-        found = dg._manifest_findings(s, g)
+        found = hypotheses._manifest_findings(s, g)
     assert {f.target for f in found if f.status == "fail"} == {"tensor/blk.0.attn_q.weight", f"metadata/{ROPE}"}
     with open_gguf(path) as g:
-        assert [f.status for f in dg._manifest_findings(dg.Session(dg.Inputs(gguf=path, manifest=m)), g)] == ["pass"]
+        assert [f.status for f in hypotheses._manifest_findings(dg.Session(dg.Inputs(gguf=path, manifest=m)), g)] == ["pass"]
 
 
 @pytest.mark.parametrize("cmd", [["verify"], ["diagnose", "--gguf"]])

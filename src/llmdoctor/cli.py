@@ -17,6 +17,7 @@ import typer
 from .errors import InputError, LLMDoctorError
 from .report import terminal
 from .report.envelope import check_writable, dumps, envelope, write_atomic
+from .report.verdicts import verdict_word
 
 app = typer.Typer(
     add_completion=False,
@@ -155,7 +156,7 @@ def check_dequant(
                           blocks=dequant.DEFAULT_BLOCKS if blocks is None else blocks, all_blocks=all_blocks, seed=seed,
                           timeout=timeout, on_tensor=on_tensor)
     code = exit_code(res.findings, required_ran=res.loaded)
-    verdict = {0: "passed", 1: "failed", 2: "skipped"}[code]
+    verdict = verdict_word("check.dequant", code)
     by_type = dequant.summary(res)
     if json_out or json_path or sarif_path:
         emit(envelope("check.dequant", argv=sys.argv[1:], verdict=verdict, exit_code=code,
@@ -180,17 +181,15 @@ def check_mapping(
     sarif_path: Optional[Path] = sarif_option(),
 ) -> None:
     """Do the GGUF and the HF model describe the same network? Names, shapes, types, metadata, numbers."""
-    from rich.table import Table
-
     from .checks import mapping
-    from .checks.base import count, exit_code
+    from .checks.base import exit_code
 
     path = model_file(file)
     res = mapping.run(path, hf, arch=arch, engine=engine)
     # an engine named with --engine that could not run means its map was not compared: exit 2
     engine_ran = engine is None or any(f.subject == engine and f.status != "skip" for f in res.findings)
     code = exit_code(res.findings, required_ran=engine_ran)
-    verdict = {0: "consistent", 1: "inconsistent", 2: "skipped"}[code]
+    verdict = verdict_word("check.mapping", code)
     if json_out or json_path or sarif_path:
         emit(envelope("check.mapping", argv=sys.argv[1:], verdict=verdict, exit_code=code,
                       findings=res.findings, file=path, arch=res.arch, hf_source=res.hf_source,
@@ -198,14 +197,8 @@ def check_mapping(
     if json_out:
         raise typer.Exit(code)
     terminal.stdout.print(f"{path.name} ({res.arch}) vs {res.hf_source}")
-    table = Table("status", "target", "what")
-    for f in res.findings:
-        if f.status != "pass" or not f.target.startswith("numeric/"):
-            table.add_row(f.status, f.target, f.explanation or f.reason)
-    terminal.stdout.print(table)
-    c = count(res.findings)
-    terminal.stdout.print(f"{verdict}: {c['passed']} passed, {c['failed']} failed, {c['skipped']} skipped "
-                          f"in {res.seconds:.1f} s")
+    terminal.findings_table([f for f in res.findings if f.status != "pass" or not f.target.startswith("numeric/")])
+    terminal.summary_line(verdict, res.findings, seconds=res.seconds)
     raise typer.Exit(code)
 
 @app.command()
@@ -317,15 +310,11 @@ def diagnose(
 
     from . import diagnose as dg
     from .faults import demo as demo_faults
-    from .reference.checkpoint import is_checkpoint
-    from .reference.hf_tokenizer import parse_token_ids
     from .report import diagnosis as diag_report
     from .report import html as html_report
     from .subjects.kernels import validate_spec
 
     check_writable(html_path)
-    if gguf is not None and not gguf.is_file():
-        raise InputError(f"{gguf}: no such file")
     if dequant_kernel:
         try:
             validate_spec(dequant_kernel)
@@ -335,29 +324,15 @@ def diagnose(
         for f in demo_faults.all_demo_faults():
             print(f"{f.name}\t{f.description}")
         return
-    inputs = dg.Inputs(gguf=gguf, hf=hf, endpoint=endpoint, engine=engine, engine_dtype=engine_dtype,
-                       engine_python=engine_python,
-                       dequant_kernel=dequant_kernel, attention_impl=attention_impl,
-                       attention_contract=attention_contract, seed=seed, threads=threads, manifest=manifest)
     if manifest is not None:
         from .checks.manifest import load
 
         load(manifest)  # a bad manifest is bad input, found before the diagnosis
-    if prompt:
-        inputs.prompt = prompt
-    if token_ids is not None:
-        if prompt:
-            raise InputError("--prompt and --token-ids: give one")
-        inputs.token_ids = parse_token_ids(token_ids)
-    if gguf is None and hf is not None and hf.is_dir() and not is_checkpoint(hf):
-        raise InputError(f"{hf}: no config.json with *.safetensors: without --gguf, the reference runs from an HF "
-                         "checkpoint's safetensors")
-    if inputs.gguf is None and not (hf is not None and is_checkpoint(hf)):
-        inputs.gguf = model_file(None)  # without a GGUF, an HF checkpoint is the reference's model
-    if not any((engine, endpoint, dequant_kernel, attention_impl, hf)):
-        inputs.engine = "llama.cpp"  # the demo deployment: the file in the built-in engine
-    elif not any((engine, endpoint, dequant_kernel, attention_impl, gguf)):
-        inputs.engine = "transformers"  # a checkpoint alone: the in-process engine that runs safetensors
+    inputs = dg.Inputs.from_options(gguf=gguf, hf=hf, endpoint=endpoint, engine=engine, prompt=prompt,
+                                    token_ids=token_ids, default_gguf=lambda: model_file(None),
+                                    engine_dtype=engine_dtype, engine_python=engine_python,
+                                    dequant_kernel=dequant_kernel, attention_impl=attention_impl,
+                                    attention_contract=attention_contract, seed=seed, threads=threads, manifest=manifest)
     with tempfile.TemporaryDirectory(prefix="llmdoctor-demo-") as tmp:
         if demo_fault:
             demo_faults.apply(demo_fault, inputs, Path(tmp))
@@ -451,8 +426,6 @@ def check_attention(
     sarif_path: Optional[Path] = sarif_option(),
 ) -> None:
     """Attention kernels (prefill, MLA decode, sparse MLA) against the float64 reference, case by case."""
-    from rich.table import Table
-
     from .checks import attention as ca
     from .checks.base import exit_code
 
@@ -487,7 +460,7 @@ def check_attention(
     compared = {f.subject for f in res.findings if f.status != "skip"}
     loaded = all(res.subjects.get(s, {}).get("loaded", False) and s in compared for s in explicit)
     code = exit_code(res.findings, required_ran=loaded)
-    verdict = {0: "passed", 1: "failed", 2: "skipped"}[code]
+    verdict = verdict_word("check.attention", code)
     engine = ca.engine_explainer(shape, dtypes[0] if dtypes[0] != "float32" else "bfloat16")
     if json_out or json_path or sarif_path:
         emit(envelope("check.attention", argv=sys.argv[1:], verdict=verdict, exit_code=code,
@@ -507,17 +480,7 @@ def check_attention(
     terminal.stdout.print(f"shape {shape.name}: H={shape.n_head} Hk={shape.n_head_kv} Dqk={shape.head_dim} "
                           f"Dv={shape.head_dim_v} scale={shape.scale:.6g}; torch {torch.__version__}, triton {tv}, "
                           f"compute capability {cc}")
-    table = Table("subject", "case", "status", "max|err|", "budget", "why")
-    for f in res.findings:
-        if f.status == "pass":
-            continue
-        fl = f.budget.get("floor_max_abs", f.budget.get("floor"))
-        err = f.metrics.get("max_abs_diff")
-        bound = f.budget.get("bound_max")  # float32: the derived rounding bound's largest element
-        table.add_row(f.subject, f.target, f.status, "" if err is None else f"{err:.3g}",
-                      f"{ca.K_FLOOR * fl:.3g}" if fl is not None else "" if bound is None else f"<= {bound:.3g}",
-                      f.explanation or f.reason)
-    terminal.stdout.print(table)
+    terminal.attention_cases_table(res.findings, ca.K_FLOOR)
     for s, pats in res.patterns.items():
         terminal.stdout.print(f"{s}: {'; '.join(pats)}")
     terminal.stdout.print(f"engine explainer: {engine.get('skipped') or engine}")
@@ -538,17 +501,6 @@ def _byte_progress(what: str) -> Any:
         bar.update(task, completed=done, total=total, description=f"{what} {name[:40]}")
 
     return bar, step
-
-
-def _findings_table(findings: list, title: str) -> None:
-    from rich.table import Table
-
-    table = Table("status", "target", "what", title=title, title_justify="left")
-    for f in findings:
-        if f.status != "pass":
-            table.add_row(f.status, f.target, f.explanation or f.reason)
-    if table.row_count:
-        terminal.stdout.print(table)
 
 
 @app.command()
@@ -586,14 +538,15 @@ def verify(
         terminal.error_line("interrupted: nothing was written")
         raise typer.Exit(130) from None
     code = exit_code(res.findings)
-    verdict = {0: "intact", 1: "corrupted", 2: "skipped"}[code]
+    verdict = verdict_word("verify", code)
     # file=None: the envelope would hash the whole file once more; the per-tensor hashes are `manifest`'s job
     doc = envelope("verify", argv=sys.argv[1:], verdict=verdict, exit_code=code, findings=res.findings,
                    model={"path": str(path), "shards": res.shards}, totals=res.totals(),
                    tensors=[t.__dict__ for t in res.tensors], ranks=gpus or 1)
     emit(doc, json_out, json_path, sarif_path)
     if not json_out:
-        _findings_table(res.findings, f"verify {path.name}: {len(res.shards)} file(s), {len(res.tensors)} tensors")
+        terminal.findings_table([f for f in res.findings if f.status != "pass"],
+                                f"verify {path.name}: {len(res.shards)} file(s), {len(res.tensors)} tensors")
         c, tot = count(res.findings), res.totals()
         terminal.stdout.print(f"{verdict}: {c['passed']} passed, {c['failed']} failed, {c['skipped']} skipped; "
                               f"{tot['values']:,} values, {tot['non_finite']} non-finite; {res.bytes / 1e9:.2f} GB in "
@@ -650,12 +603,12 @@ def diff(
         terminal.error_line("interrupted: nothing was written")
         raise typer.Exit(130) from None
     code = exit_code(res.findings)
-    verdict = {0: "same", 1: "different", 2: "skipped"}[code]
+    verdict = verdict_word("diff", code)
     doc = envelope("diff", argv=sys.argv[1:], verdict=verdict, exit_code=code, findings=res.findings,
                    a=res.a, b=res.b, kind=res.kind, summary=res.summary, seconds=res.seconds)
     emit(doc, json_out, json_path)
     if not json_out:
-        _findings_table(res.findings, f"{a} vs {b}")
+        terminal.findings_table([f for f in res.findings if f.status != "pass"], f"{a} vs {b}")
         c = count(res.findings)
         terminal.stdout.print(f"{verdict}: {c['failed']} difference(s), {c['passed']} passed, {c['skipped']} skipped "
                               f"in {res.seconds:.1f} s")
@@ -684,10 +637,8 @@ def check_sharding(
 ) -> None:
     """Is the model sharded across T tensor-parallel ranks as the engine's rules say? Saved shards, and a
     reference TP forward (each rank only its shards, the engine's collectives) against one device."""
-    from rich.table import Table
-
     from .checks import sharding
-    from .checks.base import count, exit_code
+    from .checks.base import exit_code
     from .faults import all_faults
     from .faults.sharding import plant
 
@@ -706,7 +657,7 @@ def check_sharding(
         res = sharding.run(path, tp_size, rules=rules, engine_shards=engine_shards, n_layer=layers, n_tokens=tokens,
                            seed=seed, dtype=dtype, device=device, faults=fault, plant=plant)
     code = exit_code(res.findings)
-    verdict = {0: "consistent", 1: "inconsistent", 2: "skipped"}[code]
+    verdict = verdict_word("check.sharding", code)
     # file=None: the envelope would hash the whole (possibly 400 GB) file; the path is in `model`
     doc = envelope("check.sharding", argv=sys.argv[1:], verdict=verdict, exit_code=code, findings=res.findings,
                    model={"path": str(path)}, seed=seed, tp=tp_size, rules=rules, device=device, dtype=dtype,
@@ -717,17 +668,10 @@ def check_sharding(
     if json_out:
         print(dumps(doc))
         raise typer.Exit(code)
-    table = Table("status", "plan", "point", "max |diff| / budget", "what")
-    for f in res.findings:
-        if f.status != "pass" or f.target == "first-divergence":
-            ratio = f.metrics.get("max_over_budget")
-            table.add_row(f.status, f.subject, f.target, "" if ratio is None else f"{ratio:.3g}", f.explanation or f.reason)
     terminal.stdout.print(f"{path.name}: T={tp_size} ({rules} rules), {res.reference.n_layer} layers, {tokens} tokens, "
                           f"{dtype} on {device}")
-    terminal.stdout.print(table)
-    c = count(res.findings)
-    terminal.stdout.print(f"{verdict}: {c['passed']} passed, {c['failed']} failed, {c['skipped']} skipped "
-                          f"in {res.seconds:.1f} s")
+    terminal.sharding_table(res.findings)
+    terminal.summary_line(verdict, res.findings, seconds=res.seconds)
     raise typer.Exit(code)
 
 
@@ -741,19 +685,18 @@ def _shape_dict(shape: Any) -> dict[str, Any]:
 def _lone_file_report(command: str, path: Path, findings: list, json_out: bool, json_path: Optional[Path],
                       sarif_path: Optional[Path], **extra: Any) -> None:
     """Report the findings of a check that reads one model file (forensics, metadata, frontend) and exit."""
-    from .checks.base import count, exit_code
+    from .checks.base import exit_code
 
     code = exit_code(findings)
-    verdict = {0: "passed", 1: "failed", 2: "skipped"}[code]
+    verdict = verdict_word(command, code)
     emit(envelope(command, argv=sys.argv[1:], verdict=verdict, exit_code=code, findings=findings, file=path, **extra),
          json_out, json_path, sarif_path)
     if not json_out:
-        _findings_table(findings, f"{command.split('.')[-1]} {path.name}")
+        terminal.findings_table([f for f in findings if f.status != "pass"], f"{command.split('.')[-1]} {path.name}")
         for f in findings:  # the few passes of these checks say what was found healthy
             if f.status == "pass":
                 terminal.stdout.print(f"pass  {f.target}: {f.explanation}", highlight=False)
-        c = count(findings)
-        terminal.stdout.print(f"{verdict}: {c['passed']} passed, {c['failed']} failed, {c['skipped']} skipped")
+        terminal.summary_line(verdict, findings)
     raise typer.Exit(code)
 
 
@@ -809,18 +752,8 @@ def check_frontend(
     from .gguf import open_gguf
 
     path = model_file(file)
-    try:
-        from .subjects.engines.llama_cpp import VocabPieces
-
-        pieces = VocabPieces(path)
-    except Exception:  # no llama-cpp-python, or it cannot read this vocab: parity is then a skip
-        pieces = None
-    try:
-        with open_gguf(path) as g:
-            findings = frontend.run(g, path, pieces, sample=sample)
-    finally:
-        if pieces is not None:
-            pieces.close()
+    with frontend.engine_pieces(path) as pieces, open_gguf(path) as g:
+        findings = frontend.run(g, path, pieces, sample=sample)
     _lone_file_report("check.frontend", path, findings, json_out, json_path, sarif_path)
 
 

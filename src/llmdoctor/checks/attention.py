@@ -1017,19 +1017,20 @@ def builtin_subjects(names: str, device: str) -> list[tuple[str, Optional[str]]]
 
 
 def engine_explainer(shape: Shape, dtype: str) -> dict[str, Any]:
-    """Which attention backends vLLM selects for this shape and dtype: its own selection code, asked in
-    the `python` on PATH that imports vllm (subjects/engines/vllm.py); {"skipped": why} elsewhere."""
-    from ..subjects.engines import vllm
+    """Which attention backends the engine that selects them at run time (vLLM) selects for this shape
+    and dtype: its own selection code, asked through the engine interface; {"skipped": why} elsewhere."""
+    from ..subjects.engines import engine_class, selectable
+    from ..subjects.engines.base import Deployment, EngineError, EngineUnavailable
 
     m = shape.mla
     head = (m.kv_lora_rank + m.qk_rope) if m else shape.head_dim
-    python, why = vllm.default_python_or_reason()
-    if python is None:
-        return {"skipped": f"vLLM is not available: {why}"}
+    engine = next(engine_class(n) for n in selectable() if engine_class(n).traits.selects_backends)(Deployment())
     try:
-        return vllm.select(python, head, dtype, use_mla=m is not None, use_sparse=bool(shape.top_k))
-    except vllm.EngineError as e:
-        return {"skipped": f"vLLM's selection could not run: {e}"}
+        return engine.select_backend(head, dtype, use_mla=m is not None, use_sparse=bool(shape.top_k))
+    except EngineUnavailable as e:
+        return {"skipped": f"{engine.title} is not available: {e}"}
+    except EngineError as e:
+        return {"skipped": f"{engine.title}'s selection could not run: {e}"}
 
 
 def count_line(findings: list[Finding]) -> str:

@@ -25,9 +25,10 @@ Tokenizer (`tokenizer.ggml.*`):
 
 from __future__ import annotations
 
+import contextlib
 import re
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from gguf import Keys, TokenType
 
@@ -192,6 +193,25 @@ def audit_tokenizer(g: Any, tok: Any, file: str | Path = "") -> list[Finding]:
                            explanation=f"{n} tokens: special ids in range and special, types consistent"
                                        + (", merges present" if g.get(_K.MODEL) == "gpt2" else "")))
     return out
+
+
+@contextlib.contextmanager
+def engine_pieces(path: str | Path) -> Iterator[Callable[[int, bool], bytes] | None]:
+    """The built-in GGUF engine's (llama.cpp's) rendering of single tokens from the file's vocab, through
+    the engine interface: `pieces(token_id, special) -> bytes`; None when it cannot be had (no
+    llama-cpp-python, or it cannot read this vocab: parity is then a skip)."""
+    from ..subjects.engines import DEFAULT_FOR_GGUF, create
+    from ..subjects.engines.base import Deployment
+
+    try:
+        pieces = create(DEFAULT_FOR_GGUF, Deployment(model=Path(path))).piece_reader()
+    except Exception:
+        pieces = None
+    try:
+        yield pieces
+    finally:
+        if pieces is not None:
+            pieces.close()
 
 
 PARITY_SAMPLE = 4096  # seeded normal tokens compared besides every special and byte token (diagnose)

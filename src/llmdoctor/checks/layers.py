@@ -37,17 +37,9 @@ K = 3.0
 FLOOR = 1e-6
 # Points compared per layer, in graph order.
 POINTS = ("attn_norm", "kqv_out", "ffn_inp", "ffn_out", "l_out")
-# Engine node names that differ from the reference's capture names (llama.cpp graph builders).
-LLAMA_CPP_ALIASES = {"sa_out": "ffn_inp"}
-
-
-def engine_names_to_reference(captures: Mapping[str, Any], aliases: Mapping[str, str]) -> dict[str, Any]:
-    """Rename engine nodes `alias-i` to the reference's `name-i`; other names pass through."""
-    out = {}
-    for name, value in captures.items():
-        base, sep, idx = name.rpartition("-")
-        out[f"{aliases.get(base, base)}{sep}{idx}" if sep and base in aliases else name] = value
-    return out
+# diagnose's layer curve: these plus q and k after RoPE where an engine exposes them (vLLM; MLA: the rope
+# parts q_pe and k_pe), so a divergence inside attention is named to the op.
+CURVE_POINTS = ("attn_norm", "q_pe", "k_pe", "Qcur", "Kcur", "kqv_out", "ffn_inp", "ffn_out", "l_out")
 
 
 @dataclass
@@ -95,97 +87,12 @@ def first_divergent_layer(curve: list[PointError]) -> tuple[int | None, PointErr
     return None, None
 
 
-def selection_disagreement(scores: Any, selected: Any, top_k: int, rel_tol: float = 1e-5) -> float:
-    """Fraction of queries whose selection is not a top-k set of the reference's own scores. A row
-    agrees when its distinct, in-range, visible picks are min(k, visible keys) many, include every
-    visible key scoring above the k-th best and none scoring below it (by more than `rel_tol` of the
-    row's largest |score|): keys tied with the k-th best (ReLU index scores are often exactly 0) may be
-    picked either way. Duplicates, padding indices, future keys and short rows therefore disagree.
-    scores: float [T, S] (the reference's index scores, -inf where not visible); selected: int [T, k']."""
-    import numpy as np
-
-    sc = np.asarray(scores, dtype=np.float64)
-    sel = np.asarray(selected, dtype=np.int64)
-    t_n, s_n = sc.shape
-    k = min(top_k, s_n)
-    if sel.ndim != 2 or sel.shape[0] != t_n or sel.shape[1] != k:
-        return 1.0
-    finite = np.where(np.isfinite(sc), sc, -np.inf)
-    n_visible = np.isfinite(finite).sum(axis=1)  # [T]
-    kth = -np.sort(-finite, axis=1)[:, k - 1]  # [T]: the k-th best visible score (-inf if fewer)
-    tol = rel_tol * np.max(np.abs(np.where(np.isfinite(sc), sc, 0.0)), axis=1)  # [T]
-    bad = np.zeros(t_n, dtype=bool)
-    for t in range(t_n):
-        picks = {int(j) for j in sel[t] if 0 <= j < s_n and np.isfinite(finite[t, j])}
-        if len(picks) != min(k, int(n_visible[t])):
-            bad[t] = True
-            continue
-        above = np.nonzero(finite[t] > kth[t] + tol[t])[0]
-        bad[t] = any(int(j) not in picks for j in above) or any(finite[t, j] < kth[t] - tol[t] for j in picks)
-    return float(bad.mean()) if t_n else 0.0
-
-
-def routing_tolerance(ref_scores: Any, emu_scores: Any) -> float:
-    """How far apart two experts' selection scores may be and still swap places in a healthy engine: the
-    emulated run's largest score error (its arithmetic on the same routing), counted for both experts
-    of a comparison, times the layer budget's K, plus a few float32 roundings of the largest score."""
-    import numpy as np
-
-    ref, emu = np.asarray(ref_scores, dtype=np.float64), np.asarray(emu_scores, dtype=np.float64)
-    d = float(np.max(np.abs(emu - ref))) if ref.size else 0.0
-    return K * 2 * d + 8 * 2.0**-24 * float(np.max(np.abs(ref), initial=0.0))
-
-
-def routing_inadmissible(scores: Any, chosen: Any, k: int, tol: float, n_group: int = 1,
-                         topk_group: int = 1) -> Any:
-    """bool [T]: positions whose chosen experts are no top-k choice the reference's selection scores
-    allow within `tol` (routing_tolerance). Ungrouped: every chosen expert scores at least the best
-    unchosen one minus tol. Grouped (DeepSeek-V3's n_group / topk_group): the chosen experts' groups,
-    filled up with the best other groups, are a top-topk_group set of group scores within 2 tol (a group
-    score sums two experts', reference/arch_deepseek.group_scores), and the experts are a top-k set within
-    those groups. Duplicates, out-of-range ids and a wrong count are inadmissible.
-    scores: float [T, E]; chosen: int [T, k]."""
-    import numpy as np
-    import torch
-
-    from ..reference.arch_deepseek import group_scores
-
-    sc = np.asarray(scores, dtype=np.float64)
-    sel = np.asarray(chosen, dtype=np.int64)
-    t_n, e_n = sc.shape
-    if sel.ndim != 2 or sel.shape != (t_n, k):
-        return np.ones(t_n, dtype=bool)
-    grouped = n_group > 1 and e_n % n_group == 0
-    gs = group_scores(torch.from_numpy(sc), n_group).numpy() if grouped else None  # [T, G]
-    per = e_n // n_group if grouped else e_n
-    bad = np.zeros(t_n, dtype=bool)
-    for t in range(t_n):
-        picks = {int(j) for j in sel[t]}
-        if len(picks) != k or not all(0 <= j < e_n for j in picks):
-            bad[t] = True
-            continue
-        pool = np.arange(e_n)
-        if grouped:
-            mine = {j // per for j in picks}
-            rest = [g for g in np.argsort(-gs[t], kind="stable") if g not in mine]
-            keep = sorted(mine | set(rest[: max(topk_group - len(mine), 0)]))
-            out = [g for g in range(n_group) if g not in keep]
-            if len(mine) > topk_group or (out and gs[t, keep].min() < gs[t, out].max() - 2 * tol):
-                bad[t] = True
-                continue
-            pool = np.concatenate([np.arange(g * per, (g + 1) * per) for g in keep])
-        unchosen = [j for j in pool if j not in picks]
-        bad[t] = bool(unchosen) and sc[t, sorted(picks)].min() < sc[t, unchosen].max() - tol
-    return bad
-
-
-def routing_limit(noise: float, n_positions: int) -> float:
-    """Most disagreement a healthy engine shows in a discrete choice (the DSA indexer's key selections):
-    its own arithmetic flips near-tied decisions as often as the emulated run does (`noise`), give or
-    take three binomial standard errors (with at least one flip's worth of rate, so a noiseless
-    emulation does not demand perfection)."""
-    p = max(noise, 1.0 / max(n_positions, 1))
-    return noise + 3 * math.sqrt(p * (1 - p) / max(n_positions, 1))
+def off_by(p: PointError) -> str:
+    """How far a capture point is from the reference, in words; a non-finite error is said as such
+    (never "off by nan")."""
+    if not math.isfinite(p.error):
+        return "is not finite in the engine (inf/NaN) where the reference is finite"
+    return f"is off by {p.error:.3g} (rel. L2) where the engine's noise is {p.noise:.3g}"
 
 
 # ---- the next-token distributions ---------------------------------------------------------------

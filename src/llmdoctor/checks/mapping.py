@@ -258,17 +258,19 @@ def _shapes(p: layout.Plan, hf: HFSide, gg: dict[str, Any]) -> list[Finding]:
     return out
 
 
-# Engines measured to consume a quantized DSA indexer (tests/test_moe_routing.py: llama.cpp runs Q8_0 /
-# Q4_0 indexer weights and agrees with the reference; the transformers engine dequantizes every tensor).
-INDEXER_QUANT_OK = ("llama.cpp", "transformers")
-
-
 def _types(gg: dict[str, Any], consumer: str | None = None) -> list[Finding]:
+    """Tensor types engines consume. `consumer`: the engine that loads the file; one measured to consume a
+    quantized DSA indexer (its trait `quantized_indexer`: llama.cpp runs Q8_0 / Q4_0 indexer weights and
+    agrees with the reference, tests/test_moe_routing.py; the transformers engine dequantizes every
+    tensor) passes it."""
+    from ..subjects.engines import engine_class
+
+    indexer_ok = consumer is not None and engine_class(consumer).traits.quantized_indexer
     out = []
     for name, t in gg.items():
         if t.type in UNQUANTIZED:
             continue
-        if ".indexer." in name and consumer in INDEXER_QUANT_OK:
+        if ".indexer." in name and indexer_ok:
             out.append(_finding(f"type/{name}", "pass", f"{name} is {t.type.name}: {consumer} consumes a quantized "
                                 "DSA indexer (vLLM's GGUF loader does not: keep indexer tensors F16/F32 for it)"))
         elif ".indexer." in name:
@@ -613,38 +615,39 @@ def _explain(p: layout.Plan, pair: _Pair, hf_t: Callable, cfg: ModelConfig, b: f
 
 # ---- engine ------------------------------------------------------------------------------------------
 
-def _engine(engine: str | None, p: layout.Plan, gg: dict[str, Any], hf: HFSide) -> list[Finding]:
-    """vLLM's own GGUF name map (the vllm-gguf-plugin's `build_name_map`: GGUF name -> HF parameter,
-    asked in the deployment's interpreter by subjects/engines/vllm.py) diffed against ours."""
+def _engine(engine: str | None, path: Path, p: layout.Plan, gg: dict[str, Any], hf: HFSide) -> list[Finding]:
+    """The engine's own GGUF name map (vLLM: the vllm-gguf-plugin's `build_name_map`, GGUF name -> HF
+    parameter, asked in the deployment's interpreter) diffed against ours."""
     if engine is None:
         return []
-    if engine != "vllm":
-        raise InputError(f"--engine {engine!r}: only vllm is known")
-    from ..subjects.engines import vllm
+    from ..subjects.engines import create
+    from ..subjects.engines.base import Deployment, EngineError, EngineUnavailable, NotOffered
 
+    subject = create(engine, Deployment(model=Path(path)))
+    who, key = subject.title, f"engine/{subject.name}"
     try:
-        theirs = vllm.gguf_name_map(vllm.find_python(None), hf.config)["map"]  # GGUF name -> HF name
-    except vllm.VLLMUnavailable as e:
-        return [_finding("engine/vllm", "skip", subject="vllm",
-                         reason=f"vLLM's GGUF name map could not be asked: {e}")]
-    except vllm.EngineError as e:  # vLLM's own failure is the finding: it could not map this model
-        return [_finding("engine/vllm", "fail", f"vLLM's GGUF name map fails for this model: {e}", subject="vllm")]
+        theirs = subject.gguf_name_map(hf.config)["map"]  # GGUF name -> HF name
+    except NotOffered as e:
+        raise InputError(f"--engine {engine!r}: {e}") from None
+    except EngineUnavailable as e:
+        return [_finding(key, "skip", subject=subject.name, reason=f"{who}'s GGUF name map could not be asked: {e}")]
+    except EngineError as e:  # the engine's own failure is the finding: it could not map this model
+        return [_finding(key, "fail", f"{who}'s GGUF name map fails for this model: {e}", subject=subject.name)]
     ours = {t: r.sources for r in p.rules for t in r.targets}
     out = []
     for t in gg:
         if t not in theirs and t in ours:
-            out.append(_finding(f"engine/vllm/{t}", "fail", f"vLLM's map has no HF parameter for {t} (ours: "
-                                f"{ours[t][0]}): vLLM would not load it", subject="vllm"))
+            out.append(_finding(f"{key}/{t}", "fail", f"{who}'s map has no HF parameter for {t} (ours: "
+                                f"{ours[t][0]}): {who} would not load it", subject=subject.name))
         elif t in theirs and t in ours and theirs[t] not in ours[t]:
-            out.append(_finding(f"engine/vllm/{t}", "fail", f"vLLM maps {t} to {theirs[t]}, we to {ours[t][0]}",
-                                subject="vllm"))
+            out.append(_finding(f"{key}/{t}", "fail", f"{who} maps {t} to {theirs[t]}, we to {ours[t][0]}",
+                                subject=subject.name))
     for t, name in theirs.items():  # a parameter that needs no file tensor (a tied lm_head) is not expected
         if t not in gg and name in hf.shapes and name not in p.skipped:
-            out.append(_finding(f"engine/vllm/{t}", "fail", f"vLLM expects {t} (for {name}), which the file does "
-                                "not have", subject="vllm"))
+            out.append(_finding(f"{key}/{t}", "fail", f"{who} expects {t} (for {name}), which the file does "
+                                "not have", subject=subject.name))
     if not out:
-        out.append(_finding("engine/vllm", "pass", f"vLLM's GGUF name map agrees with ours on {len(gg)} tensors",
-                            subject="vllm"))
+        out.append(_finding(key, "pass", f"{who}'s GGUF name map agrees with ours on {len(gg)} tensors", subject=subject.name))
     return out
 
 
@@ -669,12 +672,12 @@ def run(path: Path, hf: Path | None = None, *, arch: str | None = None, engine: 
         cfg = from_gguf(g)
         arch = arch or cfg.arch
         try:
-            return _run(g, cfg, arch, hf, engine, numeric, t0, consumer or engine)
+            return _run(g, cfg, arch, path, hf, engine, numeric, t0, consumer or engine)
         except KeyError as e:  # a config.json without a field the architecture needs
             raise InputError(f"{hf or path}: the HF config lacks {e} (needed for {arch})") from None
 
 
-def _run(g: Any, cfg: ModelConfig, arch: str, hf: Path | None, engine: str | None, numeric: bool,
+def _run(g: Any, cfg: ModelConfig, arch: str, path: Path, hf: Path | None, engine: str | None, numeric: bool,
          t0: float, consumer: str | None) -> Result:
     import time
 
@@ -687,5 +690,5 @@ def _run(g: Any, cfg: ModelConfig, arch: str, hf: Path | None, engine: str | Non
                 + _metadata(cfg, g, side))
     if numeric:
         findings += _numeric(p, side, gg, cfg)
-    findings += _engine(engine, p, gg, side)
+    findings += _engine(engine, path, p, gg, side)
     return Result(findings, arch, side.source, time.perf_counter() - t0)

@@ -66,6 +66,50 @@ def render_inspect(s: dict[str, Any], console: Console = stdout) -> None:
         console.print(tt)
 
 
+def findings_table(findings: list[Any], title: str | None = None, console: Console = stdout) -> None:
+    """status / target / what, one row per finding (printed only when there is a row)."""
+    table = Table("status", "target", "what", title=title, title_justify="left")
+    for f in findings:
+        table.add_row(f.status, f.target, f.explanation or f.reason)
+    if table.row_count:
+        console.print(table)
+
+
+def summary_line(verdict: str, findings: list[Any], seconds: float | None = None, console: Console = stdout) -> None:
+    """"<verdict>: N passed, N failed, N skipped[ in S s]"."""
+    from ..checks.base import count
+
+    c = count(findings)
+    took = "" if seconds is None else f" in {seconds:.1f} s"
+    console.print(f"{verdict}: {c['passed']} passed, {c['failed']} failed, {c['skipped']} skipped{took}")
+
+
+def attention_cases_table(findings: list[Any], k_floor: float, console: Console = stdout) -> None:
+    """`check attention`: every case that did not pass, its error against its budget (half precision: K
+    times the noise floor; float32: the derived rounding bound's largest element)."""
+    table = Table("subject", "case", "status", "max|err|", "budget", "why")
+    for f in findings:
+        if f.status == "pass":
+            continue
+        fl = f.budget.get("floor_max_abs", f.budget.get("floor"))
+        err = f.metrics.get("max_abs_diff")
+        bound = f.budget.get("bound_max")
+        table.add_row(f.subject, f.target, f.status, "" if err is None else f"{err:.3g}",
+                      f"{k_floor * fl:.3g}" if fl is not None else "" if bound is None else f"<= {bound:.3g}",
+                      f.explanation or f.reason)
+    console.print(table)
+
+
+def sharding_table(findings: list[Any], console: Console = stdout) -> None:
+    """`check sharding`: what did not pass per plan and point, and the first divergence."""
+    table = Table("status", "plan", "point", "max |diff| / budget", "what")
+    for f in findings:
+        if f.status != "pass" or f.target == "first-divergence":
+            ratio = f.metrics.get("max_over_budget")
+            table.add_row(f.status, f.subject, f.target, "" if ratio is None else f"{ratio:.3g}", f.explanation or f.reason)
+    console.print(table)
+
+
 def error_line(message: str) -> None:
     print(f"error: {message}", file=sys.stderr)
 

@@ -27,17 +27,10 @@ from typing import Any, Callable, Optional
 import torch
 
 from ..errors import InputError
+from .kernel_errors import KernelUnavailable, Unsupported
 
 Kernel = Callable[..., torch.Tensor]
 BUILTINS = ("reference", "torch", "native", "ggml", "vllm")
-
-
-class Unsupported(NotImplementedError):
-    """A kernel does not handle this type (the tensor is skipped with this reason)."""
-
-
-class KernelUnavailable(Exception):
-    """A kernel exists but cannot run here (missing library, wrong device): skipped with the reason."""
 
 
 def validate_spec(spec: str, flag: str = "--kernel") -> None:

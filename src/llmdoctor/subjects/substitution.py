@@ -11,7 +11,7 @@ import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from .engines.llama_cpp import EngineError
+from .engines.base import EngineError
 from .isolation import Isolated
 
 

@@ -18,21 +18,18 @@ import ctypes
 import fnmatch
 import os
 import pickle
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable, Mapping
 
 import numpy as np
+
+from .base import Budget, Engine, EngineError, EngineRun, Traits
 
 GGML_MAX_DIMS = 4
 GGML_MAX_OP_PARAMS = 64  # bytes
 GGML_MAX_SRC = 10
 GGML_MAX_NAME = 64
 GGML_TYPE_F32, GGML_TYPE_F16, GGML_TYPE_I32 = 0, 1, 26
-
-
-class EngineError(RuntimeError):
-    """The engine could not run (load failure, decode error, ABI mismatch)."""
 
 
 class GGMLTensor(ctypes.Structure):
@@ -73,16 +70,6 @@ def _ggml_base() -> ctypes.CDLL:
     lib.ggml_backend_tensor_get.restype = None
     lib.ggml_backend_tensor_get.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t]
     return lib
-
-
-@dataclass
-class EngineRun:
-    """One forward pass of an engine: logits [T, n_vocab] and captured node outputs (row-major)."""
-
-    logits: np.ndarray
-    captures: dict[str, np.ndarray] = field(default_factory=dict)
-    node_names: list[str] = field(default_factory=list)  # every node name seen, in evaluation order
-    info: dict = field(default_factory=dict)
 
 
 class _Capture:
@@ -257,8 +244,9 @@ def _silent_log():
 
 
 class VocabPieces:
-    """llama.cpp's rendering of single tokens (llama_token_to_piece, no lstrip) from a model's vocab
-    only (no weights loaded): `pieces(token_id, special) -> bytes`. A context manager."""
+    """llama.cpp's vocab of a model, loaded alone (no weights): its rendering of single tokens
+    (llama_token_to_piece, no lstrip) as `pieces(token_id, special) -> bytes`, and its tokenizer
+    (`tokenize`). A context manager."""
 
     def __init__(self, model_path: str | os.PathLike):
         import llama_cpp as L
@@ -281,6 +269,19 @@ class VocabPieces:
             n = self._L.llama_token_to_piece(self._vocab, token_id, self._buf, len(self._buf), 0, special)
         return self._buf.raw[:n]
 
+    def tokenize(self, text: str, *, add_special: bool = True, parse_special: bool = True) -> list[int]:
+        """llama_tokenize of `text` as llama.cpp's server tokenizes a prompt (add_special: BOS/EOS as the
+        model's metadata says; parse_special: text that spells a special token is that token)."""
+        raw = text.encode("utf-8")
+        n_max = len(raw) + 8
+        for _ in range(2):
+            buf = (self._L.llama_token * n_max)()
+            n = self._L.llama_tokenize(self._vocab, raw, len(raw), buf, n_max, add_special, parse_special)
+            if n >= 0:
+                return list(buf[:n])
+            n_max = -n  # too small: -n tokens are needed
+        raise EngineError(f"llama_tokenize failed on {len(raw)} bytes")
+
     def close(self) -> None:
         if self._model:
             self._L.llama_model_free(self._model)
@@ -291,3 +292,53 @@ class VocabPieces:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+# The graph nodes a diagnosis captures, and the node names that differ from the reference's capture
+# names (llama.cpp's graph builders call the attention block's residual sum `sa_out`).
+CAPTURE = ("l_out-*", "attn_norm-*", "kqv_out-*", "sa_out-*", "ffn_norm-*", "ffn_out-*", "ffn_moe_topk-*", "top_k-*",
+           "result_norm")
+NODE_ALIASES = {"sa_out": "ffn_inp"}
+
+
+def to_reference_names(captures: Mapping[str, Any]) -> dict[str, Any]:
+    """Rename llama.cpp's nodes `alias-i` to the reference's `name-i`; other names pass through."""
+    out = {}
+    for name, value in captures.items():
+        base, sep, idx = name.rpartition("-")
+        out[f"{NODE_ALIASES[base]}{sep}{idx}" if sep and base in NODE_ALIASES else name] = value
+    return out
+
+
+class LlamaCppEngine(Engine):
+    """llama.cpp's CPU backend through llama-cpp-python, in a child process (an abort inside llama.cpp
+    is a finding, not the end of the diagnosis)."""
+
+    name = "llama.cpp"
+    title = "llama.cpp"
+    distribution = "llama-cpp-python"
+    traits = Traits(formats=frozenset({"gguf"}), dequant_kernel="ggml",
+                    captures="every graph node, through the context's eval callback",
+                    noise="the reference with llama.cpp's CPU arithmetic emulated (Q8 activations, F16 KV cache)")
+
+    def run(self, tokens: list[int], config: Any = None) -> EngineRun:
+        out = run_isolated(self.deployment.model, tokens, n_threads=self.deployment.threads, capture=CAPTURE)
+        out.captures = to_reference_names(out.captures)
+        return out
+
+    def noise_budget(self, ran: EngineRun) -> Budget:
+        from ...reference.emulate import LLAMA_CPP_CPU
+
+        return Budget("float32", LLAMA_CPP_CPU, "llama.cpp arithmetic (Q8 activations, F16 KV)")
+
+    def tokenize(self, text: str) -> list[int]:
+        with VocabPieces(self.deployment.model) as vocab:
+            return vocab.tokenize(text)
+
+    def piece_reader(self) -> "VocabPieces":
+        return VocabPieces(self.deployment.model)
+
+    def describe(self) -> dict[str, Any]:
+        from importlib.metadata import version
+
+        return {**super().describe(), "llama_cpp_python": version(self.distribution), "device": "cpu"}

@@ -23,7 +23,7 @@ import torch
 from gguf import MODEL_TENSOR
 
 from ...errors import InputError
-from .llama_cpp import EngineError, EngineRun
+from .base import Engine, EngineError, EngineRun, Traits
 
 def build(path: str | os.PathLike, dtype: torch.dtype = torch.float32, dequantizer=None):
     """(model, config) with the GGUF's weights in transformers' layout, in `dtype`, on the CPU.
@@ -187,3 +187,25 @@ def run(path: str | os.PathLike, tokens: list[int], *, dtype: str = "float32",
     info = {"engine": "transformers", "transformers": __import__("transformers").__version__, "dtype": dtype,
             "dequant_kernel": dequant_kernel or "llmdoctor"}
     return EngineRun(np.ascontiguousarray(logits), caps, list(caps), info)
+
+
+class TransformersEngine(Engine):
+    """transformers' own modeling code, in this process: an HF checkpoint as `from_pretrained` loads it,
+    or a GGUF's weights (dequantized by ours, or by the deployment's --dequant-kernel) in HF layout."""
+
+    name = "transformers"
+    title = "transformers"
+    distribution = "transformers"
+    traits = Traits(formats=frozenset({"gguf", "hf"}), dequant_kernel=None,
+                    captures="each layer's output (hidden states), the routers' and indexers' choices",
+                    noise="the reference in float64 for float32 (another draw of float32 rounding), else in the "
+                          "engine's dtype")
+
+    def run(self, tokens: list[int], config: Any = None) -> EngineRun:
+        d = self.deployment
+        return run(d.model, tokens, dtype=d.dtype or "float32", n_threads=d.threads, dequant_kernel=d.dequant_kernel)
+
+    def describe(self) -> dict[str, Any]:
+        import transformers
+
+        return {**super().describe(), "transformers": transformers.__version__, "device": "cpu"}

@@ -30,14 +30,14 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
-from .llama_cpp import EngineError, EngineRun
+from .base import Engine, EngineError, EngineRun, EngineUnavailable, Traits, torch_dtype_name
 
 DRIVER = Path(__file__).with_name("vllm_driver.py")
 RUN_TIMEOUT_S = 1800.0  # loading a large checkpoint from a cold disk plus one prefill
 QUERY_TIMEOUT_S = 300.0  # explain / select / namemap: vLLM's import (4-7 s measured) and config only
 
 
-class VLLMUnavailable(EngineError):
+class VLLMUnavailable(EngineUnavailable):
     """No usable vLLM: no interpreter that imports it, or this vLLM lacks an API we need."""
 
 
@@ -80,7 +80,7 @@ def _call(python: str, request: dict[str, Any], timeout: float) -> dict[str, Any
         if (work / "error.json").exists():
             err = json.loads((work / "error.json").read_text())
             if err["kind"] == "shape":
-                from ..kernels import Unsupported
+                from ..kernel_errors import Unsupported
 
                 raise Unsupported(f"vllm: {err['message']}")
             cls = VLLMUnavailable if err["kind"] == "unsupported" else EngineError
@@ -135,18 +135,6 @@ def explain(python: str, model: str | os.PathLike, *, dtype: str | None = None) 
     return _call(python, {"command": "explain", "model": os.fspath(model), "dtype": dtype}, QUERY_TIMEOUT_S)
 
 
-def built_matches_selected(built: dict[str, Any], explained: dict[str, Any]) -> list[str]:
-    """Disagreements between the backends the engine built (run's info["backends"]) and vLLM's own
-    selection (explain): one line per layer whose decode or prefill backend differs."""
-    sel = explained.get("selected") or {}
-    out = [f"{layer}: built {name}, selection says {sel.get('decode')}"
-           for layer, name in built.get("decode", {}).items() if name != sel.get("decode")]
-    if explained.get("kind") == "mla":
-        out += [f"{layer}: built prefill {name}, selection says {sel.get('prefill')}"
-                for layer, name in built.get("prefill", {}).items() if name != sel.get("prefill")]
-    return out
-
-
 def select(python: str, head_size: int, dtype: str, *, use_mla: bool, use_sparse: bool) -> dict[str, Any]:
     """vLLM's selection for a bare attention shape (no checkpoint): {"decode", "prefill"} or "error"."""
     return _call(python, {"command": "select", "head_size": head_size, "dtype": dtype, "use_mla": use_mla,
@@ -181,7 +169,7 @@ def dequant_kernel(device: str) -> Callable:
     it cannot run."""
     import importlib
 
-    from ..kernels import KernelUnavailable
+    from ..kernel_errors import KernelUnavailable
 
     if not device.startswith("cuda"):
         raise KernelUnavailable("vllm: its GGUF dequant kernels run on CUDA only (use --device cuda); vLLM for CPU "
@@ -216,7 +204,7 @@ def attention_kernels(device: str) -> dict[str, Callable]:
     (`vllm.vllm_flash_attn.flash_attn_varlen_func`, in this process); on the CPU its CPU_ATTN kernel,
     run by the driver in the `python` on PATH that imports vllm (`cpu_attention`). Raises
     KernelUnavailable saying why neither can run."""
-    from ..kernels import KernelUnavailable
+    from ..kernel_errors import KernelUnavailable
 
     if not device.startswith("cuda"):
         python, why = default_python_or_reason()
@@ -272,3 +260,52 @@ def default_python_or_reason() -> tuple[Optional[str], str]:
         return find_python(None), ""
     except VLLMUnavailable as e:
         return None, str(e)
+
+
+class VLLMEngine(Engine):
+    """vLLM in the deployment's own interpreter (`Deployment.python`, else the `python` on PATH that
+    imports vllm), through the driver. A GGUF it cannot run is run as the HF checkpoint beside it when
+    one is given (`Deployment.hf`): the run's info then says so (`reference_reads`), and the reference
+    reads that checkpoint too."""
+
+    name = "vllm"
+    title = "vLLM"
+    distribution = "vllm"
+    traits = Traits(formats=frozenset({"gguf", "hf"}), dequant_kernel=None,
+                    captures="forward hooks: each layer's points, q and k after RoPE (MLA: q_pe, k_pe), routers",
+                    noise="the reference in float64 for float32 (another draw of float32 rounding), else in the "
+                          "engine's dtype", selects_backends=True, quantized_indexer=False)
+
+    def python(self) -> str:
+        return find_python(self.deployment.python)
+
+    def _dtype(self) -> str | None:
+        return torch_dtype_name(self.deployment.dtype) if self.deployment.dtype else None
+
+    def run(self, tokens: list[int], config: Any) -> EngineRun:
+        python, d = self.python(), self.deployment
+        try:
+            out = run(python, d.model, tokens, dtype=self._dtype(), threads=d.threads)
+        except EngineError as e:
+            from ...reference.checkpoint import is_checkpoint
+
+            if not d.is_gguf or d.hf is None or not is_checkpoint(d.hf):
+                raise
+            out = run(python, d.hf, tokens, dtype=self._dtype(), threads=d.threads)
+            out.info["gguf_error"] = str(e)
+            out.info["reference_reads"] = str(d.hf)
+        out.info["python"] = python
+        out.captures = reference_layout(out.captures, rope_neox=config.rope_neox, rope_dim=config.rope_dim)
+        return out
+
+    def describe(self) -> dict[str, Any]:
+        return {**super().describe(), **info(self.python())}
+
+    def explain_backends(self) -> dict[str, Any]:
+        return explain(self.python(), self.deployment.model, dtype=self._dtype())
+
+    def select_backend(self, head_size: int, dtype: str, *, use_mla: bool, use_sparse: bool) -> dict[str, Any]:
+        return select(self.python(), head_size, dtype, use_mla=use_mla, use_sparse=use_sparse)
+
+    def gguf_name_map(self, hf_config: dict[str, Any]) -> dict[str, Any]:
+        return gguf_name_map(self.python(), hf_config)

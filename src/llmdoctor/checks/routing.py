@@ -1,0 +1,160 @@
+"""Discrete choices an engine makes inside the model, judged against the reference's scores: the keys a
+DSA indexer selects per query (GLM-5's glm-dsa) and the experts a MoE router picks per token. Neither
+choice is unique where scores tie or nearly tie, so each is judged by whether the scores *allow* it,
+within what the engine's own arithmetic (the emulated run's) moves a score."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Mapping
+
+import numpy as np
+
+from . import metrics
+from .layers import K, PointError, off_by
+
+# Capture points of a layer that come before its MoE router (which reads the normed FFN input).
+BEFORE_ROUTER = frozenset({"attn_norm", "kqv_out", "ffn_inp"})
+
+
+def selection_disagreement(scores: Any, selected: Any, top_k: int, rel_tol: float = 1e-5) -> float:
+    """Fraction of queries whose selection is not a top-k set of the reference's own scores. A row
+    agrees when its distinct, in-range, visible picks are min(k, visible keys) many, include every
+    visible key scoring above the k-th best and none scoring below it (by more than `rel_tol` of the
+    row's largest |score|): keys tied with the k-th best (ReLU index scores are often exactly 0) may be
+    picked either way. Duplicates, padding indices, future keys and short rows therefore disagree.
+    scores: float [T, S] (the reference's index scores, -inf where not visible); selected: int [T, k']."""
+    sc = np.asarray(scores, dtype=np.float64)
+    sel = np.asarray(selected, dtype=np.int64)
+    t_n, s_n = sc.shape
+    k = min(top_k, s_n)
+    if sel.ndim != 2 or sel.shape[0] != t_n or sel.shape[1] != k:
+        return 1.0
+    finite = np.where(np.isfinite(sc), sc, -np.inf)
+    n_visible = np.isfinite(finite).sum(axis=1)  # [T]
+    kth = -np.sort(-finite, axis=1)[:, k - 1]  # [T]: the k-th best visible score (-inf if fewer)
+    tol = rel_tol * np.max(np.abs(np.where(np.isfinite(sc), sc, 0.0)), axis=1)  # [T]
+    bad = np.zeros(t_n, dtype=bool)
+    for t in range(t_n):
+        picks = {int(j) for j in sel[t] if 0 <= j < s_n and np.isfinite(finite[t, j])}
+        if len(picks) != min(k, int(n_visible[t])):
+            bad[t] = True
+            continue
+        above = np.nonzero(finite[t] > kth[t] + tol[t])[0]
+        bad[t] = any(int(j) not in picks for j in above) or any(finite[t, j] < kth[t] - tol[t] for j in picks)
+    return float(bad.mean()) if t_n else 0.0
+
+
+def routing_tolerance(ref_scores: Any, emu_scores: Any) -> float:
+    """How far apart two experts' selection scores may be and still swap places in a healthy engine: the
+    emulated run's largest score error (its arithmetic on the same routing), counted for both experts
+    of a comparison, times the layer budget's K, plus a few float32 roundings of the largest score."""
+    ref, emu = np.asarray(ref_scores, dtype=np.float64), np.asarray(emu_scores, dtype=np.float64)
+    d = float(np.max(np.abs(emu - ref))) if ref.size else 0.0
+    return K * 2 * d + 8 * 2.0**-24 * float(np.max(np.abs(ref), initial=0.0))
+
+
+def routing_inadmissible(scores: Any, chosen: Any, k: int, tol: float, n_group: int = 1,
+                         topk_group: int = 1) -> Any:
+    """bool [T]: positions whose chosen experts are no top-k choice the reference's selection scores
+    allow within `tol` (routing_tolerance). Ungrouped: every chosen expert scores at least the best
+    unchosen one minus tol. Grouped (DeepSeek-V3's n_group / topk_group): the chosen experts' groups,
+    filled up with the best other groups, are a top-topk_group set of group scores within 2 tol (a group
+    score sums two experts', reference/arch_deepseek.group_scores), and the experts are a top-k set within
+    those groups. Duplicates, out-of-range ids and a wrong count are inadmissible.
+    scores: float [T, E]; chosen: int [T, k]."""
+    import torch
+
+    from ..reference.arch_deepseek import group_scores
+
+    sc = np.asarray(scores, dtype=np.float64)
+    sel = np.asarray(chosen, dtype=np.int64)
+    t_n, e_n = sc.shape
+    if sel.ndim != 2 or sel.shape != (t_n, k):
+        return np.ones(t_n, dtype=bool)
+    grouped = n_group > 1 and e_n % n_group == 0
+    gs = group_scores(torch.from_numpy(sc), n_group).numpy() if grouped else None  # [T, G]
+    per = e_n // n_group if grouped else e_n
+    bad = np.zeros(t_n, dtype=bool)
+    for t in range(t_n):
+        picks = {int(j) for j in sel[t]}
+        if len(picks) != k or not all(0 <= j < e_n for j in picks):
+            bad[t] = True
+            continue
+        pool = np.arange(e_n)
+        if grouped:
+            mine = {j // per for j in picks}
+            rest = [g for g in np.argsort(-gs[t], kind="stable") if g not in mine]
+            keep = sorted(mine | set(rest[: max(topk_group - len(mine), 0)]))
+            out = [g for g in range(n_group) if g not in keep]
+            if len(mine) > topk_group or (out and gs[t, keep].min() < gs[t, out].max() - 2 * tol):
+                bad[t] = True
+                continue
+            pool = np.concatenate([np.arange(g * per, (g + 1) * per) for g in keep])
+        unchosen = [j for j in pool if j not in picks]
+        bad[t] = bool(unchosen) and sc[t, sorted(picks)].min() < sc[t, unchosen].max() - tol
+    return bad
+
+
+def routing_limit(noise: float, n_positions: int) -> float:
+    """Most disagreement a healthy engine shows in a discrete choice (the DSA indexer's key selections):
+    its own arithmetic flips near-tied decisions as often as the emulated run does (`noise`), give or
+    take three binomial standard errors (with at least one flip's worth of rate, so a noiseless
+    emulation does not demand perfection)."""
+    p = max(noise, 1.0 / max(n_positions, 1))
+    return noise + 3 * math.sqrt(p * (1 - p) / max(n_positions, 1))
+
+
+def dsa_rows(n_layer: int, top_k: int, ref_caps: Mapping[str, Any], emu_caps: Mapping[str, Any],
+             engine_caps: Mapping[str, Any]) -> list[dict]:
+    """Per indexer layer: {"layer", "disagreement" (the engine's picks), "noise" (the emulated run's own
+    top k against the same scores), "limit" (routing_limit)}. A shared layer uses the last full layer's
+    scores. llama.cpp's view of the selection that layer il's attention reads is "top_k-{il} (view)" (its
+    own indexer's or the shared one's); the bare "top_k-{il}" node is not reliably that layer's."""
+    rows, scores, emu_scores = [], None, None
+    for il in range(n_layer):
+        scores = ref_caps.get(f"indexer_score-{il}", scores)
+        emu_scores = emu_caps.get(f"indexer_score-{il}", emu_scores)
+        engine_sel = engine_caps.get(f"top_k-{il} (view)", engine_caps.get(f"top_k-{il}"))
+        if scores is not None and emu_scores is not None and engine_sel is not None:
+            # the noise: what the engine's arithmetic would pick from the same state (the emulated run's
+            # own top k; its selections themselves are the engine's, swapped in, see Session.reference_extra)
+            emu_sel = np.argsort(-np.asarray(emu_scores, dtype=np.float64), axis=1, kind="stable")[:, :top_k]
+            noise = selection_disagreement(scores, emu_sel, top_k)
+            rows.append({"layer": il, "disagreement": selection_disagreement(scores, engine_sel, top_k),
+                         "noise": noise, "limit": routing_limit(noise, int(scores.shape[0]))})
+    return rows
+
+
+def moe_rows(n_layer: int, moe: Any, ref_caps: Mapping[str, Any], emu_caps: Mapping[str, Any],
+             engine_caps: Mapping[str, Any]) -> list[dict]:
+    """Per MoE layer the engine exposes: {"layer", "disagreement" (positions whose experts the scores do
+    not allow within routing_tolerance), "tolerance", "positions" (the first 8 of those), "near_ties_taken"
+    (experts not the reference's own top k, yet allowed: near-ties the engine's arithmetic took the other
+    way)}. `moe`: the reference config's MoE part (n_used, n_group, topk_group)."""
+    rows = []
+    for il in range(n_layer):
+        name, scores = f"ffn_moe_topk-{il}", f"ffn_moe_scores-{il}"
+        if name in engine_caps and scores in ref_caps and scores in emu_caps:
+            tol = routing_tolerance(ref_caps[scores], emu_caps[scores])
+            bad = routing_inadmissible(ref_caps[scores], engine_caps[name], moe.n_used, tol, moe.n_group,
+                                       moe.topk_group)
+            other = routing_inadmissible(ref_caps[scores], engine_caps[name], moe.n_used, 0.0, moe.n_group,
+                                         moe.topk_group) & ~bad
+            rows.append({"layer": il, "disagreement": float(bad.mean()), "tolerance": tol,
+                         "positions": [int(p) for p in np.nonzero(bad)[0][:8]], "near_ties_taken": int(other.sum())})
+    return rows
+
+
+def router_inputs_differ(il: int, engine_caps: Mapping[str, Any], ref_caps: Mapping[str, Any],
+                         emu_caps: Mapping[str, Any], diverged: set) -> str:
+    """Why layer il's router does not see the reference's input ("" when it does): its input itself
+    (`ffn_norm-{il}`) beyond the engine's noise when both sides expose it, else a divergent point
+    upstream of the router in the layer curve (`diverged`: {(layer, point)})."""
+    name = f"ffn_norm-{il}"
+    if name in engine_caps and name in ref_caps and name in emu_caps:
+        p = PointError(il, "ffn_norm", metrics.rel_l2(engine_caps[name], ref_caps[name]),
+                       metrics.rel_l2(emu_caps[name], ref_caps[name]))
+        return f"{name} {off_by(p)}" if p.divergent else ""
+    before = sorted((layer, pt) for layer, pt in diverged if layer < il or layer == il and pt in BEFORE_ROUTER)
+    return f"the engine diverges at {before[0][1]}-{before[0][0]}" if before else ""

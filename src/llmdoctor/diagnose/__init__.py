@@ -1,0 +1,65 @@
+"""`llmdoctor diagnose`: the elimination plan over the layers of a deployment.
+
+    inputs.py      what is examined, and the command line's policy (resolved once)
+    session.py     the evidence, computed once and lazily (the file, the reference's runs, the engine's run
+                   through the engine interface, subjects/engines)
+    hypotheses.py  one small function per hypothesis: evidence -> a check in checks/ -> findings
+    plan.py        the ordered table of hypotheses, what each needs (the skip reasons) and README's table
+    verdict.py     suspects ranked by stack order, the verdict and the exit code
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+from ..checks.base import Finding
+from ..errors import GGUFError
+from .inputs import DEFAULT_PROMPT, Inputs
+from .plan import PLAN, Hypothesis
+from .session import NO_GGUF, Session, Skip
+from .verdict import Diagnosis, judge
+
+__all__ = ["DEFAULT_PROMPT", "NO_GGUF", "PLAN", "Diagnosis", "Hypothesis", "Inputs", "Session", "Skip", "run"]
+
+
+def run(inputs: Inputs, progress: Callable[[str], None] = lambda s: None) -> Diagnosis:
+    """Every hypothesis of the plan, in order, on one session's evidence; then the verdict."""
+    if inputs.engine is not None:
+        from ..subjects.engines import engine_class
+
+        engine_class(inputs.engine)  # an unknown engine is bad input
+    s = Session(inputs, progress)
+    try:
+        findings: list[Finding] = []
+        timings: dict[str, float] = {}
+        for hyp in PLAN:
+            progress(hyp.question)
+            t0 = time.perf_counter()
+            findings.extend(_findings(hyp, s))
+            timings[hyp.key] = round(time.perf_counter() - t0, 2)
+        suspects, ruled_out, verdict, code = judge(findings, inputs)
+        return Diagnosis(findings, suspects, ruled_out, verdict, code, s.curve, timings, s.threads,
+                         engine_run=s.engine_info())
+    finally:
+        s.close()
+
+
+def _findings(hyp: Hypothesis, s: Session) -> list[Finding]:
+    """One hypothesis's findings: skipped with the first missing need, or run (a Skip it raises on the
+    way, or a model file that cannot be read, is a skip with that reason)."""
+    def skip(reason: str) -> list[Finding]:
+        return [Finding(check=hyp.key, subject=s.inputs.engine or "-", target="-", status="skip", reason=reason,
+                        hypothesis=hyp.question)]
+
+    try:
+        if (why := hyp.missing(s)) is not None:
+            return skip(why)
+        fs = hyp.run(s)
+    except Skip as e:
+        return skip(str(e))
+    except GGUFError as e:  # the file-integrity finding already names the problem
+        return skip(f"the model file cannot be read: {e.problem}")
+    for f in fs:
+        f.hypothesis = f.hypothesis or hyp.question
+    return fs

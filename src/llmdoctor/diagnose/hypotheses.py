@@ -1,0 +1,512 @@
+"""The hypotheses of a diagnosis, one small function each: gather the session's evidence, ask the check
+in checks/ that judges it, and say the answer as findings. The plan (plan.py) orders them and says what
+each needs; a hypothesis that cannot run raises Skip with the reason."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..checks.base import Finding
+from ..checks.layers import off_by
+from ..subjects.engines.base import EngineError, torch_dtype_name
+from .session import Session, Skip
+
+FP16_MAX = 65504.0
+
+
+def _finding(check: str, subject: str, target: str, status: str, **kw: Any) -> Finding:
+    return Finding(check=check, subject=subject, target=target, status=status, **kw)
+
+
+def h_file_integrity(s: Session) -> list[Finding]:
+    """The file parses under the hardened reader, every weight decodes to finite numbers, and no tensor
+    stands out from its role siblings (checks/forensics.py: block scales and weight statistics). When
+    the reference reads this same file, one more finding says what that cannot see."""
+    from ..checks import forensics
+    from ..gguf import GGUFError
+
+    try:
+        g = s.gguf()
+    except GGUFError as e:
+        at = f" at offset {e.offset}" if e.offset is not None else ""
+        return [_finding("file-integrity", "gguf", str(s.inputs.gguf), "fail", reason=str(e),
+                         hypothesis="the model file is intact", confidence="high",
+                         metrics={"problem": e.problem, "offset": e.offset},
+                         explanation=f"the model file is broken: {e.problem}{at} (no engine can load it correctly)")]
+    s.progress(f"decoding all {len(g.tensors)} tensors (finite values, block-scale forensics)")
+    # decoded once, reused by the reference runs (a model whose metadata is inconsistent is not built)
+    weights = s.model().weights if s.inconsistency() is None else None
+    stats = [forensics.tensor_stats(t, weights.get(t.name) if weights is not None and weights.has(t.name) else None)
+             for t in g.tensors if t.supported]
+    found = forensics.compare(stats, file=s.inputs.gguf)
+    nonfinite = [f for f in found if f.status == "fail" and "outliers" not in f.metrics]
+    out = [_finding(
+        "file-integrity", "gguf", str(s.inputs.gguf), "fail" if nonfinite else "pass", confidence="high",
+        hypothesis="the model file is intact: it parses and every weight is finite",
+        metrics={"tensors": len(g.tensors), "values": sum(st.n_values for st in stats),
+                 "tensors_with_non_finite": len(nonfinite)},
+        evidence=[{"tensor": f.target, "problem": f.explanation} for f in nonfinite[:5]],
+        explanation=(nonfinite[0].explanation + (f" (and {len(nonfinite) - 1} more tensors)" if len(nonfinite) > 1
+                                                 else "") if nonfinite
+                     else f"{len(g.tensors)} tensors parse and decode to finite values"))]
+    for f in found:  # sibling outliers are this step's suspects too; the forensics summary stays itself
+        if f.status == "fail" and "outliers" in f.metrics:
+            f.check, f.confidence = "file-integrity", "medium"
+        if not any(f is n for n in nonfinite):
+            out.append(f)
+    if (s.inputs.engine is not None or s.inputs.endpoint is not None) and s.inputs.engine_gguf is None \
+            and s.inputs.hf is None and s.inputs.manifest is None:
+        out.append(_finding(
+            "file-provenance", "reference", str(s.inputs.gguf), "skip", hypothesis="the file is the model that was published",
+            reason="the reference reads the deployment's own file: a corrupted or mis-converted file misleads engine "
+                   "and reference alike, so their agreement cannot see it (only the forensics above look at the "
+                   "file itself). Close it with --hf DIR (the original checkpoint), --manifest m.json (hashes of a "
+                   "known-good copy) or `llmdoctor diff FILE KNOWN_GOOD.gguf`"))
+    return out + _manifest_findings(s, g)
+
+
+def _manifest_findings(s: Session, g: Any) -> list[Finding]:
+    """With --manifest: every tensor and metadata key that differs from the known-good copy's manifest."""
+    if s.inputs.manifest is None:
+        return []
+    from ..checks.manifest import compare
+
+    s.progress("hashing every tensor against the manifest")
+    return compare(g, s.inputs.manifest)
+
+
+def h_engine_file(s: Session) -> list[Finding]:
+    """When the engine loads another file than the reference: does it describe the same model?"""
+    from ..gguf import open_gguf
+
+    other = s.inputs.engine_gguf
+
+    g = s.gguf()
+    diffs = []
+    with open_gguf(other) as e:
+        for key, f in g.fields.items():
+            ef = e.fields.get(key)
+            if ef is None or _meta_value(ef.value) != _meta_value(f.value):
+                diffs.append({"key": key, "reference": _meta_value(f.value), "engine": None if ef is None
+                              else _meta_value(ef.value)})
+        changed = [t.name for t in g.tensors if not e.has_tensor(t.name)
+                   or bytes(e.tensor(t.name).data) != bytes(t.data)]
+    status = "fail" if diffs or changed else "pass"
+    what = [f"metadata {d['key']}: {d['reference']} -> {d['engine']}" for d in diffs[:3]]
+    what += [f"tensor {n} bytes differ" for n in changed[:3]]
+    return [_finding("engine-file", s.inputs.engine, str(other), status, confidence="high",
+                     hypothesis="the engine's model file is the reference file",
+                     metrics={"metadata_diffs": len(diffs), "tensors_changed": len(changed)},
+                     evidence=diffs[:5] + [{"tensor": n} for n in changed[:5]],
+                     explanation=("the engine's model file differs from the reference: " + "; ".join(what))
+                     if what else "same metadata and tensor bytes")]
+
+
+def _meta_value(v: Any) -> Any:
+    if hasattr(v, "tolist"):
+        v = v.tolist()
+    if isinstance(v, list) and len(v) > 64:
+        return f"<array of {len(v)}>"
+    return v
+
+
+def h_metadata(s: Session) -> list[Finding]:
+    """Metadata plausibility (checks/plausibility.py): hard inconsistencies between the hyperparameters
+    and the tensors (the steps that need a consistent model are then skipped), and advisories for values
+    far from the architecture's published configs; then the front end the file carries
+    (checks/frontend.py): chat template, vocab, and llama.cpp's decoding of a sample of tokens."""
+    from ..checks import frontend, plausibility
+
+    g = s.gguf()
+    out = plausibility.run(g, s.inputs.gguf)
+    with frontend.engine_pieces(s.inputs.gguf) as pieces:
+        fe = frontend.run(g, s.inputs.gguf, pieces, sample=frontend.PARITY_SAMPLE)
+    for f in fe:  # a front-end fault ranks with this step (its own check stays in the target)
+        f.confidence = f.confidence or "high"
+        if f.status == "fail":
+            f.check, f.target = "metadata", f"{f.check}: {f.target}"
+    return out + fe
+
+
+def h_mapping(s: Session) -> list[Finding]:
+    """GGUF<->HF names, shapes, quant types and metadata semantics (checks/mapping.py); with --hf DIR
+    also each tensor's numbers. The passing numeric findings are summarized in one."""
+    from ..checks import mapping
+
+    s.progress("name map, shapes and metadata vs " + (str(s.inputs.hf) if s.inputs.hf else "the file's own metadata"))
+    res = mapping.run(s.inputs.gguf, s.inputs.hf, consumer=s.inputs.engine)
+    config_only = s.inputs.hf is not None and Path(s.inputs.hf).is_file()
+    out, numeric = [], []
+    for f in res.findings:
+        f.confidence = "high"
+        if config_only and f.target == "numeric":
+            continue  # a config.json asks for names, shapes and metadata only: no numbers were requested
+        (numeric if f.status == "pass" and f.target.startswith("numeric/") else out).append(f)
+    if numeric:
+        worst = max(numeric, key=lambda f: f.metrics["rel_l2"] / f.budget["rel_l2_max"])
+        out.append(_finding("mapping", "gguf<->hf", "numeric", "pass", confidence="high",
+                            metrics={"tensors": len(numeric), "worst": worst.target,
+                                     "worst_ratio": worst.metrics["rel_l2"] / worst.budget["rel_l2_max"]},
+                            explanation=f"{len(numeric)} tensors match the HF checkpoint within their "
+                                        f"quantization band; worst {worst.target}"))
+    return out
+
+
+def _fold(findings: list[Finding], check: str, hypothesis: str, none_compared: str,
+          most: int = 8) -> tuple[list[Finding], list[Finding]]:
+    """A sub-check's findings as diagnose sees them: (its first `most` failures relabelled as `check`,
+    the passes). Nothing compared at all is a Skip with the sub-check's reasons."""
+    failed = [f for f in findings if f.status == "fail"][:most]
+    for f in failed:
+        f.check, f.confidence, f.hypothesis = check, "high", hypothesis
+    compared = [f for f in findings if f.status == "pass"]
+    if not failed and not compared:
+        reasons = sorted({f.reason for f in findings if f.status == "skip"})
+        raise Skip(f"{none_compared}: " + "; ".join(reasons[:2]))
+    return failed, compared
+
+
+DEQUANT_BLOCKS = 32  # blocks compared per tensor: first, last and 30 seeded ones
+
+
+def h_dequant(s: Session) -> list[Finding]:
+    """The engine's dequant kernel against the reference, on every tensor of the file."""
+    from ..checks import dequant
+
+    kernel = s.dequant_kernel()
+    s.progress(f"dequant kernel {kernel!r} vs the reference")
+    res = dequant.run(s.inputs.gguf, kernel=kernel, blocks=DEQUANT_BLOCKS, seed=s.inputs.seed)
+    failed, compared = _fold(res.findings, "dequant", f"the dequant kernel {kernel!r} is right",
+                             f"kernel {kernel!r} compared no tensor")
+    if failed:
+        return failed
+    g = s.gguf()
+    types = sorted({g.tensor(f.target).type.name for f in compared if g.has_tensor(f.target)})
+    return [_finding("dequant", kernel, f"{len(compared)} tensors", "pass", confidence="high",
+                     hypothesis=f"the dequant kernel {kernel!r} is right",
+                     metrics={"tensors_compared": len(compared), "types": types,
+                              "tensors_skipped": len(res.findings) - len(compared),
+                              "blocks_per_tensor": DEQUANT_BLOCKS, "seconds": round(res.seconds, 1)},
+                     explanation=f"bit-exact on {len(compared)} tensors ({', '.join(types)})")]
+
+
+def h_fp16_overflow(s: Session) -> list[Finding]:
+    """Would float16 overflow? Margin of the float32 reference's max |activation| to 65504, per layer."""
+    _, _, stats = s.reference("float32")
+    peak = max(stats, key=lambda st: st["max_abs"])
+    over = [st for st in stats if st["max_abs"] > FP16_MAX]
+    first = over[0] if over else None
+    dtype = (s.inputs.engine_dtype or "").lower()
+    margins = [{"layer": st["layer"], "max_abs": st["max_abs"], "margin": FP16_MAX / st["max_abs"]
+                if st["max_abs"] else math.inf} for st in stats]
+    metrics = {"peak_abs": peak["max_abs"], "peak_layer": peak["layer"], "peak_at": peak["max_at"],
+               "first_overflow_layer": first["layer"] if first else None, "engine_dtype": dtype or None}
+    if first is None:
+        return [_finding("fp16-overflow", "reference", "activations", "pass", confidence="high",
+                         hypothesis="activations fit in float16", metrics=metrics, evidence=margins,
+                         explanation=f"peak |activation| {peak['max_abs']:.4g} at {peak['max_at']}: "
+                                     f"float16 margin x{FP16_MAX / peak['max_abs']:.2f}")]
+    msg = (f"the float32 residual stream reaches {first['max_abs']:.4g} at layer {first['layer']} "
+           f"({first['max_at']}), beyond float16's 65504")
+    if dtype in ("float16", "fp16", "half"):
+        # confirm: the reference itself in float16 turns inf/NaN where predicted
+        _, _, stats16 = s.reference("float16")
+        nonfinite = next((st for st in stats16 if st["n_inf"] or st["n_nan"]), None)
+        metrics["fp16_first_nonfinite_layer"] = nonfinite["layer"] if nonfinite else None
+        return [_finding("fp16-overflow", s.inputs.engine or "deployment", "activations", "fail",
+                         confidence="high" if nonfinite else "medium",
+                         hypothesis="the deployment's float16 arithmetic overflows", metrics=metrics,
+                         evidence=margins,
+                         explanation=msg + (f"; the reference run in float16 turns inf/NaN at layer "
+                                            f"{nonfinite['layer']} ({nonfinite['first_nonfinite']})"
+                                            if nonfinite else "") +
+                         ". Run the model in bfloat16 (same range as float32) instead of float16.")]
+    return [_finding("fp16-overflow", "reference", "activations", "pass", confidence="high",
+                     hypothesis="the deployment's arithmetic does not overflow (it does not run in float16)",
+                     metrics={**metrics, "advisory": True},
+                     evidence=margins,
+                     explanation=f"advisory: {msg}. Harmless unless the deployment runs in float16 "
+                                 f"(deployment precision: {dtype or 'unknown'}); use bfloat16 there.")]
+
+
+def h_engine_finite(s: Session) -> list[Finding]:
+    """inf/NaN in the engine's logits or captured activations where the reference's are finite: their own
+    finding in words (checks/finite.py), never a "KL nan" or an "off by nan"."""
+    from ..checks import finite
+
+    ran = s.engine_run()
+    ref, ref_caps, _ = s.reference("float32")
+    out = [finite.logits_finding(s.inputs.engine, ran.logits, ref)]
+    if (acts := finite.captures_finding(s.inputs.engine, ran.captures, ref_caps)) is not None:
+        out.append(acts)
+    return out
+
+
+def h_engine_vs_reference(s: Session) -> list[Finding]:
+    """The engine's next-token distributions match the reference within the engine's own noise: every
+    criterion (finite logits, KL, top-1) against what the emulated run's arithmetic explains
+    (checks/layers.py `distribution_criteria`); the failing criteria are named."""
+    from ..checks import metrics as M
+    from ..checks.layers import distribution_criteria
+
+    ref, _, _ = s.reference("float32")
+    emu, _, _ = s.budget_reference()
+    got = torch.as_tensor(s.engine_run().logits)
+    crit = distribution_criteria(got, ref, emu, s.tokens())
+    failed = [c for c in crit if not c.ok]
+    by = {c.name: c for c in crit}
+    metrics: dict[str, Any] = {}  # the numbers first: the terminal shows the first few
+    budget: dict[str, Any] = {}
+    if "kl" in by:
+        top1 = M.top1_agreement(got, ref)
+        worst = by["kl"].evidence[0]  # the position of the largest KL
+        metrics.update(kl_mean=by["kl"].value, kl_max=worst["kl"], top1_agreement=top1,
+                       top1_flips_beyond_noise=int(by["top1"].value), worst_position=worst["position"])
+        budget.update(kl_mean_limit=by["kl"].limit, kl_noise_mean=by["kl"].noise,
+                      top1_flips_allowed=int(by["top1"].limit))
+    metrics.update(positions=got.shape[0], failed_criteria=[c.name for c in failed],
+                   reference_reads=str(s.reference_path()))
+    return [_finding(
+        "engine-vs-reference", s.inputs.engine, "next-token distributions", "fail" if failed else "pass",
+        confidence="high", hypothesis="the engine computes the model's distribution", metrics=metrics,
+        budget=budget, evidence=[c.as_dict() for c in crit],
+        explanation=("; ".join(f"the {c.name} criterion fails: {c.reason}" for c in failed) if failed else
+                     f"KL {by['kl'].value:.3g} (noise {by['kl'].noise:.3g}), top-1 {top1:.0%}: every top-1 flip "
+                     "and the KL within the engine's noise"),
+    )]
+
+
+def h_engine_backends(s: Session) -> list[Finding]:
+    """Which attention backends the engine (vLLM) selects for this model, dtype and platform, asked of its
+    own selection code in the deployment's interpreter, against the backends the running engine built
+    (checks/backends.py). The finding lists what each backend setting would select instead."""
+    from ..checks.backends import mismatches
+
+    engine = s.engine()
+    try:  # the run asks the selection under the config the engine was built with
+        info = s.engine_run().info
+        built, explained = info["backends"], info["explained"]
+    except Skip as e:  # ask the selection alone: the engine's own reason the model cannot run
+        built, ran = None, str(e)
+        try:
+            s.progress(f"{engine.title}'s own attention-backend selection")
+            explained = engine.explain_backends()
+        except EngineError as e:
+            raise Skip(f"{ran}; {engine.title}'s backend selection could not run either: {e}") from None
+    sel = explained["selected"]
+    metrics = {"kind": explained["kind"], "selected": sel, "built": built, "knobs": explained["knobs"],
+               "env": explained["env"], "vllm": explained["vllm"], "platform": explained["platform"]}
+    if built is None:
+        raise Skip(f"{ran}; {engine.title}'s own selection for this model: "
+                   + (sel["error"] if sel.get("error") else f"{sel['decode']} (prefill {sel['prefill']})"))
+    wrong = mismatches(built, explained)
+    what = f"{sel['decode']}" + (f", prefill {sel['prefill']}" if explained["kind"] == "mla" else "")
+    return [_finding("engine-backends", engine.name, f"{explained['kind']} attention", "fail" if wrong else "pass",
+                     confidence="high",
+                     hypothesis=f"the engine runs the attention backends {engine.title} selects for this model",
+                     metrics=metrics, evidence=[{"mismatch": w} for w in wrong[:5]],
+                     explanation=(f"the engine built other backends than {engine.title}'s selection ({what}): {wrong[0]}"
+                                  if wrong else f"{engine.title} {explained['vllm']} on {explained['platform']} selects "
+                                  f"{what} for {explained['dtype']}, head size {explained['head_size']}, and built it in "
+                                  f"every layer; settings that change it: {', '.join(sorted(explained['knobs'])) or 'none'}"))]
+
+
+def h_dsa_selection(s: Session) -> list[Finding]:
+    """Per layer with a DSA indexer (GLM-5 glm-dsa): whether the keys the engine's indexer selects for
+    each query (`top_k-{i}`) are among the reference's top k by the reference's own index scores (ties
+    at the k-th score may go either way), against what the engine's own arithmetic explains (the
+    emulated run's; checks/routing.py). A wrong indexer (rope on the wrong dims, a missing weight, the
+    wrong scale) shows here before the attention output does."""
+    from ..checks.routing import dsa_rows
+
+    m = s.config().mla
+    if len(s.tokens()) <= m.indexer.top_k:
+        raise Skip(f"{len(s.tokens())} tokens, top-k {m.indexer.top_k}: every query selects every key it sees "
+                   "(give a longer prompt to test the indexer)")
+    engine_caps = s.engine_run().captures
+    _, ref_caps, _ = s.reference("float32")
+    _, emu_caps, _ = s.budget_reference()
+    rows = dsa_rows(s.config().n_layer, m.indexer.top_k, ref_caps, emu_caps, engine_caps)
+    if not rows:
+        raise Skip("the engine exposed no indexer selections (top_k)")
+    bad = [r for r in rows if r["disagreement"] > r["limit"]]
+    if not bad:
+        return [_finding("dsa-selection", s.inputs.engine, f"{len(rows)} indexer layers", "pass", confidence="high",
+                         hypothesis="the engine's indexer selects the reference's keys",
+                         metrics={"layers": len(rows), "max_disagreement": max(r["disagreement"] for r in rows)},
+                         evidence=rows, explanation=f"key selections agree in {len(rows)} indexer layers")]
+    first = bad[0]
+    _, layer, point = s.divergence()
+    if layer is not None and (layer < first["layer"] or layer == first["layer"] and point.point == "attn_norm"):
+        raise Skip(f"the indexer's inputs already differ: the engine diverges at {point.point}-{layer}, upstream of "
+                   f"the first layer whose key selection differs ({first['layer']})")
+    return [_finding("dsa-selection", s.inputs.engine, f"layer {first['layer']}", "fail", confidence="high",
+                     hypothesis="the engine's indexer selects the reference's keys",
+                     metrics={"first_layer": first["layer"], **first}, evidence=rows,
+                     explanation=f"the sparse-attention indexer selects other keys from layer {first['layer']}: "
+                                 f"{first['disagreement']:.0%} of queries (its arithmetic explains {first['limit']:.0%}); "
+                                 f"check the indexer's rope dims and order, k norm, head weights and scale")]
+
+
+def h_moe_routing(s: Session) -> list[Finding]:
+    """Per MoE layer: whether the experts the engine chose (`ffn_moe_topk-{i}`) are a top-k choice the
+    reference's selection scores allow, within what the engine's own arithmetic moves a score (the
+    emulated run's score error, checks/routing.py). Every reference run takes the engine's choices
+    (Session.reference_extra), so a near-tie flip is neither a routing fault nor a divergence
+    downstream. A missing score-correction bias, a wrong grouped top-k or a wrong gating function
+    chooses experts the scores do not allow."""
+    from ..checks.routing import moe_rows, router_inputs_differ
+
+    engine_caps = s.engine_run().captures
+    _, ref_caps, _ = s.reference("float32")
+    _, emu_caps, _ = s.budget_reference()
+    rows = moe_rows(s.config().n_layer, s.config().moe, ref_caps, emu_caps, engine_caps)
+    if not rows:
+        raise Skip("the engine exposed no routing decisions (ffn_moe_topk)")
+    curve, _, _ = s.divergence()
+    diverged = {(p.layer, p.point) for p in curve if p.divergent}
+    for r in rows:  # the first MoE layer whose routing is wrong given the same inputs
+        if not r["disagreement"]:
+            continue
+        il = r["layer"]
+        upstream = router_inputs_differ(il, engine_caps, ref_caps, emu_caps, diverged)
+        if upstream:
+            raise Skip(f"the router's inputs already differ at layer {il} ({upstream}); routing there "
+                       f"({r['disagreement']:.0%} of positions chose other experts) cannot be judged apart from "
+                       "that divergence")
+        return [_finding("moe-routing", s.inputs.engine, f"layer {il}", "fail", confidence="high",
+                         hypothesis="the engine routes tokens to the reference's experts",
+                         metrics={"first_layer": il, **r}, evidence=rows,
+                         explanation=f"MoE routing differs from layer {il}: {r['disagreement']:.0%} of positions "
+                                     f"chose experts the router's scores do not allow (positions {r['positions']}; "
+                                     f"near-ties within {r['tolerance']:.2g} may go either way): check the "
+                                     "score-correction bias, grouped top-k and gating function")]
+    return [_finding("moe-routing", s.inputs.engine, f"{len(rows)} MoE layers", "pass", confidence="high",
+                     hypothesis="the engine routes tokens to the reference's experts",
+                     metrics={"layers": len(rows), "max_disagreement": max(r["disagreement"] for r in rows),
+                              "near_ties_taken": sum(r["near_ties_taken"] for r in rows)},
+                     evidence=rows, explanation=f"expert choices are ones the router's scores allow in "
+                                                f"{len(rows)} MoE layers ({sum(r['near_ties_taken'] for r in rows)} "
+                                                "near-ties taken the other way, which rounding may do)")]
+
+
+def h_layer_localization(s: Session) -> list[Finding]:
+    """Where the engine's activations leave the reference (noise-aware, layer by layer)."""
+    curve, layer, point = s.divergence()
+    if not curve:
+        raise Skip("the engine exposed no activations that map onto the reference's capture points")
+    s.curve = [p.as_dict() for p in curve]
+    if layer is None:
+        worst = max(curve, key=lambda p: p.error / p.limit)
+        return [_finding("layer-localization", s.inputs.engine, "layers", "pass", confidence="high",
+                         hypothesis="every layer stays within the engine's noise",
+                         metrics={"points": len(curve), "worst_ratio": worst.error / worst.limit,
+                                  "worst": f"{worst.point}-{worst.layer}"},
+                         explanation=f"{len(curve)} points within budget; worst {worst.point}-{worst.layer} "
+                                     f"at {worst.error / worst.limit:.2f} of its limit")]
+    swaps = substitutions(s, point)
+    confirmed = [w for w in swaps if w["reproduces"]]
+    return [_finding("layer-localization", s.inputs.engine, f"layer {layer}", "fail", confidence="high",
+                     hypothesis="every layer stays within the engine's noise",
+                     metrics={"first_divergent_layer": layer, "point": point.point, "error": point.error,
+                              "noise": point.noise, "limit": point.limit,
+                              "substitutions": swaps},
+                     evidence=[p.as_dict() for p in curve if p.layer in (layer - 1, layer, layer + 1)],
+                     explanation=f"first divergent layer {layer}: {point.point}-{layer} {off_by(point)}"
+                                 + (f"; swapping {confirmed[0]['swap']} into the reference alone reproduces it"
+                                    if confirmed else
+                                    ("; no single swap into the reference reproduces it" if swaps else "")))]
+
+
+def substitutions(s: Session, point) -> list[dict[str, Any]]:
+    """Op substitution: rerun the reference with one suspect component swapped in (the engine's
+    precision; the --dequant-kernel; the --attention-impl under the prefill contract, dense models)
+    and ask whether that swap alone reproduces the engine's divergence at its first divergent point
+    (error at least half the engine's, or non-finite like it)."""
+    from ..checks import metrics as M
+
+    name = f"{point.point}-{point.layer}"
+    _, ref_caps, _ = s.reference("float32")
+
+    def reproduces(caps) -> tuple[bool, float]:
+        if name not in caps:
+            return False, math.nan
+        err = M.rel_l2(caps[name], ref_caps[name])
+        return (not math.isfinite(err) and not math.isfinite(point.error)) or \
+            (math.isfinite(err) and err >= 0.5 * point.error), err
+
+    out = []
+    ok, err = reproduces(s.budget_reference()[1])
+    out.append({"swap": f"the engine's {s.budget().words}", "reproduces": ok, "error": err})
+    if s.inputs.dequant_kernel and s.inputs.gguf is not None:
+        from ..subjects.substitution import KernelDequantizer
+
+        s.progress(f"reference with the dequant kernel {s.inputs.dequant_kernel!r} swapped in")
+        try:
+            with KernelDequantizer(s.inputs.dequant_kernel) as kd:
+                from ..reference import load
+
+                with load(s.inputs.gguf, dequantizer=kd) as model:
+                    with s.pinned_threads():
+                        _, caps = model.forward(s.tokens(), capture={name}, extra=s.reference_extra())
+            ok, err = reproduces(caps)
+            out.append({"swap": f"the dequant kernel {s.inputs.dequant_kernel!r}", "reproduces": ok, "error": err})
+        except Exception as e:  # the suspect kernel may crash: that is evidence too, not our failure
+            out.append({"swap": f"the dequant kernel {s.inputs.dequant_kernel!r}", "reproduces": None,
+                        "error": None, "could_not_run": f"{type(e).__name__}: {e}"})
+    if s.inputs.attention_impl and (s.inputs.attention_contract or "prefill") == "prefill" and s.config().mla is None:
+        from ..subjects.substitution import PrefillAttention
+
+        s.progress(f"reference with the attention kernel {s.inputs.attention_impl!r} swapped in")
+        try:
+            with PrefillAttention(s.inputs.attention_impl) as swapped:
+                with s.pinned_threads():
+                    _, caps = s.model().forward(s.tokens(), capture={name}, attention=swapped,
+                                                extra=s.reference_extra())
+            ok, err = reproduces(caps)
+            out.append({"swap": f"the attention kernel {s.inputs.attention_impl!r}", "reproduces": ok, "error": err})
+        except Exception as e:
+            out.append({"swap": f"the attention kernel {s.inputs.attention_impl!r}", "reproduces": None,
+                        "error": None, "could_not_run": f"{type(e).__name__}: {e}"})
+    return out
+
+
+def h_attention(s: Session) -> list[Finding]:
+    """`check attention` of the given kernel on this model's attention shape (checks/attention.py)."""
+    from ..checks import attention
+
+    shape = attention.shape_from_config(s.config(), Path(s.reference_path()).name)
+    dtype = torch_dtype_name(s.inputs.engine_dtype) if s.inputs.engine_dtype else "float32"
+    res = attention.run(shape, [(s.inputs.attention_impl, s.inputs.attention_contract)],
+                        dtypes=(dtype,), explicit=(s.inputs.attention_impl,), seed=s.inputs.seed,
+                        on_step=s.progress)
+    failed, compared = _fold(res.findings, "attention", "the attention kernel computes the reference's attention",
+                             "the attention kernel compared no case")
+    if failed:
+        return failed
+    return [_finding("attention", s.inputs.attention_impl, f"{len(compared)} cases", "pass", confidence="high",
+                     hypothesis="the attention kernel computes the reference's attention",
+                     metrics={"cases_passed": len(compared),
+                              "cases_skipped": sum(f.status == "skip" for f in res.findings), "dtype": dtype},
+                     explanation=f"{len(compared)} cases within the {dtype} budget (float32: the any-order "
+                                 "rounding bound; half precision: 4x the noise floor)")]
+
+
+def h_symptom_bisection(s: Session) -> list[Finding]:
+    """Black-box probes of the endpoint (checks/probes.py), against the reference when --gguf is given."""
+    from ..checks.probes import probe
+
+    rep = probe(s.inputs.endpoint, gguf=s.inputs.gguf, seed=s.inputs.seed, progress=s.progress)
+    if rep.verdict == "inconclusive" and not any(f.status == "fail" for f in rep.findings):
+        raise Skip(f"the endpoint probes were inconclusive: {', '.join(rep.symptoms) or 'no evidence'}")
+    out = []
+    for f in rep.findings:
+        f.target = f"{f.check}: {f.target}"
+        f.check = "symptom-bisection"
+        f.confidence = f.confidence or "medium"
+        out.append(f)
+    return out

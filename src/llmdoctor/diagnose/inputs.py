@@ -1,0 +1,78 @@
+"""What a diagnosis is asked to examine, and the policy that turns command-line options into it, in one
+place: what `--gguf`, `--hf`, `--prompt`, `--token-ids` and the engine default mean."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from ..errors import InputError
+from ..subjects.engines.base import resolve
+
+# A fixed, varied English prompt (counting included: the seed's first symptom).
+DEFAULT_PROMPT = (
+    "The quick brown fox jumps over the lazy dog. Counting: 1 2 3 4 5 6 7 8 9 10 11 12. "
+    "Paris is the capital of France, and Berlin is the capital of"
+)
+
+
+@dataclass
+class Inputs:
+    gguf: Path | None = None
+    hf: Path | None = None
+    endpoint: str | None = None
+    engine: str | None = None
+    engine_gguf: Path | None = None  # the file the engine loads when it differs from --gguf (demo faults)
+    engine_hf: Path | None = None  # the checkpoint the engine loads when it differs from --hf (planted faults)
+    engine_dtype: str | None = None
+    manifest: Path | None = None  # a manifest of a known-good copy (llmdoctor manifest): compared in file-integrity
+    engine_python: str | None = None  # the deployment's interpreter for engines run in their own environment (vLLM)
+    dequant_kernel: str | None = None
+    attention_impl: str | None = None
+    attention_contract: str | None = None
+    prompt: str = DEFAULT_PROMPT
+    token_ids: list[int] | None = None  # instead of the prompt (models without a tokenizer)
+    seed: int = 0
+    threads: int | None = None
+
+    @classmethod
+    def from_options(cls, *, gguf: Path | None, hf: Path | None, endpoint: str | None, engine: str | None,
+                     prompt: str | None, token_ids: str | None, default_gguf: Callable[[], Path], **rest) -> "Inputs":
+        """The command line's options as a diagnosis. Paths are taken relative to the caller's directory
+        and made absolute (an engine in a child process runs elsewhere). The rules:
+        - `--prompt` or `--token-ids`, not both; neither: the built-in prompt.
+        - the reference reads `--gguf`; without it an HF checkpoint given with `--hf` (config.json and
+          safetensors); with neither, the demo model (`default_gguf()`).
+        - the engine: `--engine`; none named and nothing else to examine: the demo deployment, the GGUF in
+          llama.cpp; a checkpoint alone: transformers, the in-process engine that runs safetensors.
+        """
+        from ..reference.checkpoint import is_checkpoint
+        from ..reference.hf_tokenizer import parse_token_ids
+        from ..subjects.engines import DEFAULT_FOR_CHECKPOINT, DEFAULT_FOR_GGUF, engine_class
+
+        gguf, hf = resolve(gguf), resolve(hf)
+        if gguf is not None and not gguf.is_file():
+            raise InputError(f"{gguf}: no such file")
+        if engine is not None:
+            engine_class(engine)  # an unknown name is bad input, before any work
+        if prompt and token_ids is not None:
+            raise InputError("--prompt and --token-ids: give one")
+        if gguf is None and hf is not None and hf.is_dir() and not is_checkpoint(hf):
+            raise InputError(f"{hf}: no config.json with *.safetensors: without --gguf, the reference runs from an "
+                             "HF checkpoint's safetensors")
+        inputs = cls(gguf=gguf, hf=hf, endpoint=endpoint, engine=engine, **rest)
+        for name in ("manifest", "engine_gguf", "engine_hf"):
+            setattr(inputs, name, resolve(getattr(inputs, name)))
+        if prompt:
+            inputs.prompt = prompt
+        if token_ids is not None:
+            inputs.token_ids = parse_token_ids(token_ids)
+        if inputs.gguf is None and not (hf is not None and is_checkpoint(hf)):
+            inputs.gguf = default_gguf()
+        examined = (engine, endpoint, inputs.dequant_kernel, inputs.attention_impl)
+        if not any((*examined, hf)):
+            inputs.engine = DEFAULT_FOR_GGUF  # the demo deployment: the file in the built-in engine
+        elif not any((*examined, gguf)):
+            inputs.engine = DEFAULT_FOR_CHECKPOINT  # a checkpoint alone: the engine that runs safetensors
+        return inputs

@@ -1,0 +1,172 @@
+"""The one engine interface: what every engine under test (llama.cpp, transformers, vLLM, an endpoint)
+does for a diagnosis, in the order a user's request meets it.
+
+How to add an engine: subclass `Engine` in a module of this folder, set `name`, `title`,
+`distribution` and `traits`, implement `run` (and `tokenize` / `generate` / `describe` / the vLLM-only queries where the
+engine offers them), and add one line to `REGISTRY` in `__init__.py`. Nothing outside this folder
+names an engine: diagnose and the checks ask the registry for the class and the class for its traits.
+
+    tokenize(text)          the token ids the deployment itself makes of `text` (its tokenizer, its
+                            add-special rules)
+    run(tokens, config)     teacher-forced: every position's full next-token distribution [T, V] and
+                            the captures, already under the reference's point names and layout
+                            (`config` is the reference's ModelConfig: what the layout follows)
+    generate(tokens, n)     greedy decoding through the engine's own decode path
+    describe()              versions, device, dtype, backends: the engine's account of itself
+    noise_budget(ran)       which reference run emulates this engine's arithmetic (its noise)
+
+A method an engine cannot offer raises `NotOffered(reason)`; callers turn it into "skipped: reason".
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar
+
+import numpy as np
+
+
+class EngineError(RuntimeError):
+    """The engine could not run (load failure, decode error, ABI mismatch, a crash in its child)."""
+
+
+class EngineUnavailable(EngineError):
+    """The engine is not usable here at all (not installed, no interpreter that imports it)."""
+
+
+class NotOffered(EngineError):
+    """This engine does not offer that method here; the message is why (shown as "skipped: why")."""
+
+
+@dataclass
+class EngineRun:
+    """One teacher-forced forward pass: logits [T, V] (row p: the distribution of the token after
+    position p; log-probabilities where the engine gives only those) and captures [T, ...] under the
+    reference's point names, in the reference's layout."""
+
+    logits: np.ndarray
+    captures: dict[str, np.ndarray] = field(default_factory=dict)
+    node_names: list[str] = field(default_factory=list)  # every node name the engine showed, in order
+    info: dict = field(default_factory=dict)  # the engine's account of this run (describe() + run details)
+
+
+@dataclass(frozen=True)
+class Deployment:
+    """What the engine is asked to run: its model (a GGUF file or an HF checkpoint directory), in which
+    precision and interpreter. Paths are absolute (resolved against the caller's directory)."""
+
+    model: Path | None = None  # None: a query that needs no model (a backend selection for a bare shape)
+    url: str | None = None  # an endpoint's base URL
+    hf: Path | None = None  # an HF checkpoint beside a GGUF: what an engine may run when it cannot run the GGUF
+    dtype: str | None = None  # float32 | float16 | bfloat16; None: the engine's default
+    python: str | None = None  # the deployment's own interpreter (engines in their own environment)
+    threads: int | None = None
+    dequant_kernel: str | None = None  # the GGUF dequant kernel the deployment loads weights with
+
+    @property
+    def is_gguf(self) -> bool:
+        return self.model is not None and not self.model.is_dir()  # a GGUF is a file (a split set: its first shard), a checkpoint a folder
+
+
+@dataclass(frozen=True)
+class Budget:
+    """The reference run that emulates an engine's arithmetic (`Session.reference(dtype, emulate)`) and
+    the words the report uses for it."""
+
+    dtype: str
+    emulate: str | None
+    words: str
+
+
+@dataclass(frozen=True)
+class Traits:
+    formats: frozenset[str]  # "gguf", "hf": what model formats it loads
+    dequant_kernel: str | None  # its built-in GGUF dequant kernel as `check dequant --kernel` names it
+    captures: str  # what it exposes of its activations, in words
+    noise: str  # how its noise budget is emulated, in words
+    in_process: bool = True  # selectable with --engine (an endpoint is reached with --endpoint)
+    selects_backends: bool = False  # chooses attention backends at run time (vLLM)
+    quantized_indexer: bool = True  # loads a GGUF whose DSA indexer weights are quantized
+
+
+class Engine:
+    """Base of every engine adapter; see the module docstring for the contract."""
+
+    name: ClassVar[str]  # as --engine and the registry name it
+    title: ClassVar[str]  # as people write it ("vLLM")
+    distribution: ClassVar[str]  # the Python distribution whose version identifies it (env block)
+    traits: ClassVar[Traits]
+
+    def __init__(self, deployment: Deployment):
+        self.deployment = deployment
+
+    def cannot_run(self) -> str | None:
+        """Why this engine cannot run the deployment's model at all (None: it may try)."""
+        if self.deployment.model is None:
+            return f"{self.name}: no model given"
+        fmt = "gguf" if self.deployment.is_gguf else "hf"
+        if fmt not in self.traits.formats:
+            what = {"gguf": "GGUF files", "hf": "HF checkpoints"}
+            return f"{self.name} runs {' and '.join(what[f] for f in sorted(self.traits.formats))} only: " \
+                   f"{self.deployment.model} is {'a GGUF file' if fmt == 'gguf' else 'not a GGUF file'}"
+        return None
+
+    def run(self, tokens: list[int], config: Any) -> EngineRun:
+        raise NotImplementedError
+
+    def tokenize(self, text: str) -> list[int]:
+        raise NotOffered(f"{self.name}: tokenizing text as the deployment does is not offered yet")
+
+    def generate(self, tokens: list[int], n: int) -> list[int]:
+        raise NotOffered(f"{self.name}: greedy generation through the decode path is not offered yet")
+
+    def describe(self) -> dict[str, Any]:
+        """Versions, device, dtype: what the engine is, before it runs (run's info adds what it built)."""
+        model = self.deployment.model
+        return {"engine": self.name, "model": None if model is None else os.fspath(model), "dtype": self.deployment.dtype}
+
+    def noise_budget(self, ran: EngineRun) -> Budget:
+        """Default: an engine whose float32 kernels sum in other orders than the reference's torch ops
+        differs from the float32 reference by another draw of float32 rounding, whose size is the float32
+        reference's own distance from float64 arithmetic; in another dtype, the reference in that dtype."""
+        dtype = torch_dtype_name(str(ran.info.get("dtype") or self.deployment.dtype or "float32"))
+        if dtype == "float32":
+            return Budget("float64", None, "float32 precision")
+        return Budget(dtype, None, f"{dtype} precision")
+
+    # ---- queries only some engines answer -----------------------------------------------------------
+    def explain_backends(self) -> dict[str, Any]:
+        """The engine's own attention-backend selection for this model (engines that select at run time)."""
+        raise NotOffered(f"only engines that select attention backends at run time do; {self.name} does not")
+
+    def select_backend(self, head_size: int, dtype: str, *, use_mla: bool, use_sparse: bool) -> dict[str, Any]:
+        """The engine's own attention-backend selection for a bare attention shape (no model)."""
+        raise NotOffered(f"only engines that select attention backends at run time do; {self.name} does not")
+
+    def piece_reader(self):
+        """The engine's rendering of single tokens of the model's vocab: `reader(token_id, special) -> bytes`,
+        with `close()` (the tokenizer front-end audit's decode parity)."""
+        raise NotOffered(f"{self.name} renders no single tokens here")
+
+    def gguf_name_map(self, hf_config: dict[str, Any]) -> dict[str, Any]:
+        """The engine's own GGUF->HF tensor name map for `hf_config`."""
+        raise NotOffered(f"{self.name} exposes no GGUF name map of its own")
+
+
+def torch_dtype_name(name: str) -> str:
+    """A dtype as torch names it; an InputError for anything but float32/16, bfloat16, float64."""
+    from ...errors import InputError
+
+    aliases = {"fp16": "float16", "half": "float16", "bf16": "bfloat16", "fp32": "float32", "float": "float32"}
+    name = aliases.get(name.lower(), name.lower())
+    if name not in ("float32", "float16", "bfloat16", "float64"):
+        raise InputError(f"--engine-dtype {name!r}: expected float32, float16 or bfloat16")
+    return name
+
+
+def resolve(path: str | os.PathLike | None) -> Path | None:
+    """A path option as the caller meant it: relative to the caller's directory, made absolute (an engine
+    in a child process runs elsewhere; a relative `--hf` was read there as a hub repo id)."""
+    return None if path is None else Path(os.path.abspath(os.path.expanduser(os.fspath(path))))

@@ -1,0 +1,56 @@
+"""A live OpenAI-compatible endpoint as an engine, as far as HTTP allows: it tokenizes through the
+server's tokenize route and generates greedily; it offers no full next-token distributions and no
+activations (`run` is not offered: `probe` compares the top log-probs it returns)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..endpoint import Endpoint
+from .base import Engine, EngineRun, NotOffered, Traits
+
+
+class EndpointEngine(Engine):
+    name = "endpoint"
+    title = "the endpoint"
+    distribution = "httpx"
+    traits = Traits(formats=frozenset(), dequant_kernel=None, captures="none (HTTP shows no activations)",
+                    noise="none: judged by the probes' own repeat and batch controls", in_process=False)
+
+    def __init__(self, deployment):
+        super().__init__(deployment)
+        self._client: Endpoint | None = None
+
+    def client(self) -> Endpoint:
+        if self._client is None:
+            if not self.deployment.url:
+                raise NotOffered("endpoint: no URL (--endpoint)")
+            self._client = Endpoint(self.deployment.url)
+            self._client.resolve_model()
+        return self._client
+
+    def cannot_run(self) -> str | None:
+        return None if self.deployment.url else "endpoint: no URL (--endpoint)"
+
+    def run(self, tokens: list[int], config: Any = None) -> EngineRun:
+        raise NotOffered("an endpoint returns top log-probs only, not every position's full distribution, and no "
+                         "activations (`probe` compares what it returns)")
+
+    def tokenize(self, text: str) -> list[int]:
+        got = self.client().tokenize(text)
+        if got is None:
+            raise NotOffered(f"{self.deployment.url} has no tokenize route llmdoctor knows")
+        return got[0]
+
+    def generate(self, tokens: list[int], n: int) -> list[int]:
+        out = self.client().complete(tokens, max_tokens=n, logprobs=1)  # a completion prompt may be token ids
+        if out.token_ids is None:
+            raise NotOffered(f"{self.deployment.url} names generated tokens by text only, not by id")
+        return list(out.token_ids)
+
+    def describe(self) -> dict[str, Any]:
+        return {"engine": self.name, "url": self.deployment.url, "model": self.client().model}
+
+    def close(self) -> None:
+        if self._client is not None:
+            self._client.close()
