@@ -3,7 +3,8 @@ src/llmdoctor is parsed with ast, its package-internal imports (module level and
 modules named by string: a registry's list, a child process's "module:function") make a graph, and
 
 - every edge runs down the layer table below (or stays inside one layer),
-- the graph has no cycle but those through the registries listed in REGISTRIES,
+- the graph has no cycle but those through the registries listed in REGISTRIES (issue 21 cut the
+  others: gguf reader <-> split, reference forward <-> checkpoint, subjects kernels <-> engines.vllm),
 - an engine's driver (run by the deployment's interpreter, where llmdoctor is not installed) imports
   nothing of the package.
 
@@ -11,10 +12,10 @@ The layer table, lowest first; a module may import its own layer, any lower laye
 
     base       llmdoctor/__init__, errors, hf_config, native, file_digest, demo: leaves that import only
                each other (asserted), so whoever imports them cannot close a cycle or reach upward.
-               errors is every layer's error type, hf_config the config.json reader that gguf/layout.py
-               and reference/ share, native the C-extension loader of gguf/ and checks/, file_digest
-               the file hash report/ and checks/ share, demo the default model path every command
-               and the demo faults use.
+               errors is every layer's error type, hf_config the config.json reader gguf/layout.py,
+               reference/ and checks/ share, native the C-extension loader of gguf/ and checks/,
+               file_digest a file's cached sha256 (the envelope's provenance today; any check of a
+               file may want it), demo the default model path of every command and the demo faults.
     gguf       the file: read, decode, layouts.
     reference  the truth: never imports subjects/ (DESIGN), nor anything above.
     subjects   the suspects: may use the reference (e.g. its config to build an engine's model).
@@ -54,12 +55,6 @@ REGISTRIES = {
     "reference.config": "reference.arch_",
     # faults/__init__.py `_MODULES`: the one registry of planted faults, each module `register`s into it
     "faults": "faults.",
-}
-# Circles that are not registries and are still to be cut. Each must still close a cycle (else the
-# entry is stale and must go).
-TEMPORARY = {
-    # issue 21: the lead removes it with the engine interface (subjects/engines/)
-    ("subjects.kernels", "subjects.engines.vllm"),
 }
 
 
@@ -162,9 +157,8 @@ def _registry_edge(a: str, b: str) -> bool:
     return member is not None and b.startswith(member)
 
 
-def cycles(graph: dict[str, set[str]], skip: set[tuple[str, str]] = frozenset()) -> list[list[str]]:
-    """The strongly connected components of more than one module (Tarjan), edges in `skip` and
-    registry edges left out."""
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan), registry edges left out."""
     index: dict[str, int] = {}
     low: dict[str, int] = {}
     stack: list[str] = []
@@ -176,7 +170,7 @@ def cycles(graph: dict[str, set[str]], skip: set[tuple[str, str]] = frozenset())
         stack.append(v)
         on.add(v)
         for w in sorted(graph.get(v, ())):
-            if (v, w) in skip or _registry_edge(v, w):
+            if _registry_edge(v, w):
                 continue
             if w not in index:
                 visit(w)
@@ -200,18 +194,6 @@ def cycles(graph: dict[str, set[str]], skip: set[tuple[str, str]] = frozenset())
     return found
 
 
-def _reaches(graph: dict[str, set[str]], start: str, goal: str) -> bool:
-    seen, todo = set(), [start]
-    while todo:
-        v = todo.pop()
-        if v == goal:
-            return True
-        if v not in seen:
-            seen.add(v)
-            todo.extend(graph.get(v, ()))
-    return False
-
-
 # ---- the tests -------------------------------------------------------------------------------------
 
 def test_layers_run_one_way():
@@ -221,13 +203,11 @@ def test_layers_run_one_way():
 
 
 def test_no_cycles_but_registries():
-    """No import cycle except through a registry (REGISTRIES) or a listed circle still to be cut."""
+    """No import cycle except through a registry (REGISTRIES)."""
     graph = import_graph(SRC)
-    assert cycles(graph, TEMPORARY) == []
+    assert cycles(graph) == []
     for loader, member in REGISTRIES.items():  # a registry that no longer loads anything is stale
         assert any(b.startswith(member) for b in graph[loader]), f"REGISTRIES[{loader!r}] loads nothing"
-    for a, b in TEMPORARY:  # a circle that was cut must leave the list
-        assert b in graph[a] and _reaches(graph, b, a), f"{a} <-> {b} is no longer a circle: remove it from TEMPORARY"
 
 
 def test_engine_drivers_import_nothing_of_ours():
@@ -290,7 +270,6 @@ def test_the_rules_can_fail(tmp_path):
                  "errors_extra: not in a layer (add it to BASE or a layer of tests/test_architecture.py)"):
         assert want in bad, (want, bad)
     assert not any(line.startswith(("gguf.split", "subjects.kernels", "cli ")) for line in bad), bad
-    found = cycles(graph)
-    assert ["subjects.a", "subjects.b"] in found  # the planted circle
-    assert not any("faults" in c for c in found)  # faults <-> faults.sharding: the registry's own cycle
-    assert cycles(graph, {("subjects.a", "subjects.b")}) == [c for c in found if c != ["subjects.a", "subjects.b"]]
+    # the planted circles (checks.metrics names report.html in a string, report.html imports it back), and
+    # not faults <-> faults.sharding: the registry's own cycle
+    assert cycles(graph) == [["checks.metrics", "report.html"], ["subjects.a", "subjects.b"]]
