@@ -251,7 +251,8 @@ def test_diagnose_file_integrity_names_every_damaged_type(demo_every_kquant, tmp
     file-integrity, its explanation names a damaged tensor and its evidence all five."""
     src, targets = demo_every_kquant
     bad = faults.get("subblock-scales").build(src, tmp_path, tensor=targets, fraction=0.05)
-    r = CliRunner().invoke(app, ["diagnose", "--json", "--threads", "2", "--gguf", str(bad)])
+    r = CliRunner().invoke(app, ["diagnose", "--json", "--threads", "2", "--prompt", "The sky is",  # short: fast
+                                 "--gguf", str(bad)])
     doc = json.loads(r.stdout)
     assert doc["exit_code"] == 1, doc["verdict"]
     integrity = next(f for f in doc["findings"] if f["check"] == "file-integrity" and f["status"] == "fail")

@@ -112,51 +112,74 @@ void llmd_fx_codes16(const uint8_t *base, int64_t n, int64_t stride, const doubl
     state[0] = last; state[1] = sum; state[2] = jumps;
 }
 
-/* One block's extreme e (as a histogram index) or, where its codes are all zero, the zero count. */
-static inline void llmd_fx_tally(int e, int any, int64_t *hist, int64_t *zero) {
-    if (any) hist[e] += 1;
-    else *zero += 1;
-}
-
 /* The sub-block codes of n K-quant blocks (block i's packed codes at base + i * stride), in the packing
  * of `kind`: 2 Q2_K, 3 Q3_K, 4 Q4_K and Q5_K, 6 Q6_K (checks/forensics.py's SUBBLOCKS and
  * subblock_codes say where they sit and what they mean; this is the same unpacking). For family f (0 the
  * scales, 1 the mins of kinds 2 and 4) of each block: zero[f] += 1 where its codes are all zero, else
- * hist[f * 256 + e - lo] += 1 with e the block's largest code (kinds 2, 4) or smallest (3, 6) and lo
- * its type's smallest code (-128 for Q6_K's signed bytes, else 0). */
-void llmd_fx_subblocks(const uint8_t *base, int64_t n, int64_t stride, int kind, int64_t *hist, int64_t *zero) {
-    for (int64_t i = 0; i < n; i++) {
-        const uint8_t *p = base + i * stride;
-        int s = 0, m = 0, sa = 0;
-        if (kind == 2) { /* max of the low nibbles (scales) and of the high nibbles (mins) */
+ * hist[f * 256 + e] += 1 with e the block's largest code (kinds 2, 4) or smallest (3, 6), as an index
+ * (Q6_K's signed bytes + 128); and where pinned[f * 256 + e] is 0 and first[f] is -1, first[f] = i.
+ * One loop per packing, so that each is a straight run of byte operations. */
+#define LLMD_FX_TALLY(f, e, any, i)                                                           \
+    do {                                                                                      \
+        if (any) {                                                                            \
+            hist[(f) * 256 + (e)] += 1;                                                       \
+            if (!pinned[(f) * 256 + (e)] && first[f] < 0) first[f] = (i);                     \
+        } else {                                                                              \
+            zero[f] += 1;                                                                     \
+        }                                                                                     \
+    } while (0)
+
+LLMD_CLONES void llmd_fx_subblocks(const uint8_t *base, int64_t n, int64_t stride, int kind, const uint8_t *pinned,
+                       int64_t *hist, int64_t *zero, int64_t *first) {
+    if (kind == 2) { /* max of the low nibbles (scales) and of the high nibbles (mins) */
+        for (int64_t i = 0; i < n; i++) {
+            const uint8_t *p = base + i * stride;
+            int s = 0, m = 0;
             for (int j = 0; j < 16; j++) {
                 int a = p[j] & 15, b = p[j] >> 4;
-                s = a > s ? a : s; m = b > m ? b : m;
+                s = a > s ? a : s;
+                m = b > m ? b : m;
             }
-            llmd_fx_tally(s, s != 0, hist, zero);
-            llmd_fx_tally(m, m != 0, hist + 256, zero + 1);
-        } else if (kind == 4) { /* max of the 6-bit scales and of the 6-bit mins */
+            LLMD_FX_TALLY(0, s, s != 0, i);
+            LLMD_FX_TALLY(1, m, m != 0, i);
+        }
+    } else if (kind == 4) { /* max of the 6-bit scales and of the 6-bit mins */
+        for (int64_t i = 0; i < n; i++) {
+            const uint8_t *p = base + i * stride;
+            int s = 0, m = 0;
+            for (int j = 0; j < 4; j++) {
+                int a = p[j] & 63, b = p[j + 4] & 63;
+                int c = (p[j + 8] & 15) | ((p[j] >> 6) << 4), d = (p[j + 8] >> 4) | ((p[j + 4] >> 6) << 4);
+                a = a > c ? a : c;
+                b = b > d ? b : d;
+                s = a > s ? a : s;
+                m = b > m ? b : m;
+            }
+            LLMD_FX_TALLY(0, s, s != 0, i);
+            LLMD_FX_TALLY(1, m, m != 0, i);
+        }
+    } else if (kind == 3) { /* min of the 6-bit codes (stored with +32) */
+        for (int64_t i = 0; i < n; i++) {
+            const uint8_t *p = base + i * stride;
+            int s = 63, any = 0;
             for (int j = 0; j < 8; j++) {
-                int a = j < 4 ? p[j] & 63 : (p[j + 4] & 15) | ((p[j - 4] >> 6) << 4);
-                int b = j < 4 ? p[j + 4] & 63 : (p[j + 4] >> 4) | ((p[j] >> 6) << 4);
-                s = a > s ? a : s; m = b > m ? b : m;
+                int h = p[8 + j % 4] >> (2 * (j / 4)); /* code j's high bits, and code j + 8's at +4 */
+                int a = (p[j] & 15) | ((h & 3) << 4), b = (p[j] >> 4) | (((h >> 4) & 3) << 4);
+                a = a < b ? a : b;
+                s = a < s ? a : s;
+                any |= p[j] | p[8 + j % 4];
             }
-            llmd_fx_tally(s, s != 0, hist, zero);
-            llmd_fx_tally(m, m != 0, hist + 256, zero + 1);
-        } else if (kind == 3) { /* min of the 6-bit codes (stored with +32) */
-            s = 63;
+            LLMD_FX_TALLY(0, s, any != 0, i);
+        }
+    } else { /* 6: min of the signed bytes */
+        for (int64_t i = 0; i < n; i++) {
+            const int8_t *p = (const int8_t *)(base + i * stride);
+            int s = 127, any = 0;
             for (int j = 0; j < 16; j++) {
-                int a = (j < 8 ? p[j] & 15 : p[j - 8] >> 4) | (((p[8 + j % 4] >> (2 * (j / 4))) & 3) << 4);
-                s = a < s ? a : s; sa |= a;
+                s = p[j] < s ? p[j] : s;
+                any |= p[j];
             }
-            llmd_fx_tally(s, sa != 0, hist, zero);
-        } else { /* 6: min of the signed bytes */
-            s = 127;
-            for (int j = 0; j < 16; j++) {
-                int a = (int8_t)p[j];
-                s = a < s ? a : s; sa |= a;
-            }
-            llmd_fx_tally(s + 128, sa != 0, hist, zero);
+            LLMD_FX_TALLY(0, s + 128, any != 0, i);
         }
     }
 }

@@ -19,10 +19,10 @@ What the statistics can see (tests/test_forensics.py plants each): non-finite sc
 (absolute rule); block scales multiplied by noise (signs, the spread of |scale| in binades); a Q4_K tensor
 whose d and dmin were exchanged (dmin/d ratio, mean/RMS, RMS). Inside K-quant blocks, the sub-block
 scale and min codes are held to where llama.cpp's quantizer always puts the block's extreme sub-block
-(SUBBLOCKS, below; tests/test_forensics_subblocks.py plants changed code bytes). What they cannot
-see: two layers' tensors exchanged, or one tensor's rows permuted; every statistic here is invariant under both (a
-tensor's statistics move with it; a permutation of rows keeps every value). Those need a second copy:
-`diff`, `--manifest`, or `--hf`.
+(SUBBLOCKS, below; tests/test_forensics_subblocks.py plants changed code bytes).
+What they cannot see: two layers' tensors exchanged, or one tensor's rows permuted; every statistic
+here is invariant under both (a tensor's statistics move with it; a permutation of rows keeps every
+value). Those need a second copy: `diff`, `--manifest`, or `--hf`.
 """
 
 from __future__ import annotations
@@ -301,75 +301,74 @@ def subblock_codes(blocks: np.ndarray, qtype: QT) -> dict[str, np.ndarray]:
     return {"scales": sc.astype(np.int16), "mins": m.astype(np.int16)}
 
 
+_BINS = 256  # histogram bins per family: every code of a byte (Q6_K's signed ones shifted by 128)
+
+
 @functools.cache
-def _off_bins(fam: CodeFamily) -> np.ndarray:
-    """bool [hi - lo + 1]: the histogram bins of extremes off the pinned end."""
-    return ~np.isin(np.arange(fam.lo, fam.hi + 1), fam.pinned)
+def _pinned(layout: SubBlockLayout) -> np.ndarray:
+    """uint8 [2, _BINS]: 1 where a family's extreme (as a bin: code - lo) is where the quantizer pins it."""
+    out = np.zeros((2, _BINS), np.uint8)
+    for i, fam in enumerate(layout.families):
+        out[i, np.asarray(fam.pinned) - fam.lo] = 1
+    return out
 
 
-@dataclass
 class SubBlockStats:
     """Per code family of one K-quant tensor, streamed: a histogram of each block's extreme code (its
-    largest or smallest, CodeFamily.reduce) over blocks whose codes are not all zero, the number of
-    all-zero blocks (what the quantizer writes for a block of zeros), and the first block whose extreme
-    is not where the quantizer pins it."""
+    largest or smallest, CodeFamily.reduce; bin = code - lo) over blocks whose codes are not all zero,
+    the number of all-zero blocks (what the quantizer writes for a block of zeros), and the first block
+    whose extreme is not where the quantizer pins it. Counted in C where it is built (numpy's unpacking
+    costs several times the moment passes: bench/bench_forensics_subblocks.py), else with numpy."""
 
-    qtype: QT
-    blocks: int = 0
-    hist: dict[str, np.ndarray] = field(default_factory=dict)  # family -> int64 [hi - lo + 1]
-    zero: dict[str, int] = field(default_factory=dict)
-    first_off: dict[str, tuple[int, int]] = field(default_factory=dict)  # family -> (block, its extreme code)
+    def __init__(self, qtype: QT):
+        self.qtype, self.layout = qtype, SUBBLOCKS[qtype]
+        self.blocks = 0
+        self.hist = np.zeros((2, _BINS), np.int64)  # [family, bin]
+        self.zero = np.zeros(2, np.int64)
+        self.first_off: dict[str, tuple[int, int]] = {}  # family -> (block, its extreme code)
 
     def add(self, blocks: np.ndarray) -> None:
-        """blocks: consecutive raw blocks of the tensor, uint8 [n, type_size]. The counts in C where it is
-        built (numpy's unpacking costs about twice the moment passes); the first off block is then
-        located with numpy, once per family."""
-        lay = SUBBLOCKS[self.qtype]
+        """blocks: consecutive raw blocks of the tensor, uint8 [n, type_size]."""
+        lay, pinned = self.layout, _pinned(self.layout)
+        first = np.full(2, -1, np.int64)  # the chunk's first off block per family
         if _NATIVE is not None and blocks.flags.c_contiguous:
-            hist, zero = np.zeros((2, 256), np.int64), np.zeros(2, np.int64)
             _NATIVE.llmd_fx_subblocks(blocks.ctypes.data + lay.offset, blocks.shape[0], blocks.shape[1], lay.kind,
-                                      hist.ctypes.data, zero.ctypes.data)
-            counts = {f.name: (hist[i, :f.hi - f.lo + 1], int(zero[i])) for i, f in enumerate(lay.families)}
+                                      pinned.ctypes.data, self.hist.ctypes.data, self.zero.ctypes.data,
+                                      first.ctypes.data)
         else:
-            counts = {}
-        codes = None
-        for fam in lay.families:
-            if fam.name in counts:
-                h, z = counts[fam.name]
-            else:
-                codes = subblock_codes(blocks, self.qtype) if codes is None else codes
-                h, z = self._counts(fam, codes[fam.name])
-            self.hist[fam.name] = self.hist[fam.name] + h if fam.name in self.hist else h
-            self.zero[fam.name] = self.zero.get(fam.name, 0) + z
-            if fam.name not in self.first_off and h[_off_bins(fam)].any():
-                codes = subblock_codes(blocks, self.qtype) if codes is None else codes
-                ext = self._extreme(fam, codes[fam.name])
-                off = np.flatnonzero(codes[fam.name].any(1) & ~np.isin(ext, fam.pinned))[0]
-                self.first_off[fam.name] = (self.blocks + int(off), int(ext[off]))
+            codes = subblock_codes(blocks, self.qtype)
+            for i, fam in enumerate(lay.families):
+                c = codes[fam.name]  # [n, sub-blocks]
+                nonzero = c.any(1)
+                e = _extreme(fam, c)[nonzero] - fam.lo  # [n nonzero] bins
+                self.hist[i] += np.bincount(e, minlength=_BINS)
+                self.zero[i] += int((~nonzero).sum())
+                off = np.flatnonzero(nonzero)[pinned[i, e] == 0]
+                first[i] = off[0] if off.size else -1
+        for i, fam in enumerate(lay.families):
+            if first[i] >= 0 and fam.name not in self.first_off:
+                b = int(first[i])
+                code = int(_extreme(fam, subblock_codes(blocks[b:b + 1], self.qtype)[fam.name])[0])
+                self.first_off[fam.name] = (self.blocks + b, code)
         self.blocks += blocks.shape[0]
-
-    @staticmethod
-    def _extreme(fam: CodeFamily, codes: np.ndarray) -> np.ndarray:
-        return codes.max(1) if fam.reduce == "max" else codes.min(1)  # [n]
-
-    def _counts(self, fam: CodeFamily, codes: np.ndarray) -> tuple[np.ndarray, int]:
-        """(histogram of the extremes of blocks not all zero, number of all-zero blocks) of codes [n, k]."""
-        zero = ~codes.any(1)
-        h = np.bincount(self._extreme(fam, codes)[~zero] - fam.lo, minlength=fam.hi - fam.lo + 1)
-        return h, int(zero.sum())
 
     def summary(self) -> dict[str, Any]:
         out: dict[str, Any] = {"blocks": self.blocks}
-        for fam in SUBBLOCKS[self.qtype].families:
-            h = self.hist.get(fam.name, np.zeros(fam.hi - fam.lo + 1, np.int64))
-            codes = np.arange(fam.lo, fam.hi + 1)
+        pinned = _pinned(self.layout)
+        for i, fam in enumerate(self.layout.families):
+            h = self.hist[i]
             first = self.first_off.get(fam.name)
             out[fam.name] = {"reduce": fam.reduce, "pinned": list(fam.pinned), "every_path": fam.every_path,
-                             "zero_blocks": self.zero.get(fam.name, 0), "off_blocks": int(h[_off_bins(fam)].sum()),
-                             "extreme_codes": {int(c): int(n) for c, n in zip(codes, h) if n},
+                             "zero_blocks": int(self.zero[i]), "off_blocks": int(h[pinned[i] == 0].sum()),
+                             "extreme_codes": {int(b) + fam.lo: int(n) for b, n in enumerate(h) if n},
                              "first_off_block": None if first is None else first[0],
                              "first_off_code": None if first is None else first[1]}
         return out
+
+
+def _extreme(fam: CodeFamily, codes: np.ndarray) -> np.ndarray:
+    """Each block's extreme code: int [n] of codes [n, sub-blocks]."""
+    return codes.max(1) if fam.reduce == "max" else codes.min(1)
 
 
 @dataclass
@@ -452,7 +451,7 @@ def _load_native() -> ctypes.CDLL | None:
     lib.llmd_fx_codes16.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
                                     ctypes.c_void_p, ctypes.c_void_p]
     lib.llmd_fx_subblocks.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p,
-                                      ctypes.c_void_p]
+                                      ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
     lib.llmd_fx_scan.restype = lib.llmd_fx_central.restype = lib.llmd_fx_codes16.restype = None
     lib.llmd_fx_subblocks.restype = None
     return lib
@@ -832,7 +831,8 @@ def subblock_rules(stats: list[TensorStats], file: str | Path = "") -> dict[str,
     partial = [st for st in stats if st.subblocks and not all(
         f.every_path for f in SUBBLOCKS[QT[st.qtype]].families)]
     off = sum(any(st.subblocks[f.name]["off_blocks"] for f in SUBBLOCKS[QT[st.qtype]].families) for st in partial)
-    recorded = _imatrix_recorded(file) if partial else False
+    # the metadata is read only when it matters (some block off the end): a clean file is not reopened
+    recorded = _imatrix_recorded(file) if off else None
     marked = len(partial) >= MIN_SIBLINGS and off > len(partial) / 2
     exact = not (recorded or marked)
     for st in stats:
