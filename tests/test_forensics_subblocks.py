@@ -213,6 +213,23 @@ def test_importance_matrix_mark_turns_the_partial_rule_into_a_sibling_comparison
     assert "compared among siblings" in next(f for f in findings if f.target == "siblings").explanation
 
 
+def test_recorded_importance_matrix_turns_the_partial_rule_into_a_sibling_comparison(kquant_file, tmp_path):
+    """llama-quantize records its importance matrix (quantize.imatrix.*): then a Q4_K tensor off 63 is
+    not damage by itself (compared among siblings), while Q6_K stays exact."""
+    from gguf import GGUFValueType
+
+    from llmdoctor.faults.mapping import _rewrite
+
+    damaged = ("blk.2.q4_k.weight", "blk.2.q6_k.weight")
+    bad = faults.get("subblock-scales").build(kquant_file, tmp_path, tensor=damaged, fraction=0.25)
+    recorded = _rewrite(bad, tmp_path / "recorded.gguf", lambda *t: [t],
+                        {"quantize.imatrix.file": ("imatrix.dat", GGUFValueType.STRING)})
+    findings, stats = F.analyze(recorded)
+    assert _subblock_fails(findings) == ["blk.2.q6_k.weight"]
+    by = {s.name: s.subblocks for s in stats}
+    assert by["blk.2.q4_k.weight"]["scales"]["rule"] == "siblings" and by["blk.2.q4_k.weight"]["scales"]["off_blocks"]
+
+
 def test_demo_sub_blocks_all_pinned(demo_path):
     findings, stats = F.analyze(demo_path)
     k = [s for s in stats if s.subblocks]
