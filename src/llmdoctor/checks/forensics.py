@@ -575,12 +575,21 @@ class Accumulator:
 
     def add(self, blocks: np.ndarray | None, values: torch.Tensor | np.ndarray) -> None:
         """One chunk: its raw blocks (uint8 [n, type_size]; None for float types) and its dequantized
-        values (float32, n * block_size of them, in block order; a torch tensor on any device, or numpy)."""
+        values (float32, n * block_size of them, in block order; a torch tensor on any device, or numpy).
+        Its two halves (add_blocks, add_values) touch disjoint state: two threads may feed one each."""
         if blocks is not None:
-            for f in self.fields:
-                self.scales[f.name].add_blocks(blocks, f)
-            if self.subblocks is not None:
-                self.subblocks.add(blocks)
+            self.add_blocks(blocks)
+        self.add_values(values)
+
+    def add_blocks(self, blocks: np.ndarray) -> None:
+        """The raw blocks' half of add: block scales and sub-block codes."""
+        for f in self.fields:
+            self.scales[f.name].add_blocks(blocks, f)
+        if self.subblocks is not None:
+            self.subblocks.add(blocks)
+
+    def add_values(self, values: torch.Tensor | np.ndarray) -> None:
+        """The decoded values' half of add: finiteness, max |w|, moments."""
         v = torch.as_tensor(values).detach().reshape(-1)  # [n]
         if v.dtype != torch.float32 or not v.is_contiguous():
             v = v.to(torch.float32).contiguous()
@@ -912,7 +921,8 @@ def compare(stats: list[TensorStats], *, file: str | Path = "") -> list[Finding]
         if n == 0:
             out.append(Finding(CHECK, "gguf", "siblings", "skip", hypothesis=HYPOTHESIS,
                                reason=f"no tensor role has {MIN_SIBLINGS} or more layers to compare "
-                                      f"(only the absolute rules ran: {len(stats)} tensors finite)",
+                                      f"(only the absolute rules ran: {len(stats)} tensors finite; "
+                                      f"{_subblock_words(rules).rstrip('; ') or 'no K-quant tensor'})",
                                metrics=summary))
         else:
             out.append(Finding(CHECK, "gguf", "siblings", "pass", hypothesis=HYPOTHESIS, metrics=summary,
