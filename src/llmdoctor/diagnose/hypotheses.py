@@ -411,15 +411,88 @@ def h_layer_localization(s: Session) -> list[Finding]:
     swaps = substitutions(s, point)
     confirmed = [w for w in swaps if w["reproduces"]]
     return [_finding("layer-localization", s.inputs.engine, f"layer {layer}", "fail", confidence="high",
+    pattern = _error_pattern(s, point)
+    held = _held_weights(s, point)
                      hypothesis="every layer stays within the engine's noise",
                      metrics={"first_divergent_layer": layer, "point": point.point, "error": point.error,
                               "noise": point.noise, "limit": point.limit,
-                              "substitutions": swaps},
+                              "substitutions": swaps, "error_pattern": pattern.as_dict() if pattern else None,
+                              "engine_weights": held},
                      evidence=[p.as_dict() for p in curve if p.layer in (layer - 1, layer, layer + 1)],
                      explanation=f"first divergent layer {layer}: {point.point}-{layer} {off_by(point)}"
                                  + (f"; swapping {confirmed[0]['swap']} into the reference alone reproduces it"
                                     if confirmed else
-                                    ("; no single swap into the reference reproduces it" if swaps else "")))]
+                                    ("; no single swap into the reference reproduces it" if swaps else ""))
+                                 + (f"; its error: {pattern.words}" if pattern and pattern.kind != "none" else "")
+                                 + "".join(f"; the engine holds {w['tensor']} as {w['words']}"
+                                           + ("; swapped into the reference it reproduces the divergence"
+                                              if w.get("reproduces") else "")
+                                           for w in held.get("differ", [])[:2]))]
+
+
+def _held_weights(s: Session, point) -> dict[str, Any]:
+    """The divergent layer's weights as the engine holds them after its loader, against the file's mapped
+    into the engine's layout (gguf/layout.py): {"compared": n, "differ": [{tensor, kind, words, reproduces}]}
+    or {"skipped": why}. A differing tensor is confirmed by substitution: the reference run with the
+    engine's version of it (mapped back to the file's layout) reproduces the engine's divergence."""
+    from ..checks import metrics as M
+    from ..checks.weight_relation import relate
+    from ..gguf import layout
+    from ..reference import load
+    from ..subjects.engines.base import NotOffered
+
+    if s.inputs.gguf is None:
+        return {"skipped": "the reference reads the engine's own checkpoint"}
+    try:
+        held, config = s.engine().weights(point.layer)
+    except NotOffered as e:
+        return {"skipped": str(e)}
+    cfg, g = s.config(), s.gguf()
+    legacy_kv_b = cfg.mla is not None and g.has_tensor(f"blk.{point.layer}.attn_kv_b.weight")
+    plan = layout.plan(cfg.arch, list(held), config, split_kv_b=not legacy_kv_b)
+    weights = s.model().weights
+    # the engine's storage precision: bfloat16/float16 weights differ from the file's by their rounding
+    tol = {"bfloat16": 2.0**-8, "float16": 2.0**-11}.get(s.inputs.engine_dtype or "", 1e-6)
+    rules = [r for r in plan.rules if all(n in held for n in r.sources) and all(weights.has(t) for t in r.targets)]
+    want = layout.to_hf(layout.Plan(plan.arch, rules, [], {}), {t: weights.get(t) for r in rules for t in r.targets})
+    n_head = {"q_proj": cfg.n_head, "k_proj": cfg.n_head_kv}
+    differ = []
+    for name, w in want.items():
+        proj = name.split(".")[-2]
+        rel = relate(held[name], w.numpy(), tol=tol, n_head=n_head.get(proj) if cfg.arch == "llama" else None,
+                     others={o: v.numpy() for o, v in want.items() if o != name and v.shape == w.shape})
+        if rel is not None:
+            differ.append({"tensor": name, **rel})
+    name = f"{point.point}-{point.layer}"
+    _, ref_caps, _ = s.reference("float32")
+    for d in differ[:2]:  # confirm: the reference with the engine's version of that tensor
+        rule = next(r for r in rules if d["tensor"] in r.sources)
+        swapped = layout.to_gguf(layout.Plan(plan.arch, [rule], [], {}),
+                                 {src: torch.as_tensor(held[src]) for src in rule.sources})
+        s.progress(f"reference with the engine's {d['tensor']} swapped in")
+        with load(s.reference_path(), cache=True) as model:
+            for t, value in swapped.items():
+                model.weights.replace(t, value)
+            with s.pinned_threads():
+                _, caps = model.forward(s.tokens(), capture={name}, extra=s.reference_extra())
+        err = M.rel_l2(caps[name], ref_caps[name]) if name in caps else math.nan
+        d["reproduces"] = bool(math.isfinite(err) and err >= 0.5 * point.error)
+        d["swap_error"] = err
+    return {"compared": len(want), "differ": differ}
+
+
+def _error_pattern(s: Session, point):
+    """The spread of the engine's error at its first divergent point over positions, heads and channels
+    (checks/error_pattern.py), or None when that point is not finite or not in every run."""
+    from ..checks.error_pattern import error_pattern
+
+    name = f"{point.point}-{point.layer}"
+    engine, ref, emu = s.engine_run().captures, s.reference("float32")[1], s.budget_reference()[1]
+    if not math.isfinite(point.error) or not all(name in c for c in (engine, ref, emu)):
+        return None
+    # dense models rotate the first rope_dim channels of each q/k head (MLA's Qcur/Kcur put the rope part last)
+    rope = s.config().rope_dim if point.point in ("Qcur", "Kcur") and s.config().mla is None else None
+    return error_pattern(engine[name], ref[name], emu[name], rope_dim=rope)
 
 
 def substitutions(s: Session, point) -> list[dict[str, Any]]:

@@ -23,7 +23,7 @@ import torch
 from gguf import MODEL_TENSOR
 
 from ...errors import InputError
-from .base import Engine, EngineError, EngineRun, Traits
+from .base import Engine, EngineError, EngineRun, NotOffered, Traits
 
 def build(path: str | os.PathLike, dtype: torch.dtype = torch.float32, dequantizer=None):
     """(model, config) with the GGUF's weights in transformers' layout, in `dtype`, on the CPU.
@@ -204,6 +204,24 @@ class TransformersEngine(Engine):
     def run(self, tokens: list[int], config: Any = None) -> EngineRun:
         d = self.deployment
         return run(d.model, tokens, dtype=d.dtype or "float32", n_threads=d.threads, dequant_kernel=d.dequant_kernel)
+
+    def weights(self, layer: int) -> tuple[dict[str, Any], dict[str, Any]]:
+        """Layer `layer`'s parameters as the model built from the GGUF holds them (transformers 5's fused
+        expert parameters left out: a checkpoint names experts one by one)."""
+        from ...gguf import open_gguf
+        from ...reference.config import from_gguf
+        from ...reference.config_hf import hf_config
+
+        d = self.deployment
+        if not d.is_gguf:
+            raise NotOffered("transformers runs the HF checkpoint itself: the reference reads the same files")
+        model, _ = build(d.model, getattr(torch, d.dtype or "float32"))
+        with open_gguf(d.model) as g:
+            config = hf_config(from_gguf(g), g)
+        prefix = f"model.layers.{layer}."
+        held = {name: t.detach().float().numpy() for name, t in model.state_dict().items()
+                if name.startswith(prefix) and not name.endswith(("experts.gate_up_proj", "experts.down_proj"))}
+        return held, config
 
     def describe(self) -> dict[str, Any]:
         import transformers
