@@ -410,9 +410,9 @@ def h_layer_localization(s: Session) -> list[Finding]:
                                      f"at {worst.error / worst.limit:.2f} of its limit")]
     swaps = substitutions(s, point)
     confirmed = [w for w in swaps if w["reproduces"]]
-    return [_finding("layer-localization", s.inputs.engine, f"layer {layer}", "fail", confidence="high",
     pattern = _error_pattern(s, point)
     held = _held_weights(s, point)
+    return [_finding("layer-localization", s.inputs.engine, f"layer {layer}", "fail", confidence="high",
                      hypothesis="every layer stays within the engine's noise",
                      metrics={"first_divergent_layer": layer, "point": point.point, "error": point.error,
                               "noise": point.noise, "limit": point.limit,

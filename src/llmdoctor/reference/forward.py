@@ -102,17 +102,17 @@ class Weights:
     def has(self, name: str) -> bool:
         return name in self._names
 
-    def get(self, name: str) -> torch.Tensor:
-        w = self._cached.get(name)
-        if w is None:
-            t = self.g.tensor(name)
-            w = self.dequantize(t.data, t.type, t.shape, device=self.device).to(self.dtype)
     def replace(self, name: str, value: torch.Tensor) -> None:
         """Op substitution: from now on `name` is `value` (an engine's version of that tensor, in the file's
         layout), as if the file held it; its GGML type stays the file's (for an emulated run's rounding)."""
         w = value.to(device=self.device, dtype=self.dtype)
         self._cached[name] = self._remember(w, self.g.tensor(name).type)
 
+    def get(self, name: str) -> torch.Tensor:
+        w = self._cached.get(name)
+        if w is None:
+            t = self.g.tensor(name)
+            w = self.dequantize(t.data, t.type, t.shape, device=self.device).to(self.dtype)
             if self.cache:
                 self._cached[name] = w
             self._remember(w, t.type)
