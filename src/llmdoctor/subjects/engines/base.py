@@ -145,6 +145,11 @@ class Engine:
         """The engine's own attention-backend selection for a bare attention shape (no model)."""
         raise NotOffered(f"only engines that select attention backends at run time do; {self.name} does not")
 
+    def weights(self, layer: int) -> tuple[dict[str, Any], dict[str, Any]]:
+        """The weights of one layer as the engine holds them after its loader, under its own (HF checkpoint)
+        names and layout, and the config.json they follow: ({name: array}, config)."""
+        raise NotOffered(f"{self.name} does not expose the weights it loaded")
+
     def piece_reader(self):
         """The engine's rendering of single tokens of the model's vocab: `reader(token_id, special) -> bytes`,
         with `close()` (the tokenizer front-end audit's decode parity)."""
@@ -170,8 +175,3 @@ def resolve(path: str | os.PathLike | None) -> Path | None:
     """A path option as the caller meant it: relative to the caller's directory, made absolute (an engine
     in a child process runs elsewhere; a relative `--hf` was read there as a hub repo id)."""
     return None if path is None else Path(os.path.abspath(os.path.expanduser(os.fspath(path))))
-    def weights(self, layer: int) -> tuple[dict[str, Any], dict[str, Any]]:
-        """The weights of one layer as the engine holds them after its loader, under its own (HF checkpoint)
-        names and layout, and the config.json they follow: ({name: array}, config)."""
-        raise NotOffered(f"{self.name} does not expose the weights it loaded")
-
