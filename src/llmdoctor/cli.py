@@ -438,15 +438,15 @@ def check_attention(
         raise InputError(f"--timeout {timeout:g}: must be > 0")
     picked = [(impl, contract)] if impl else []
     if subjects is not None or impl is None:
-        picked += ca.builtin_subjects(subjects or "all", device)
+        picked += ca.builtin_subjects(subjects or "all", device, shape)
     if not picked:
         raise InputError(f"--subjects {subjects!r}: names no subject")
     if impl and not any(c.contract == contract for c in ca.cases(shape)):
         raise InputError(f"--contract {contract}: the {shape.name} shape has no {contract} cases "
                          f"(an MLA contract needs an MLA shape)")
     explicit = {f"{impl} ({contract})"} if impl else set()
-    if subjects not in (None, "all"):
-        explicit |= {s for s, _ in picked if s != impl}
+    if subjects not in (None, "all"):  # the names typed; a group's other members are implied, as by `all`
+        explicit |= {s for s, _ in picked if s != impl and s in {n.strip() for n in subjects.split(",")}}
     dtypes = tuple(d.strip() for d in dtype.split(",")) if dtype else ca.DTYPES
     only = {c.strip() for c in only_cases.split(",")} if only_cases else None
     if only is not None:

@@ -1005,15 +1005,19 @@ def run(shape: Shape, subjects: list[tuple[str, Optional[str]]], *, device: str 
     return res
 
 
-def builtin_subjects(names: str, device: str) -> list[tuple[str, Optional[str]]]:
-    """--subjects all | comma list of built-in names."""
+def builtin_subjects(names: str, device: str, shape: Optional[Shape] = None) -> list[tuple[str, Optional[str]]]:
+    """--subjects all | comma list of built-in names (a group name stands for its members). With `shape`,
+    a built-in whose contracts are fixed (vLLM's MLA kernels) is left out where the shape has none of them."""
     if names == "all":
-        return [(n, None) for n in subj.BUILTINS]
-    picked = [n.strip() for n in names.split(",") if n.strip()]
-    for n in picked:
-        if n not in subj.BUILTINS:
-            raise InputError(f"--subjects {n!r}: expected all or some of {', '.join(subj.BUILTINS)}")
-    return [(n, None) for n in picked]
+        picked = list(subj.BUILTINS)
+    else:
+        picked = []
+        for n in (n.strip() for n in names.split(",") if n.strip()):
+            if n not in subj.BUILTINS:
+                raise InputError(f"--subjects {n!r}: expected all or some of {', '.join(subj.BUILTINS)}")
+            picked += [m for m in subj.GROUPS.get(n, (n,)) if m not in picked]
+    has = None if shape is None else {c.contract for c in cases(shape)}
+    return [(n, None) for n in picked if has is None or n not in subj.VLLM_MLA or has & set(subj.VLLM_MLA[n])]
 
 
 def engine_explainer(shape: Shape, dtype: str) -> dict[str, Any]:

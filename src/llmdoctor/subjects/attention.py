@@ -13,7 +13,8 @@ softcap, out=) are passed only when a case needs them and the function's signatu
 
 Built-ins: torch SDPA with one backend forced (`sdpa-math`, `sdpa-flash`, `sdpa-efficient`,
 `sdpa-cudnn`), `flex` (flex_attention: eager on CPU, compiled on CUDA), and adapters for `flash-attn`,
-`flashinfer` and `vllm` that load only where those packages are installed. The adapters implement the
+`flashinfer`, `vllm` (its dense kernel) and vLLM's MLA kernels (`vllm-flashmla`, `vllm-flashattn-mla`,
+`vllm-triton-mla`; `--subjects vllm` names them all) that load only where those packages are installed. The adapters implement the
 contract's conventions themselves (gathering pages, the top-k set, the bottom-right mask) without the
 reference's code, so a shared mistake cannot hide. What each one cannot take (a head size, a mask) it
 reports as `Unsupported`: skipped with the reason, not failed.
@@ -43,7 +44,12 @@ CONTRACTS: dict[str, tuple[str, ...]] = {
 }
 SDPA_BACKENDS = {"sdpa-math": "MATH", "sdpa-flash": "FLASH_ATTENTION", "sdpa-efficient": "EFFICIENT_ATTENTION",
                  "sdpa-cudnn": "CUDNN_ATTENTION"}
-BUILTINS = (*SDPA_BACKENDS, "flex", "flash-attn", "flashinfer", "vllm")
+# vLLM's MLA kernels, one subject each, with the contracts each offers (subjects/engines/vllm.py mla_kernels)
+VLLM_MLA: dict[str, tuple[str, ...]] = {"vllm-flashmla": ("mla-decode", "mla-sparse-decode", "mla-sparse-prefill"),
+                                        "vllm-flashattn-mla": ("mla-decode",), "vllm-triton-mla": ("mla-decode",)}
+BUILTINS = (*SDPA_BACKENDS, "flex", "flash-attn", "flashinfer", "vllm", *VLLM_MLA)
+# a name that stands for several subjects (`--subjects vllm`: its dense kernel and its MLA kernels)
+GROUPS: dict[str, tuple[str, ...]] = {"vllm": ("vllm", *VLLM_MLA)}
 
 
 # ----------------------------------------------------------------------------- shared adapter pieces
@@ -299,9 +305,16 @@ def _vllm(device: str) -> dict[str, Callable]:
     return vllm.attention_kernels(device)
 
 
+def _vllm_mla(name: str, device: str) -> dict[str, Callable]:
+    from .engines import vllm
+
+    return vllm.mla_kernels(device, name.removeprefix("vllm-"))
+
+
 _LOADERS: dict[str, Callable[[str], dict[str, Callable]]] = {
     **{name: (lambda device, name=name: _sdpa(name, device)) for name in SDPA_BACKENDS},
     "flex": _flex, "flash-attn": _flash_attn, "flashinfer": _flashinfer, "vllm": _vllm,
+    **{name: (lambda device, name=name: _vllm_mla(name, device)) for name in VLLM_MLA},
 }
 
 

@@ -11,7 +11,8 @@ Built-ins: `reference` (gguf-py, the oracle), `torch` (llmdoctor.gguf.dequantize
 kernels), `native` (llmdoctor.gguf.dequantize as it runs on the CPU by default: the fused C kernels
 where a type has one, the torch kernels elsewhere; CPU only), `ggml` (the C
 `to_float` of the libggml shipped with llama-cpp-python, through ctypes, CPU only), `vllm`
-(`vllm._custom_ops.ggml_dequantize`, CUDA only).
+(the vllm-gguf-plugin's `ggml_dequantize`, or vLLM's in-tree one before the plugin; CUDA only; the
+types vLLM never dequantizes, F32/F16/BF16 among them, are skipped with the reason).
 """
 
 from __future__ import annotations
