@@ -91,3 +91,14 @@ def test_manifest_to_stdout_is_one_json_object(known_good):
     r = CliRunner().invoke(app, ["manifest", str(path)])
     assert r.exit_code == 0 and json.loads(r.stdout) == json.loads(m.read_text())
     assert MF.load(m)["schema"] == MF.SCHEMA
+
+
+def test_verify_manifest_out_is_the_manifest_commands(known_good, tmp_path):
+    """`verify --manifest-out` writes, from the hashes of its own pass, the document `manifest` writes."""
+    path, m = known_good
+    r = CliRunner().invoke(app, ["verify", str(path), "--manifest-out", str(tmp_path / "v.json"), "--json"])
+    assert r.exit_code == 0, r.output
+    assert (tmp_path / "v.json").read_text() == m.read_text()
+    doc = json.loads(m.read_text())
+    assert {t["name"]: t["sha256"] for t in json.loads(r.stdout)["tensors"]} == \
+           {n: t["sha256"] for n, t in doc["tensors"].items()}

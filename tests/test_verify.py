@@ -138,3 +138,34 @@ def test_progress_counts_bytes_to_the_total(subset):
     res = V.run(subset, progress=lambda done, total, name: seen.append((done, total)))
     assert seen and all(t == res.bytes for _, t in seen) and seen[-1][0] == res.bytes
     assert all(a <= b for (a, _), (b, _) in zip(seen, seen[1:]))
+
+
+def test_small_ring_gives_the_same_report(subset, monkeypatch):
+    """Reads of one piece into a ring of 3 buffers (each tensor in many chunks, buffers reused many
+    times): the same per-tensor reports and statistics as the default ring, to the bit."""
+    want = V.run(subset)
+    monkeypatch.setattr(V, "READ_BYTES", {"cpu": 1, "cuda": 1})  # one CHUNK_VALUES piece per chunk
+    monkeypatch.setattr(V, "RING_BYTES", 3)
+    got = V.run(subset)
+    assert [t.__dict__ for t in got.tensors] == [t.__dict__ for t in want.tensors]
+    assert [f.__dict__ for f in got.findings] == [f.__dict__ for f in want.findings]
+
+
+def test_a_worker_error_ends_the_pass(subset, monkeypatch):
+    """An exception on a worker thread is raised by run, without a hang, and every buffer is let go."""
+    from llmdoctor.gguf import dequant
+
+    real = dequant.dequantize
+    with open_gguf(subset) as g:
+        bad_type = int(g.tensor(BAD).type)
+
+    def broken(raw, qtype, *a, **kw):
+        if int(qtype) == bad_type:
+            raise RuntimeError("planted decoder failure")
+        return real(raw, qtype, *a, **kw)
+
+    monkeypatch.setattr(dequant, "dequantize", broken)
+    monkeypatch.setattr(V, "READ_BYTES", {"cpu": 1, "cuda": 1})
+    monkeypatch.setattr(V, "RING_BYTES", 2)
+    with pytest.raises(RuntimeError, match="planted decoder failure"):
+        V.run(subset)

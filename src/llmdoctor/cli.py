@@ -510,6 +510,8 @@ def verify(
     device: str = typer.Option("cpu", "--device", help="cpu or cuda: where the blocks are decoded."),
     manifest: Optional[Path] = typer.Option(None, "--manifest", help="Also name every tensor and key that differs "
                                             "from this manifest (llmdoctor manifest)."),
+    manifest_out: Optional[Path] = typer.Option(None, "--manifest-out", help="Also write the file's manifest "
+                                                "(as llmdoctor manifest does) from this pass's reads."),
     gpus: Optional[int] = typer.Option(None, "--gpus", help="Spread the tensors over N ranks (one per GPU with "
                                        "--device cuda, N processes on the CPU), gathered into one report."),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object on stdout."),
@@ -525,24 +527,30 @@ def verify(
         from .checks.manifest import load
 
         load(manifest)  # a bad manifest is bad input, found before the pass
+    check_writable(manifest_out)
+    write = manifest_out is not None
     bar, step = _byte_progress("verify")
     try:
         with bar:
             if gpus is None:
-                res = V.run(path, device=device, progress=step, manifest=manifest)
+                res = V.run(path, device=device, progress=step, manifest=manifest, write_manifest=write)
             else:  # torch.distributed: NCCL on GPUs, gloo on the CPU; each rank verifies its share
                 from .checks import verify_ranks
 
-                res = verify_ranks.run(path, gpus, device=device, manifest=manifest)
+                res = verify_ranks.run(path, gpus, device=device, manifest=manifest, write_manifest=write)
     except KeyboardInterrupt:
         terminal.error_line("interrupted: nothing was written")
         raise typer.Exit(130) from None
     code = exit_code(res.findings)
     verdict = verdict_word("verify", code)
-    # file=None: the envelope would hash the whole file once more; the per-tensor hashes are `manifest`'s job
+    # file=None: the envelope would hash the whole file once more; per-tensor hashes: --manifest-out (same pass)
     doc = envelope("verify", argv=sys.argv[1:], verdict=verdict, exit_code=code, findings=res.findings,
                    model={"path": str(path), "shards": res.shards}, totals=res.totals(),
                    tensors=[t.__dict__ for t in res.tensors], ranks=gpus or 1)
+    if res.manifest is not None:
+        write_atomic(manifest_out, dumps(res.manifest))
+        terminal.stderr.print(f"{manifest_out}: {len(res.manifest['tensors'])} tensors, "
+                              f"{len(res.manifest['metadata'])} metadata keys")
     emit(doc, json_out, json_path, sarif_path)
     if not json_out:
         terminal.findings_table([f for f in res.findings if f.status != "pass"],

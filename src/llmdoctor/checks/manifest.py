@@ -1,7 +1,8 @@
 """Manifests: per-tensor sha256 and per-key metadata digests, written once from a known-good copy.
 
-`llmdoctor manifest FILE --out m.json` writes one; `verify FILE --manifest m.json` and
-`diagnose --manifest m.json` name every tensor and key of FILE that differs from it.
+`llmdoctor manifest FILE --out m.json` writes one (so does `verify FILE --manifest-out m.json`, from
+the hashes of its own pass: the same document, one read of the file for both); `verify FILE
+--manifest m.json` and `diagnose --manifest m.json` name every tensor and key of FILE that differs from it.
 
 What is hashed: a tensor's bytes exactly as stored; a metadata value in its canonical encoding (the
 value type, then the value as GGUF stores it in little-endian order, so the digest does not depend on
@@ -96,12 +97,15 @@ def hash_tensors(g: GGUFFile, progress: Callable[[int, int, str], None] = lambda
     return {t.name: out[t.name] for t in g.tensors}
 
 
-def build(g: GGUFFile, progress: Callable[[int, int, str], None] = lambda done, total, name: None) -> dict[str, Any]:
+def build(g: GGUFFile, progress: Callable[[int, int, str], None] = lambda done, total, name: None,
+          hashes: dict[str, str] | None = None) -> dict[str, Any]:
+    """The manifest of `g`; `hashes`: its tensors' sha256 already computed (verify's pass), else hashed here."""
     keys = model_keys(g)
     meta = {k: {"type": f.type.name if f.element_type is None else f"{f.type.name}[{f.element_type.name}]",
                 "sha256": value_digest(f), "value": short_value(f.value)} for k, f in keys.items()}
     digest = hashlib.sha256("".join(f"{k}\0{meta[k]['sha256']}\n" for k in sorted(meta)).encode()).hexdigest()
-    hashes = hash_tensors(g, progress)
+    if hashes is None:
+        hashes = hash_tensors(g, progress)
     return {
         "schema": SCHEMA,
         "architecture": g.architecture,
@@ -128,10 +132,12 @@ def _f(target: str, status: str, explanation: str, **kw: Any) -> Finding:
 
 
 def compare(g: GGUFFile, manifest: Path | dict[str, Any],
-            progress: Callable[[int, int, str], None] = lambda done, total, name: None) -> list[Finding]:
-    """One failed finding per tensor or key of `g` that differs from the manifest; one pass when none."""
+            progress: Callable[[int, int, str], None] = lambda done, total, name: None,
+            built: dict[str, Any] | None = None) -> list[Finding]:
+    """One failed finding per tensor or key of `g` that differs from the manifest; one pass when none.
+    `built`: g's own manifest where it is already made (verify's pass), else built here."""
     want = manifest if isinstance(manifest, dict) else load(manifest)
-    got = build(g, progress)
+    got = build(g, progress) if built is None else built
     out = []
     for k in sorted(set(want["metadata"]) | set(got["metadata"])):
         a, b = want["metadata"].get(k), got["metadata"].get(k)

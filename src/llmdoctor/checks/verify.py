@@ -1,36 +1,48 @@
 """`llmdoctor verify`: every block of every tensor decoded once (no sampling), at the disk's speed.
 
-One pass over the file, tensor by tensor in file order (shard by shard for a split model):
-- CPU: the bytes are read through the file mapping, with MADV_WILLNEED read-ahead advice a window
-  ahead of the decoder (so the disk works while the cores decode); each tensor is decoded by the
-  native kernels (all cores, `dequant.py`) chunk by chunk into one output buffer reused for every
-  tensor, and each chunk is checked while it is still in the cache.
-- CUDA: a reader thread fills pinned host buffers (two: while one is copied to the GPU and decoded by
-  the Triton kernels, the next one is read: double buffering), the checks run on the GPU.
+One pass over the file, tensor by tensor in file order (shard by shard for a split model), in three
+parts that run at once:
+- reading: reader threads pread the file's chunks, in file order, into a ring of reusable buffers
+  (1 GiB in all; pinned host memory for CUDA). The file mapping is not touched, so the process holds
+  the ring and nothing of the file however large it is (a mapped page, once touched, stays in the
+  process's resident set until unmapped: 31.9 GB max RSS for a 32 GB file, issue 23); the page cache
+  is the kernel's and is not the process's memory.
+- per-tensor work on worker threads (one per core): every chunk of one tensor goes to the same
+  worker, in file order, so its statistics and sha256 are those of one sequential pass while
+  different tensors are worked on at once. CPU: the worker decodes the chunk (the native kernels, one
+  thread each) CHUNK_VALUES values at a time into its own buffer, checks each piece while it is in the
+  cache and feeds it to the forensics accumulator; CUDA: the worker gathers the raw blocks'
+  statistics (block scales, sub-block codes) on the host. With a manifest asked for, the worker also
+  feeds the chunk to the tensor's sha256 (hashlib releases the GIL), so that one read gives
+  integrity, forensics and a manifest.
+- CUDA: this thread copies each chunk to the GPU (its own stream), decodes it with the Triton kernels,
+  checks it and gathers the decoded values' statistics there.
 
-Per chunk: its sum (finite <=> every value finite, but for an overflow, which the exact test then
-settles); only a chunk that holds a non-finite value is searched for its first bad block,
+Per piece: its sum (finite <=> every value finite, but for an overflow, which the exact test then
+settles); only a piece that holds a non-finite value is searched for its first bad block,
 whose file offset (in the shard that holds it) is reported. The forensics module's statistics
-(`checks/forensics.py`: its streaming `Accumulator`) are fed the same chunk, raw blocks and decoded
+(`checks/forensics.py`: its streaming `Accumulator`) are fed the same piece, raw blocks and decoded
 values, and its sibling comparison runs at the end: its findings are verify's too, and its per-tensor
 statistics (rms, mean, max |w|, kurtosis, block scales) are verify's per-tensor report.
 
-Threads: the decode uses every core (the native kernels' C pool); the checks and the statistics run
-torch single-threaded on this thread: torch's intra-op threads, each op waiting for all of them, were
-20-60x slower on this 2-core machine when other processes kept it busy (1M-value sum: 18 ms on 2
-threads at load average 10, 0.12 ms on 1).
+Threads: torch runs single-threaded during the pass (each worker is one core's worth of work):
+torch's intra-op threads, each op waiting for all of them, were 20-60x slower on a 2-core machine
+when other processes kept it busy (1M-value sum: 18 ms on 2 threads at load average 10, 0.12 ms on 1).
+What bounds the pass where the reading does not: one tensor's statistics and sha256 are sequential,
+so a single tensor larger than the ring is worked on by one core at a time.
 Integer tensors (I8..I64) have no non-finite values by type: reported as such, not decoded. Tensors
 of a big-endian file are skipped with that reason (the decoders read little-endian blocks).
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
-import mmap
 import os
 import queue
 import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Collection, Iterator
@@ -45,15 +57,15 @@ from ..gguf.reader import GGUFFile, TensorInfo
 from .base import Finding
 
 CHECK = "verify"
-# Output values decoded per chunk, into one buffer reused for every chunk: 1M float32 (4 MiB) stays in
-# the L2/L3 cache between the kernel writing it and the checks reading it, and amortizes the ~10 us of
-# Python per chunk over ~1 ms of work.
+# Output values decoded per piece, into one buffer per worker reused for every piece: 1M float32
+# (4 MiB) stays in the L2/L3 cache between the kernel writing it and the checks reading it, and
+# amortizes the ~10 us of Python per piece over ~1 ms of work.
 CHUNK_VALUES = 1 << 20
-# Read-ahead: advise the next READ_AHEAD bytes each time the decoder passes ADVISE_STEP bytes.
-READ_AHEAD = 128 << 20
-ADVISE_STEP = 32 << 20
-# CUDA: bytes of raw blocks per pinned buffer (two of them).
-CUDA_BUFFER = 64 << 20
+# Bytes per read (one chunk of the ring), and the ring's size: a few tensors of a few hundred MB in
+# flight at once, so that the workers have different tensors to work on.
+READ_BYTES = {"cpu": 32 << 20, "cuda": 64 << 20}
+RING_BYTES = 1 << 30
+READERS = 4  # reader threads at most: one 32 MiB pread from the page cache is ~5 ms of one core's copying
 _INTEGER = {QT.I8, QT.I16, QT.I32, QT.I64}
 
 Progress = Callable[[int, int, str], None]  # (bytes done so far, bytes in all, tensor name)
@@ -72,6 +84,7 @@ class TensorReport:
     first_bad_offset: int | None = None  # file offset (in `shard`) of the first bad block
     stats: dict[str, Any] | None = None  # the forensics module's: rms, mean, max_abs, kurtosis, block scales
     skipped: str = ""  # why the tensor was not decoded
+    sha256: str | None = None  # of the bytes as stored, where the pass was asked for a manifest
 
     def finding(self) -> Finding:
         m = {k: v for k, v in self.__dict__.items() if k != "name"}
@@ -98,6 +111,7 @@ class Result:
     seconds: float
     device: str
     shards: list[str] = field(default_factory=list)
+    manifest: dict[str, Any] | None = None  # checks/manifest.py's document, from this pass's hashes
 
     @property
     def gb_per_s(self) -> float:
@@ -119,107 +133,36 @@ def _forensics() -> Any:
     return forensics
 
 
-class _Stats:
-    """One tensor's forensic accumulator (or nothing without the module)."""
+class _Tensor:
+    """One tensor's pass: its report, its forensic accumulator (without the module: none) and its
+    sha256 (where asked), each fed in file order by the one worker that owns the tensor."""
 
-    def __init__(self, fx: Any, t: TensorInfo):
-        self.acc = None if fx is None else fx.Accumulator(t.name, t.type)
+    def __init__(self, t: TensorInfo, fx: Any, hashing: bool):
+        self.t, self.rep = t, _report(t)
+        self.acc = fx.Accumulator(t.name, t.type) if fx is not None and _decoded(t) else None
+        self.sha = hashlib.sha256() if hashing else None
+        self.stats: Any = None  # forensics.TensorStats once finished
 
-    def add(self, raw: np.ndarray, type_size: int, v: torch.Tensor) -> None:
+    def add(self, raw: np.ndarray, v: torch.Tensor | None) -> None:
+        """raw: uint8 [n * type_size] blocks; v: their decoded values (None: the blocks alone)."""
         if self.acc is not None:
-            self.acc.add(raw.reshape(-1, type_size) if self.acc.fields else None, v)
+            blocks = raw.reshape(-1, self.t.type_size) if self.acc.fields else None
+            if v is None:  # the values' half comes from the GPU thread (_Gpu.chunk)
+                if blocks is not None:
+                    self.acc.add_blocks(blocks)
+            else:
+                self.acc.add(blocks, v)
 
-    def finish(self, rep: TensorReport, into: list) -> None:
+    def finish(self) -> None:
         if self.acc is not None:
-            st = self.acc.finish()
-            rep.stats = {k: v for k, v in st.as_dict().items() if k in ("rms", "mean", "max_abs", "kurtosis", "scales")}
-            into.append(st)
+            self.stats = self.acc.finish()
+            keep = ("rms", "mean", "max_abs", "kurtosis", "scales")
+            self.rep.stats = {k: v for k, v in self.stats.as_dict().items() if k in keep}
+        if self.sha is not None:
+            self.rep.sha256 = self.sha.hexdigest()
 
 
-class _Pipeline:
-    """The forensic statistics on their own thread, one chunk behind the decoder: the decoder fills one
-    of two output buffers while this thread reads the other, so the statistics (about the decode's
-    work with forensics' C passes, bench/RESULTS.md; several times it with its torch fallback) and the
-    decode share the cores instead of taking turns. Chunks of a tensor reach the
-    statistics in file order (one thread, one queue). Without the forensics module: no thread."""
-
-    def __init__(self, fx: Any, n_values: int):
-        self.bufs = [torch.empty(n_values, dtype=torch.float32) for _ in range(2)]  # reused for every chunk
-        self.free = [threading.Semaphore(1) for _ in self.bufs]
-        self.stats: list[Any] = []
-        self.error: BaseException | None = None
-        self.q: queue.Queue = queue.Queue()
-        self.thread = None
-        if fx is not None:
-            self.thread = threading.Thread(target=self._work, daemon=True, name="verify-stats")
-            self.thread.start()
-        self.k = 0
-
-    def buffer(self) -> tuple[int, torch.Tensor]:
-        """The next output buffer, once the statistics are done with it."""
-        i = self.k % 2
-        self.k += 1
-        self.free[i].acquire()
-        if self.error is not None:
-            raise self.error
-        return i, self.bufs[i]
-
-    def add(self, stats: "_Stats", raw: np.ndarray, type_size: int, i: int, v: torch.Tensor) -> None:
-        if self.thread is None:
-            self.free[i].release()
-        else:
-            self.q.put((stats, raw, type_size, i, v))
-
-    def finish(self, stats: "_Stats", rep: TensorReport) -> None:
-        if self.thread is not None:
-            self.q.put((stats, rep))
-
-    def _work(self) -> None:
-        torch.set_num_threads(1)
-        with torch.inference_mode():
-            while (item := self.q.get()) is not None:
-                try:
-                    if len(item) == 2:
-                        item[0].finish(item[1], self.stats)
-                    elif self.error is None:
-                        item[0].add(item[1], item[2], item[4])
-                except BaseException as e:  # handed to the decoder thread, which raises it
-                    self.error = e
-                finally:
-                    if len(item) == 5:
-                        self.free[item[3]].release()
-
-    def close(self) -> list[Any]:
-        if self.thread is not None:
-            self.q.put(None)
-            self.thread.join()
-        if self.error is not None:
-            raise self.error
-        return self.stats
-
-
-class _Threads:
-    """torch on `n` threads for the decode, on one for everything else (see the module docstring)."""
-
-    def __init__(self) -> None:
-        self.n = torch.get_num_threads()
-
-    def __enter__(self) -> "_Threads":
-        torch.set_num_threads(1)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        torch.set_num_threads(self.n)
-
-    def decode(self, fn: Callable, *args: Any, **kw: Any) -> Any:
-        torch.set_num_threads(self.n)
-        try:
-            return fn(*args, **kw)
-        finally:
-            torch.set_num_threads(1)
-
-
-# ---- the checks on one decoded chunk (any device) ---------------------------------------------------
+# ---- the checks on one decoded piece (any device) ---------------------------------------------------
 
 def _check_chunk(rep: TensorReport, v: torch.Tensor, first_block: int, block_size: int, type_size: int) -> None:
     """v: float32 [n_blocks * block_size] decoded values of the blocks from `first_block` on.
@@ -251,188 +194,311 @@ def _decoded(t: TensorInfo) -> bool:
     return t.type not in _INTEGER and t.file.byte_order == "<"
 
 
-# ---- CPU -------------------------------------------------------------------------------------------
+# ---- reading: the file's chunks, in order, into a ring of reused buffers ----------------------------
 
-class _ReadAhead:
-    """MADV_WILLNEED the next READ_AHEAD bytes of a shard each time the decoder has moved ADVISE_STEP."""
-
-    def __init__(self, shard: GGUFFile):
-        self.shard, self.advised, self.last = shard, 0, -ADVISE_STEP
-        shard.advise(0, shard.file_size, mmap.MADV_SEQUENTIAL)
-
-    def at(self, pos: int) -> None:
-        if pos - self.last >= ADVISE_STEP:
-            self.last = pos
-            end = min(pos + READ_AHEAD, self.shard.file_size)
-            if end > self.advised:
-                start = max(pos, self.advised)
-                self.shard.advise(start, end - start)
-                self.advised = end
-
-
-def _decode_cpu(t: TensorInfo, pipe: _Pipeline, ahead: _ReadAhead, done: int, progress: Callable,
-                stats: _Stats, threads: _Threads) -> TensorReport:
-    """Decode t chunk by chunk into the pipeline's reused buffers, checking each chunk while it is in
-    cache, then handing it to the statistics thread."""
-    from ..gguf.dequant import dequantize
-
-    rep = _report(t)
-    bs, ts = t.block_size, t.type_size
-    raw = t.data
-    step = max(1, CHUNK_VALUES // bs)
-    for b0 in range(0, t.n_blocks, step):
-        b1 = min(b0 + step, t.n_blocks)
-        ahead.at(t.offset + b1 * ts)
-        i, out = pipe.buffer()
-        v = out[: (b1 - b0) * bs]
-        threads.decode(dequantize, raw[b0 * ts : b1 * ts], t.type, (b1 - b0, bs), out=v.view(b1 - b0, bs))
-        _check_chunk(rep, v, b0, bs, ts)
-        pipe.add(stats, raw[b0 * ts : b1 * ts], ts, i, v)
-        progress(done + b1 * ts, t.name)
-    pipe.finish(stats, rep)
-    return rep
-
-
-def _tensors_in_file_order(g: GGUFFile, names: Collection[str] | None = None) -> Iterator[tuple[GGUFFile, TensorInfo]]:
+def _tensors_in_file_order(g: GGUFFile, names: Collection[str] | None = None) -> Iterator[TensorInfo]:
     for s in g.shards:
         for t in sorted(s.file_tensors, key=lambda t: t.offset):
             if names is None or t.name in names:
-                yield s, t
+                yield t
 
 
-def _run_cpu(g: GGUFFile, progress: Callable, fx: Any, names: Collection[str] | None = None
-             ) -> tuple[list[TensorReport], list[Any]]:
-    reports, done, ahead = [], 0, None
-    pipe = _Pipeline(fx, CHUNK_VALUES)
-    try:
-        with _Threads() as threads:
-            for s, t in _tensors_in_file_order(g, names):
-                if ahead is None or ahead.shard is not s:
-                    ahead = _ReadAhead(s)
-                rep = _decode_cpu(t, pipe, ahead, done, progress, _Stats(fx, t), threads) if _decoded(t) else _report(t)
-                reports.append(rep)
-                done += t.nbytes
-                progress(done, t.name)
-    finally:
-        stats = pipe.close()
-    return reports, stats
-
-
-# ---- CUDA ------------------------------------------------------------------------------------------
-
-def _chunks(g: GGUFFile, limit: int, names: Collection[str] | None = None) -> Iterator[tuple[TensorInfo, int, int]]:
-    """(tensor, first block, end block) pieces of at most `limit` bytes, in file order."""
-    for _, t in _tensors_in_file_order(g, names):
-        if not _decoded(t):
+def _chunks(tensors: list[TensorInfo], limit: int, every: bool) -> Iterator[tuple[TensorInfo, int, int]]:
+    """(tensor, first block, end block) pieces of at most `limit` bytes (at least one CHUNK_VALUES
+    piece), each a whole number of CHUNK_VALUES pieces, so that the pieces a worker decodes start
+    where one sequential pass's would; (t, 0, 0) for a tensor that is not read (not decoded, and no
+    hash asked for: `every` False)."""
+    for t in tensors:
+        if not (every or _decoded(t)) or t.n_blocks == 0:
             yield t, 0, 0
             continue
-        step = max(1, limit // t.type_size)
+        unit = max(1, CHUNK_VALUES // t.block_size)  # blocks per piece
+        step = max(unit, limit // t.type_size // unit * unit)
         for b0 in range(0, t.n_blocks, step):
             yield t, b0, min(b0 + step, t.n_blocks)
 
 
-def _reader(g: GGUFFile, bufs: list[torch.Tensor], free: queue.Queue, full: queue.Queue, stop: threading.Event,
-            names: Collection[str] | None = None) -> None:
-    """Fill free pinned buffers with the next chunk's bytes (one large pread each); None ends."""
-    fds: dict[str, int] = {}
-    try:
-        for t, b0, b1 in _chunks(g, bufs[0].numel(), names):
-            i = free.get()
-            if stop.is_set():
-                return
-            n = (b1 - b0) * t.type_size
-            if n:
-                fd = fds.get(t.path)
+class _Ring:
+    """The chunks, in order, read by up to READERS threads (os.preadv, ahead of the consumers by up to
+    the ring's size) into reusable byte buffers. Iterating yields (buffer index or None, tensor, b0, b1)
+    with the buffer held once; hold() adds a holder, release() drops one, and a buffer goes back to
+    the readers when its last holder has released it."""
+
+    def __init__(self, bufs: list[np.ndarray], chunks: Iterator[tuple[TensorInfo, int, int]]):
+        self.bufs = bufs
+        self.free: queue.Queue[int] = queue.Queue()
+        for i in range(len(bufs)):
+            self.free.put(i)
+        self.holds = [0] * len(bufs)
+        self.lock = threading.Lock()
+        self.ready: queue.Queue = queue.Queue()
+        self.stop = threading.Event()
+        self.fds: dict[str, int] = {}
+        self.pool = ThreadPoolExecutor(min(READERS, os.cpu_count() or 1), thread_name_prefix="verify-read")
+        self.thread = threading.Thread(target=self._dispatch, args=(chunks,), daemon=True, name="verify-ring")
+        self.thread.start()
+
+    def _dispatch(self, chunks: Iterator[tuple[TensorInfo, int, int]]) -> None:
+        try:
+            for t, b0, b1 in chunks:
+                if b1 == b0:
+                    self.ready.put((None, t, b0, b1))
+                    continue
+                i = self.free.get()
+                if self.stop.is_set():
+                    return
+                self.holds[i] = 1
+                fd = self.fds.get(t.path)
                 if fd is None:
-                    fd = fds[t.path] = os.open(t.path, os.O_RDONLY)
-                view = memoryview(bufs[i].numpy())[:n]
-                got = os.preadv(fd, [view], t.offset + b0 * t.type_size)
-                if got != n:
-                    raise OSError(f"{t.path}: short read of {got} of {n} bytes at {t.offset + b0 * t.type_size}")
-            full.put((i, t, b0, b1))
-        full.put(None)
-    except BaseException as e:  # handed to the consumer, which raises it
-        full.put(e)
-    finally:
-        for fd in fds.values():
+                    fd = self.fds[t.path] = os.open(t.path, os.O_RDONLY)
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+                self.ready.put((self.pool.submit(self._read, fd, i, t, b0, b1), t, b0, b1))
+            self.ready.put(None)
+        except BaseException as e:  # handed to the consumer, which raises it
+            self.ready.put(e)
+
+    def _read(self, fd: int, i: int, t: TensorInfo, b0: int, b1: int) -> int:
+        n, at = (b1 - b0) * t.type_size, t.offset + b0 * t.type_size
+        view = memoryview(self.bufs[i])[:n]
+        got = 0
+        while got < n:
+            k = os.preadv(fd, [view[got:]], at + got)
+            if k == 0:
+                raise OSError(f"{t.path}: short read of {got} of {n} bytes at {at}")
+            got += k
+        return i
+
+    def __iter__(self) -> Iterator[tuple[int | None, TensorInfo, int, int]]:
+        while (item := self.ready.get()) is not None:
+            if isinstance(item, BaseException):
+                raise item
+            fut, t, b0, b1 = item
+            yield (fut.result() if isinstance(fut, Future) else None), t, b0, b1
+
+    def hold(self, i: int) -> None:
+        with self.lock:
+            self.holds[i] += 1
+
+    def release(self, i: int) -> None:
+        with self.lock:
+            self.holds[i] -= 1
+            if self.holds[i] == 0:
+                self.free.put(i)
+
+    def close(self) -> None:
+        self.stop.set()
+        self.free.put(0)  # wakes a dispatcher waiting for a buffer
+        self.thread.join()
+        self.pool.shutdown(wait=True, cancel_futures=True)
+        for fd in self.fds.values():
             os.close(fd)
 
 
-def _run_cuda(g: GGUFFile, progress: Callable, fx: Any, names: Collection[str] | None = None
-              ) -> tuple[list[TensorReport], list[Any]]:
-    """Double buffering: the reader thread fills one pinned buffer while the other is copied (on its
-    own stream) and decoded by the Triton kernels; a buffer goes back to the reader once its copy is done."""
+class _Workers:
+    """One thread per core; every task of one tensor goes to the same thread, in the order handed in,
+    while different tensors' run at once. A new tensor goes to the thread with the fewest bytes queued."""
+
+    def __init__(self, n: int):
+        self.q: list[queue.Queue] = [queue.Queue() for _ in range(n)]
+        self.queued = [0] * n
+        self.lock = threading.Lock()
+        self.error: BaseException | None = None
+        self.aborted = False  # the dispatching thread gave up: queued tasks only release their buffers
+        self.threads = [threading.Thread(target=self._work, args=(k,), daemon=True, name=f"verify-work-{k}")
+                        for k in range(n)]
+        for th in self.threads:
+            th.start()
+
+    def pick(self) -> int:
+        with self.lock:
+            return min(range(len(self.q)), key=self.queued.__getitem__)
+
+    def put(self, k: int, nbytes: int, fn: Callable, *args: Any) -> None:
+        if self.error is not None:
+            raise self.error
+        with self.lock:
+            self.queued[k] += nbytes
+        self.q[k].put((nbytes, fn, args))
+
+    def _work(self, k: int) -> None:
+        with torch.inference_mode():
+            while (item := self.q[k].get()) is not None:
+                nbytes, fn, args = item
+                try:
+                    fn(*args, skip=self.aborted or self.error is not None)
+                except BaseException as e:  # raised on the dispatching thread
+                    self.error = e
+                finally:
+                    with self.lock:
+                        self.queued[k] -= nbytes
+
+    def close(self, abort: bool = False) -> None:
+        self.aborted = self.aborted or abort
+        for q in self.q:
+            q.put(None)
+        for th in self.threads:
+            th.join()
+        if self.error is not None:
+            raise self.error
+
+
+_scratch = threading.local()
+
+
+def _values_buffer() -> torch.Tensor:
+    """This worker's float32 [CHUNK_VALUES] output buffer, reused for every piece."""
+    if getattr(_scratch, "out", None) is None:
+        _scratch.out = torch.empty(CHUNK_VALUES, dtype=torch.float32)
+    return _scratch.out
+
+
+def _decode_cpu(tw: _Tensor, ring: _Ring, i: int, b0: int, b1: int, *, skip: bool) -> None:
+    """A worker's task: decode the chunk in buffer i piece by piece into this worker's buffer,
+    checking each piece while it is in cache and feeding it to the statistics; hash it."""
     from ..gguf.dequant import dequantize
 
-    dev = torch.device("cuda")
-    bufs = [torch.empty(CUDA_BUFFER, dtype=torch.uint8).pin_memory() for _ in range(2)]
-    dev_raw = [torch.empty(CUDA_BUFFER, dtype=torch.uint8, device=dev) for _ in range(2)]
-    copied = [torch.cuda.Event() for _ in range(2)]
-    per_byte = max((t.block_size / t.type_size for t in g.tensors if _decoded(t)), default=0)
-    out = torch.empty(math.ceil(CUDA_BUFFER * per_byte), dtype=torch.float32, device=dev)  # any chunk's values
-    copy_stream = torch.cuda.Stream()
-    free: queue.Queue = queue.Queue()
-    full: queue.Queue = queue.Queue()
-    for i in range(2):
-        free.put(i)
-    stop = threading.Event()
-    th = threading.Thread(target=_reader, args=(g, bufs, free, full, stop, names), daemon=True, name="verify-read")
-    th.start()
-    reports, stats, done = [], [], 0
-    cur: tuple[TensorInfo, TensorReport, _Stats] | None = None
-
-    def finish() -> None:
-        t, rep, acc = cur
-        reports.append(rep)
-        if _decoded(t):
-            acc.finish(rep, stats)
-
     try:
-        while (item := full.get()) is not None:
-            if isinstance(item, BaseException):
-                raise item
-            i, t, b0, b1 = item
-            if cur is None or cur[0] is not t:
-                if cur is not None:
-                    finish()
-                cur = (t, _report(t), _Stats(fx, t))
-            if b1 > b0:
-                n = (b1 - b0) * t.type_size
-                with torch.cuda.stream(copy_stream):
-                    dev_raw[i][:n].copy_(bufs[i][:n], non_blocking=True)
-                    copied[i].record(copy_stream)
-                torch.cuda.current_stream().wait_event(copied[i])
-                bs = t.block_size
-                v = out[: (b1 - b0) * bs]
-                dequantize(dev_raw[i][:n], t.type, (b1 - b0, bs), out=v.view(b1 - b0, bs))
-                _check_chunk(cur[1], v, b0, bs, t.type_size)
-                cur[2].add(bufs[i][:n].numpy(), t.type_size, v)
-                copied[i].synchronize()
-                done += n
-            free.put(i)
-            progress(done, t.name)
-        if cur is not None:
-            finish()
+        if skip:
+            return
+        t = tw.t
+        bs, ts = t.block_size, t.type_size
+        raw = ring.bufs[i][: (b1 - b0) * ts]
+        if _decoded(t):
+            out = _values_buffer()
+            unit = max(1, CHUNK_VALUES // bs)
+            for c0 in range(0, b1 - b0, unit):
+                c1 = min(c0 + unit, b1 - b0)
+                v = out[: (c1 - c0) * bs]
+                dequantize(raw[c0 * ts : c1 * ts], t.type, (c1 - c0, bs), out=v.view(c1 - c0, bs))
+                _check_chunk(tw.rep, v, b0 + c0, bs, ts)
+                tw.add(raw[c0 * ts : c1 * ts], v)
+        if tw.sha is not None:
+            tw.sha.update(raw)
     finally:
-        stop.set()
-        free.put(0)  # wakes a reader waiting for a buffer
-        th.join()
-    return reports, stats
+        ring.release(i)
+
+
+def _host_blocks(tw: _Tensor, ring: _Ring, i: int, b0: int, b1: int, *, skip: bool) -> None:
+    """A worker's task (CUDA): the raw blocks' statistics and the hash of the chunk in buffer i."""
+    try:
+        if not skip:
+            raw = ring.bufs[i][: (b1 - b0) * tw.t.type_size]
+            tw.add(raw, None)
+            if tw.sha is not None:
+                tw.sha.update(raw)
+    finally:
+        ring.release(i)
+
+
+def _finish(tw: _Tensor, *, skip: bool) -> None:
+    if not skip:
+        tw.finish()
+
+
+def _workers() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def _pass(g: GGUFFile, device: str, progress: Callable, fx: Any, hashing: bool,
+          names: Collection[str] | None = None) -> list[_Tensor]:
+    """Every tensor (of `names`) through the ring and the workers; CUDA: decoded on the GPU here."""
+    tensors = list(_tensors_in_file_order(g, names))
+    limit = READ_BYTES[device]
+    plan = list(_chunks(tensors, limit, hashing))
+    size = max([(b1 - b0) * t.type_size for t, b0, b1 in plan] + [1])  # the largest chunk (>= limit: a piece)
+    n_bufs = max(1, min(RING_BYTES // size, sum(1 for _, b0, b1 in plan if b1 > b0)))
+    gpu = _Gpu(tensors, size, n_bufs) if device == "cuda" else None
+    bufs = [b.numpy() for b in gpu.host] if gpu else [np.empty(size, np.uint8) for _ in range(n_bufs)]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    ring, workers = _Ring(bufs, iter(plan)), _Workers(_workers())
+    out: list[_Tensor] = []
+    done, k, ok = 0, 0, False
+    try:
+        for i, t, b0, b1 in ring:
+            if not out or out[-1].t is not t:
+                if out:
+                    workers.put(k, 0, _finish, out[-1])
+                out.append(_Tensor(t, fx, hashing))
+                k = workers.pick()
+            tw = out[-1]
+            if i is None:
+                done += t.nbytes
+            else:
+                n = (b1 - b0) * t.type_size
+                if gpu is not None:
+                    ring.hold(i)
+                    workers.put(k, n, _host_blocks, tw, ring, i, b0, b1)
+                    gpu.chunk(tw, ring, i, b0, b1)
+                else:
+                    workers.put(k, n, _decode_cpu, tw, ring, i, b0, b1)
+                done += n
+            progress(done, t.name)
+        if out:
+            workers.put(k, 0, _finish, out[-1])
+        ok = True
+    finally:
+        try:
+            ring.close()
+        finally:
+            workers.close(abort=not ok)
+            torch.set_num_threads(threads)
+    return out
+
+
+class _Gpu:
+    """CUDA: each chunk copied from its pinned buffer on a stream of its own, decoded by the Triton
+    kernels into one output buffer, checked, and its values' statistics gathered on the GPU; the
+    buffer is released to the ring once the copy is done."""
+
+    def __init__(self, tensors: list[TensorInfo], limit: int, n_bufs: int):
+        self.dev = torch.device("cuda")
+        self.host = [torch.empty(limit, dtype=torch.uint8).pin_memory() for _ in range(n_bufs)]  # the ring's
+        self.raw = torch.empty(limit, dtype=torch.uint8, device=self.dev)
+        per_byte = max((t.block_size / t.type_size for t in tensors if _decoded(t)), default=0)
+        self.out = torch.empty(math.ceil(limit * per_byte), dtype=torch.float32, device=self.dev)  # any chunk's values
+        self.stream = torch.cuda.Stream()
+        self.copied = torch.cuda.Event()
+
+    def chunk(self, tw: _Tensor, ring: _Ring, i: int, b0: int, b1: int) -> None:
+        from ..gguf.dequant import dequantize
+
+        t = tw.t
+        try:
+            if not _decoded(t):
+                return
+            n, bs = (b1 - b0) * t.type_size, t.block_size
+            with torch.cuda.stream(self.stream):
+                self.raw[:n].copy_(self.host[i][:n], non_blocking=True)
+                self.copied.record(self.stream)
+            torch.cuda.current_stream().wait_event(self.copied)
+            v = self.out[: (b1 - b0) * bs]
+            dequantize(self.raw[:n], t.type, (b1 - b0, bs), out=v.view(b1 - b0, bs))
+            _check_chunk(tw.rep, v, b0, bs, t.type_size)
+            if tw.acc is not None:
+                tw.acc.add_values(v)  # the blocks' half: the worker's (_host_blocks)
+            self.copied.synchronize()
+        finally:
+            ring.release(i)
 
 
 # ---- entry point -------------------------------------------------------------------------------------
 
 def run(path: Path, *, device: str = "cpu", progress: Progress = lambda done, total, name: None,
-        manifest: Path | None = None, tensors: Collection[str] | None = None,
+        manifest: Path | None = None, write_manifest: bool = False, tensors: Collection[str] | None = None,
         combine: Callable[[list, list], tuple[list, list] | None] | None = None) -> Result | None:
     """Verify every tensor of the model at `path` (any shard of a split set) on `device`.
 
+    `manifest`: also compare the file with that manifest (checks/manifest.py), and `write_manifest`:
+    return the file's manifest in Result.manifest; either way the tensors' sha256 are computed in the
+    same pass, from the same reads.
     Spread over ranks (checks/verify_ranks.py): `tensors` restricts the pass to a rank's share, and
     `combine(reports, stats)` gathers every rank's before the findings are built, returning them all
     on the rank that reports and None on the others (run then returns None)."""
     if device not in ("cpu", "cuda"):
         raise InputError(f"--device {device!r}: expected cpu or cuda")
     fx = _forensics()
+    hashing = manifest is not None or write_manifest
     with open_gguf(path) as g:
         total = sum(t.nbytes for t in g.tensors)
         shards = [s.path for s in g.shards]
@@ -441,8 +507,9 @@ def run(path: Path, *, device: str = "cpu", progress: Progress = lambda done, to
             return Result([f], [], total, 0.0, device, shards)
         t0 = time.perf_counter()
         with torch.inference_mode():
-            step = lambda done, name: progress(done, total, name)  # noqa: E731
-            reports, stats = (_run_cuda if device == "cuda" else _run_cpu)(g, step, fx, tensors)
+            done = _pass(g, device, lambda n, name: progress(n, total, name), fx, hashing, tensors)
+        reports = [tw.rep for tw in done]
+        stats = [tw.stats for tw in done if tw.stats is not None]
         if combine is not None:
             joined = combine(reports, stats)
             if joined is None:
@@ -455,8 +522,11 @@ def run(path: Path, *, device: str = "cpu", progress: Progress = lambda done, to
                                     reason="skipped: the forensics module (checks/forensics.py) is not available"))
         else:
             findings += fx.compare(stats, file=g.path)
-        if manifest is not None:
-            from .manifest import compare
+        doc = None
+        if hashing:
+            from . import manifest as MF
 
-            findings += compare(g, manifest)
-    return Result(findings, reports, total, seconds, device, shards)
+            doc = MF.build(g, hashes={r.name: r.sha256 for r in reports})
+            if manifest is not None:
+                findings += MF.compare(g, manifest, built=doc)
+    return Result(findings, reports, total, seconds, device, shards, doc if write_manifest else None)

@@ -4,9 +4,9 @@ The tensors, in file order (shard by shard for a split model), are cut into N co
 equal bytes, so that each rank reads one stretch of the file sequentially, as the single pass does.
 Rank r runs verify's own pass (checks/verify.py `run`, restricted to its share by its `tensors`
 argument) on GPU r (NCCL) or as one CPU process (gloo); its `combine` hook gathers every rank's
-per-tensor reports and forensic statistics on rank 0, which then builds the report one device would
-have built: per-tensor findings in file order, the forensics' sibling comparison over all tensors, the
-manifest comparison. The processes are started by llmdoctor itself (reference/tensor_parallel.launch:
+per-tensor reports (with their sha256, where a manifest is asked for) and forensic statistics on rank
+0, which then builds the report one device would have built: per-tensor findings in file order, the
+forensics' sibling comparison over all tensors, the manifest comparison and document. The processes are started by llmdoctor itself (reference/tensor_parallel.launch:
 torch.multiprocessing spawn; NCCL with NVLink multicast off).
 """
 
@@ -39,7 +39,8 @@ def shares(path: Path, n: int) -> list[list[str]]:
     return out
 
 
-def _rank(rank: int, n: int, device: torch.device, path: str, mine: list[list[str]], manifest: str | None) -> Any:
+def _rank(rank: int, n: int, device: torch.device, path: str, mine: list[list[str]], manifest: str | None,
+          write_manifest: bool) -> Any:
     from . import verify
 
     def combine(reports: list, stats: list) -> tuple[list, list] | None:
@@ -50,10 +51,10 @@ def _rank(rank: int, n: int, device: torch.device, path: str, mine: list[list[st
         return [r for p in parts for r in p[0]], [s for p in parts for s in p[1]]  # ranks hold file-order runs
 
     return verify.run(Path(path), device=device.type, tensors=set(mine[rank]), combine=combine,
-                      manifest=None if manifest is None else Path(manifest))
+                      manifest=None if manifest is None else Path(manifest), write_manifest=write_manifest)
 
 
-def run(path: Path, n: int, *, device: str = "cpu", manifest: Path | None = None) -> Any:
+def run(path: Path, n: int, *, device: str = "cpu", manifest: Path | None = None, write_manifest: bool = False) -> Any:
     """verify.run's Result for the whole model, computed by N ranks; `seconds` is the wall time of the
     launch (process start included), `bytes` the whole model's."""
     if n < 1:
@@ -61,6 +62,7 @@ def run(path: Path, n: int, *, device: str = "cpu", manifest: Path | None = None
     tp.check_devices(n, device)
     mine = shares(path, n)
     t0 = time.perf_counter()
-    res = tp.launch(n, _rank, (str(path), mine, None if manifest is None else str(manifest)), device=device)
+    res = tp.launch(n, _rank, (str(path), mine, None if manifest is None else str(manifest), write_manifest),
+                    device=device)
     res.seconds = time.perf_counter() - t0
     return res
