@@ -229,3 +229,79 @@ def test_check_attention_runs_vllms_cpu_kernel(vllm_python, monkeypatch):
     res = ca.run(shape, [("vllm", None)], dtypes=("float32",), explicit=("vllm",), only={"ragged"})
     assert [f.status for f in res.findings] == ["pass"], [(f.target, f.reason) for f in res.findings]
     assert ca.engine_explainer(shape, "float32")["decode"] == "CPU_ATTN"
+
+
+# ---- the engine explainer's bare-shape selection (issue 22) -----------------------------------------
+
+def _fake_vllm(monkeypatch) -> None:
+    """vLLM 0.24's selection API as far as the driver's `select` meets it: get_mla_prefill_backend reads
+    `vllm_config.attention_config` unconditionally (None crashed on the H200) and, without a model config,
+    the dtype from torch's default dtype; FLASH_ATTN takes no float32."""
+    import contextlib
+    import sys
+    import types
+
+    import torch
+
+    current = []
+    mods = {name: types.ModuleType(name) for name in (
+        "vllm", "vllm.config", "vllm.platforms", "vllm.v1", "vllm.v1.attention", "vllm.v1.attention.selector",
+        "vllm.v1.attention.backends", "vllm.v1.attention.backends.mla",
+        "vllm.v1.attention.backends.mla.prefill")}
+    mods["vllm"].__version__ = "0.24.0-fake"
+    mods["vllm.platforms"].current_platform = types.SimpleNamespace()
+
+    class VllmConfig:
+        model_config = cache_config = None
+        attention_config = types.SimpleNamespace(mla_prefill_backend=None)
+
+    @contextlib.contextmanager
+    def set_current_vllm_config(cfg):
+        current.append(cfg)
+        yield
+        current.pop()
+
+    def get_attn_backend(head_size, dtype, cache_dtype, use_mla=False, use_sparse=False):
+        assert current, "selected outside set_current_vllm_config"
+        return types.SimpleNamespace(get_name=lambda: "FLASHMLA" if use_mla else "FLASH_ATTN")
+
+    def get_mla_prefill_backend(vllm_config):
+        vllm_config.attention_config  # vLLM 0.24: AttributeError on None
+        if torch.get_default_dtype() not in (torch.float16, torch.bfloat16):
+            raise ValueError(f"No valid MLA prefill backend found with dtype={torch.get_default_dtype()}")
+        return type("FlashAttnPrefillBackend", (), {})
+
+    mods["vllm.config"].VllmConfig, mods["vllm.config"].set_current_vllm_config = VllmConfig, set_current_vllm_config
+    mods["vllm.v1.attention.selector"].get_attn_backend = get_attn_backend
+    mods["vllm.v1.attention.backends.mla.prefill"].get_mla_prefill_backend = get_mla_prefill_backend
+    for name, mod in mods.items():
+        monkeypatch.setitem(sys.modules, name, mod)
+
+
+def test_driver_select_passes_a_config_and_the_dtype_to_the_mla_prefill_selector(monkeypatch):
+    """The H200's "'NoneType' object has no attribute 'attention_config'": the bare-shape selection hands
+    vLLM's MLA prefill selector the VllmConfig (never None) with the asked dtype as torch's default."""
+    import importlib.util
+
+    import torch
+
+    _fake_vllm(monkeypatch)
+    spec = importlib.util.spec_from_file_location("llmdoctor_vllm_driver_under_test", vllm_engine.DRIVER)
+    driver = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(driver)
+    monkeypatch.setattr(driver, "cmd_info", lambda req: {"vllm": "0.24.0-fake"})
+    got = driver.cmd_select({"head_size": 576, "dtype": "bfloat16", "use_mla": True, "use_sparse": False})
+    assert (got["decode"], got["prefill"], got["dtype"]) == ("FLASHMLA", "FlashAttnPrefillBackend", "bfloat16"), got
+    assert torch.get_default_dtype() == torch.float32  # restored
+    got = driver.cmd_select({"head_size": 576, "dtype": "float32", "use_mla": True, "use_sparse": False})
+    assert got["prefill"] is None and "No valid MLA prefill backend" in got["error"], got
+    assert torch.get_default_dtype() == torch.float32
+
+
+def test_engine_explainer_on_an_mla_shape_with_vllm_for_cpu(vllm_python, monkeypatch):
+    """check attention's engine explainer for DeepSeek-V3's MLA shape: vLLM for CPU's own selection."""
+    from llmdoctor.checks import attention as ca
+
+    monkeypatch.setenv("PATH", f"{Path(vllm_python).parent}{os.pathsep}{os.environ['PATH']}")
+    got = ca.engine_explainer(ca.PRESETS["deepseek-v3"], "bfloat16")
+    assert got.get("decode") in ("CPU_MLA", "AMX_MLA") and got.get("prefill") and got["dtype"] == "bfloat16", got
