@@ -17,7 +17,7 @@ Commands:
            MLA; decode and prefill), under `set_current_vllm_config` as vLLM itself selects, and what
            each `attention_config.backend` setting would select instead.
   select   the same selection for a bare attention shape (head size, dtype, MLA, sparse) under a
-           default VllmConfig.
+           VllmConfig without a model (the dtype through torch's default dtype, as vLLM reads it there).
   attention  vLLM's CPU attention kernel (CPU_ATTN's ops) on varlen q, k, v through a paged cache.
   namemap  the GGUF->HF parameter name map of the vllm-gguf-plugin (`get_weights_adapter(config)
            .build_name_map(model_config)`) for an HF config.
@@ -263,18 +263,28 @@ def _selection(vllm_config, head_size: int, dtype, *, use_mla: bool, use_sparse:
             except ImportError:
                 raise Unsupported(f"vLLM {_version()} has no vllm.v1.attention.backends.mla.prefill."
                                   "get_mla_prefill_backend") from None
-            prefill = get_mla_prefill_backend(vllm_config if vllm_config.model_config is not None else None).__name__
+            try:  # the config itself, never None: vLLM 0.24 reads its attention_config unconditionally
+                prefill = get_mla_prefill_backend(vllm_config).__name__
+            except Exception as e:  # noqa: BLE001 - vLLM's refusal is the answer
+                return {"decode": decode, "prefill": None, "error": f"prefill: {type(e).__name__}: {e}"}
     return {"decode": decode, "prefill": prefill}
 
 
 def cmd_select(req: dict) -> dict:
-    """The selection for a bare shape: a default VllmConfig (no model), as a fresh deployment has."""
+    """The selection for a bare shape: a VllmConfig without a model, as vLLM holds before it resolves one.
+    Without a model config vLLM's MLA prefill selector takes the dtype from torch's default dtype
+    (selector.get_mla_prefill_backend, vLLM 0.24 and 0.32): it is the asked dtype for the call."""
     import torch
     from vllm.config import VllmConfig
 
-    got = _selection(VllmConfig(), int(req["head_size"]), getattr(torch, req["dtype"]), use_mla=bool(req["use_mla"]),
-                     use_sparse=bool(req["use_sparse"]))
-    return {**got, **cmd_info(req)}
+    dtype, default = getattr(torch, req["dtype"]), torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        got = _selection(VllmConfig(), int(req["head_size"]), dtype, use_mla=bool(req["use_mla"]),
+                         use_sparse=bool(req["use_sparse"]))
+    finally:
+        torch.set_default_dtype(default)
+    return {**got, "dtype": req["dtype"], **cmd_info(req)}
 
 
 def cmd_explain(req: dict) -> dict:
