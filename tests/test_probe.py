@@ -236,7 +236,7 @@ def test_human_output_renders_every_finding_shape(capsys: pytest.CaptureFixture[
     verdict with its symptoms."""
     from llmdoctor.checks.base import Finding
     from llmdoctor.checks.probes import ProbeReport
-    from llmdoctor.cli import _render_probe
+    from llmdoctor.report.terminal import render_probe
 
     fs = [Finding("probe", "s", "repeat", "pass", metrics={"kl": 1e-4, "max_abs_dlogprob": 0.01, "same_text": True}),
           Finding("probe", "s", "batch", "pass", metrics={"kl": 2e-4, "top1_agree": True}),
@@ -251,7 +251,7 @@ def test_human_output_renders_every_finding_shape(capsys: pytest.CaptureFixture[
           Finding("probe", "s", "transport", "pass", metrics={"requests": 40})]
     rep = ProbeReport("http://x", "m", "degraded", fs, {"position-dependent": [fs[4].id]}, {}, 1.0, 4, [])
     monkeypatch.setenv("COLUMNS", "250")  # one line per row
-    _render_probe(rep)
+    render_probe(rep)
     out = capsys.readouterr().out
     lines = out.splitlines()
     assert lines[0] == "http://x  model m  (1 s, 4 requests)"

@@ -110,6 +110,37 @@ def sharding_table(findings: list[Any], console: Console = stdout) -> None:
     console.print(table)
 
 
+def render_probe(rep: Any, console: Console = stdout) -> None:
+    """`probe`: one row per probe with its symptom and numbers, the thresholds, the verdict."""
+    out = console
+    out.print(f"[bold]{rep.url}[/bold]  model {rep.model}  ({rep.wall_s:.0f} s, {rep.n_requests} requests)")
+    table = Table(show_edge=False)
+    for col in ("status", "probe", "symptom", "evidence"):
+        table.add_column(col)
+    for f in rep.findings:
+        m = f.metrics
+        if f.status == "skip":
+            detail = f.reason
+        elif "expected_logprob" in m:
+            detail = f"expected logprob {m['expected_logprob']:.3f}, rank {m['expected_rank']}, tail {m['tail_mass']:.3f}"
+        elif "kl_max" in m:
+            detail = f"KL max {m['kl_max']:.2e}, top-1 agreement {m['top1_agreement']:.2f} over {m['positions']} positions"
+        elif "kl" in m and "top1_agree" in m:
+            detail = f"KL {m['kl']:.2e}, top-1 {'same' if m['top1_agree'] else 'differs'}"
+        elif "max_abs_dlogprob" in m:
+            detail = f"max |dlogprob| {m['max_abs_dlogprob']:.2e}, same text {m['same_text']}"
+        else:
+            detail = f.explanation or ", ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}"
+                                                for k, v in m.items() if k != "symptom" and not isinstance(v, list))
+        if f.status == "fail" and f.explanation and detail != f.explanation:
+            detail = f"{f.explanation} ({detail})"
+        table.add_row(f.status, f.target, m.get("symptom", ""), detail)
+    out.print(table)
+    out.print("thresholds: " + "; ".join(f"{k} {v['value']:.3g}" for k, v in rep.thresholds.items()))
+    symptoms = ", ".join(rep.symptoms) or "none"
+    out.print(f"[bold]verdict: {rep.verdict}[/bold]  symptoms: {symptoms}")
+
+
 def error_line(message: str) -> None:
     print(f"error: {message}", file=sys.stderr)
 
