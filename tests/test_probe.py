@@ -16,8 +16,8 @@ import pytest
 from typer.testing import CliRunner
 
 from llmdoctor.checks.metrics import topk_tail
-from llmdoctor.checks.probes import (DEFAULT_STEPS, THRESHOLDS, batch_requests, counting_run, expected_stats, probe,
-                                     render_chat_template)
+from llmdoctor.checks.probes import DEFAULT_STEPS, THRESHOLDS, batch_requests, counting_run, expected_stats, probe
+from llmdoctor.reference.chat_template import render_chat_template
 from llmdoctor.cli import app
 from llmdoctor.demo import model_path
 from llmdoctor.errors import InputError

@@ -83,7 +83,7 @@ def template_escapes(template: str) -> list[dict[str, Any]]:
 
 def bos_usage(template: str, bos: str, eos: str) -> dict[str, Any]:
     """How often the rendered two-turn conversation contains the BOS text, and where."""
-    from .probes import render_chat_template
+    from ..reference.chat_template import render_chat_template
 
     msgs = [{"role": "user", "content": "Hello."}, {"role": "assistant", "content": "Hi."},
             {"role": "user", "content": "Count to three."}]

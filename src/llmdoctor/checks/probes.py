@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable
 
 from ..errors import InputError
+from ..reference.chat_template import render_chat_template
 from ..subjects.endpoint import Completion, Endpoint, EndpointError
 from .base import Finding
 from .metrics import grouped_logsumexp, logsumexp, spearman, topk_tail
@@ -919,21 +920,6 @@ def _gguf_chat_template(path: Path) -> str | None:
     with open_gguf(path) as g:
         t = g.get("tokenizer.chat_template")
     return t if isinstance(t, str) and t else None
-
-
-def render_chat_template(template: str, messages: list[dict[str, str]], *, bos: str, eos: str) -> str:
-    """Render a GGUF chat template the way transformers' apply_chat_template does (trim_blocks,
-    lstrip_blocks, raise_exception), in jinja2's immutable sandbox: a template is data from a
-    file, it must not reach Python objects."""
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    def raise_exception(msg: str) -> None:
-        raise ValueError(f"chat template: {msg}")
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-    env.globals["raise_exception"] = raise_exception
-    return env.from_string(template).render(messages=messages, add_generation_prompt=True,
-                                            bos_token=bos, eos_token=eos)
 
 
 class _StringGroups:
