@@ -48,6 +48,20 @@ def ckpts(tmp_path_factory):
     return {k: vllm_checkpoint(k, out / k) for k in ("llama", "qwen2", "deepseek", "glm")}
 
 
+def planted_copy(src: Path, dst: Path, tensor: str, rows: slice) -> Path:
+    """A copy of checkpoint `src` at `dst` with `rows` of layer 1's self_attn.`tensor` scaled by 1.5."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    sd = load_file(dst / "model.safetensors")
+    name = f"model.layers.1.self_attn.{tensor}.weight"
+    w = sd[name].clone()
+    w[rows] *= 1.5
+    sd[name] = w.contiguous()
+    save_file(sd, dst / "model.safetensors", metadata={"format": "pt"})
+    return dst
+
+
 def diagnose(*args: str, token_ids: list[int] | None = TOKENS) -> tuple[int, dict, float]:
     """(exit code, JSON, seconds) of `llmdoctor diagnose *args` on `token_ids` (None: the default prompt
     through the model's own tokenizer)."""
@@ -119,19 +133,11 @@ def test_planted_fault_in_the_engines_checkpoint_is_found_at_its_op(kind, tensor
     diagnosis fails at layer 1 and names the op after it (q or MLA's k_pe after RoPE) as the first
     divergent point."""
     import torch
-    from safetensors.torch import load_file, save_file
 
     from llmdoctor import diagnose as dg
 
     src = ckpts[kind][0]
-    bad = tmp_path / "bad"
-    shutil.copytree(src, bad)
-    sd = load_file(bad / "model.safetensors")
-    name = f"model.layers.1.self_attn.{tensor}.weight"
-    w = sd[name].clone()
-    w[rows] *= 1.5
-    sd[name] = w.contiguous()
-    save_file(sd, bad / "model.safetensors", metadata={"format": "pt"})
+    bad = planted_copy(src, tmp_path / "bad", tensor, rows)
     res = dg.run(dg.Inputs(hf=src, engine="vllm", engine_hf=bad, engine_python=vllm_python, engine_dtype="float32",
                            token_ids=TOKENS))
     loc = next(f for f in res.findings if f.check == "layer-localization")

@@ -196,6 +196,10 @@ def _engine_kwargs(req: dict) -> dict:
           # a fixed KV cache instead of a fraction of the machine's memory (the CPU worker refuses to
           # start when that fraction is not free)
           "kv_cache_memory_bytes": int(req.get("kv_cache_bytes") or 256 << 20)}
+    # the GPU worker still refuses to start unless this fraction of the GPU is free (vLLM 0.24
+    # request_memory; default 0.9): engines sharing one GPU (bench/h200_vllm.sh) each ask for less
+    if os.environ.get("LLMDOCTOR_VLLM_GPU_MEMORY_UTILIZATION"):
+        kw["gpu_memory_utilization"] = float(os.environ["LLMDOCTOR_VLLM_GPU_MEMORY_UTILIZATION"])
     return kw
 
 

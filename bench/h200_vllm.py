@@ -1,0 +1,184 @@
+"""The Python side of bench/h200_vllm.sh (vLLM 0.24.0 on the H200, issue 22): build the models, run the
+planted faults, write the summary. Runs with llmdoctor from this tree (PYTHONPATH=src:tests).
+
+    python bench/h200_vllm.py models DIR [--demo GGUF]   # tiny llama + DeepSeek-V3 checkpoints, a tiny llama
+                                                         # Q8_0 GGUF, config.json + tokenizer beside each GGUF
+    python bench/h200_vllm.py faults PYTHON OUT.json     # the CPU suite's planted faults, under vLLM on CUDA
+    python bench/h200_vllm.py summary OUTDIR             # every JSON under OUTDIR -> OUTDIR/summary.md
+
+The models are the ones tests/test_engine_vllm.py runs on vLLM for CPU (dense heads of 32, DeepSeek-V3 with
+its real latent dims); the Q8_0 file is the F32 GGUF converted from the llama checkpoint with its 2-D weights
+quantized by gguf-py (issue 22's "tiny llama Q8_0 GGUF").
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
+WORDS = ["<s>", "<unk>"] + [f"w{i}" for i in range(2, 96)]  # the tiny models' vocabulary (96)
+
+
+def q8_0_copy(src: Path, dst: Path) -> Path:
+    """`src` (an F32 GGUF) with every 2-D weight whose rows hold whole 32-value blocks stored Q8_0 (gguf-py's
+    quantizer), every metadata key kept, the file type set to MOSTLY_Q8_0."""
+    import gguf
+    import numpy as np
+
+    r = gguf.GGUFReader(str(src))
+    arch = r.get_field("general.architecture").contents()
+    w = gguf.GGUFWriter(str(dst), arch)
+    for f in r.fields.values():
+        if f.name.startswith("GGUF.") or f.name in ("general.architecture", "general.file_type"):
+            continue
+        sub = f.types[-1] if f.types[0] == gguf.GGUFValueType.ARRAY else None
+        w.add_key_value(f.name, f.contents(), f.types[0], sub_type=sub)
+    w.add_file_type(gguf.LlamaFileType.MOSTLY_Q8_0)
+    for t in r.tensors:
+        x = np.asarray(t.data, dtype=np.float32).reshape(tuple(reversed([int(n) for n in t.shape])))  # row-major
+        if x.ndim == 2 and x.shape[-1] % 32 == 0:
+            w.add_tensor(t.name, gguf.quants.quantize(x, gguf.GGMLQuantizationType.Q8_0),
+                         raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        else:
+            w.add_tensor(t.name, x)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return dst
+
+
+def demo_beside(demo: Path) -> None:
+    """config.json and the tokenizer files beside the demo GGUF, as vLLM's GGUF loading wants them
+    (the config of the model llmdoctor's transformers engine builds from it; transformers' GGUF tokenizer)."""
+    import torch
+    import transformers
+
+    from llmdoctor.subjects.engines.transformers import build
+
+    model, _ = build(demo, torch.float32)
+    model.config.save_pretrained(demo.parent)
+    del model
+    transformers.AutoTokenizer.from_pretrained(str(demo.parent), gguf_file=demo.name).save_pretrained(demo.parent)
+
+
+def models(out: Path, demo: Path | None) -> dict[str, str]:
+    import fixtures_hf
+    from test_engine_vllm import vllm_checkpoint
+
+    t0 = time.perf_counter()
+    llama, llama_gguf = vllm_checkpoint("llama", out / "llama")
+    deepseek, _ = vllm_checkpoint("deepseek", out / "deepseek")
+    q8_dir = out / "llama-q8_0"
+    q8_dir.mkdir(parents=True, exist_ok=True)
+    q8 = q8_0_copy(llama_gguf, q8_dir / "llama-q8_0.gguf")
+    shutil.copy(llama / "config.json", q8_dir / "config.json")
+    fixtures_hf.with_tokenizer(q8_dir, WORDS)
+    got = {"llama": str(llama), "deepseek": str(deepseek), "llama_q8_0": str(q8)}
+    if demo is not None:
+        demo_beside(demo)
+        got["demo"] = str(demo)
+    (out / "models.json").write_text(json.dumps(got, indent=1))
+    print(json.dumps(got), f"({time.perf_counter() - t0:.0f} s)")
+    return got
+
+
+# (model kind, projection, rows scaled by 1.5, the point the diagnosis must name, dtypes vLLM runs it in on
+# CUDA: no MLA backend takes float32)
+PLANTED = [("llama", "q_proj", (0, None), "Qcur", ("bfloat16", "float32")),
+           ("deepseek", "kv_a_proj_with_mqa", (512, None), "k_pe", ("bfloat16",))]
+
+
+def faults(python: str, out: Path, work: Path) -> list[dict]:
+    """tests/test_engine_vllm.py's planted faults (rows of a layer-1 projection scaled by 1.5 in the copy
+    the engine loads) under vLLM on CUDA: found when the diagnosis fails at layer 1 naming that point."""
+    from test_engine_vllm import TOKENS, planted_copy, vllm_checkpoint
+
+    from llmdoctor import diagnose as dg
+
+    rows_out = []
+    for kind, tensor, rows, point, dtypes in PLANTED:
+        src, _ = vllm_checkpoint(kind, work / kind)
+        bad = planted_copy(src, work / f"{kind}-bad", tensor, slice(*rows))
+        for dtype in dtypes:
+            t0 = time.perf_counter()
+            try:
+                res = dg.run(dg.Inputs(hf=src, engine="vllm", engine_hf=bad, engine_python=python, engine_dtype=dtype,
+                                       token_ids=TOKENS))
+            except Exception as e:  # noqa: BLE001 - recorded, the next row still runs
+                rows_out.append({"model": kind, "dtype": dtype, "error": f"{type(e).__name__}: {e}"})
+                continue
+            loc = next((f for f in res.findings if f.check == "layer-localization"), None)
+            m = loc.metrics if loc else {}
+            rows_out.append({"model": kind, "tensor": tensor, "dtype": dtype, "exit_code": res.exit_code,
+                             "verdict": res.verdict, "first_divergent_layer": m.get("first_divergent_layer"),
+                             "point": m.get("point"), "expected": {"layer": 1, "point": point},
+                             "found": res.exit_code == 1 and m.get("first_divergent_layer") == 1
+                             and m.get("point") == point, "seconds": round(time.perf_counter() - t0, 1)})
+            print(json.dumps(rows_out[-1]), flush=True)
+    out.write_text(json.dumps(rows_out, indent=1))
+    return rows_out
+
+
+def _finding_line(f: dict) -> str:
+    nums = {k: v for k, v in (f.get("metrics") or {}).items() if isinstance(v, (int, float, str)) and len(str(v)) < 40}
+    why = (f.get("reason") or f.get("explanation") or "")[:200].replace("\n", " ")
+    return f"  - {f['check']} [{f.get('subject', '')}] {f['target'] if 'target' in f else ''}: **{f['status']}** " \
+           f"{why} {json.dumps(dict(list(nums.items())[:8]))}"
+
+
+def summary(outdir: Path) -> str:
+    """One markdown page: every diagnose / check JSON under `outdir` (verdict, exit code, the findings
+    that are not passes, counts), the planted faults, the GPU tests' last line."""
+    lines = [f"# vLLM 0.24.0 on the H200: bench/h200_vllm.sh ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())})", ""]
+    for path in sorted(outdir.rglob("*.json")):
+        try:
+            doc = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            lines.append(f"## {path.name}: unreadable ({e})")
+            continue
+        if isinstance(doc, list):  # the planted faults
+            lines.append(f"## {path.name}")
+            lines += [f"- {json.dumps(r)}" for r in doc]
+            continue
+        if "findings" not in doc:
+            continue
+        lines.append(f"## {path.name}: {doc.get('verdict')} (exit {doc.get('exit_code')}), counts {doc.get('counts')}")
+        fs = doc["findings"]
+        if doc.get("schema", "").startswith("llmdoctor.diagnose"):
+            keep = [f for f in fs if f["check"] in ("engine-vs-reference", "layer-localization", "engine-backends")
+                    or f["status"] == "fail"]
+        else:
+            keep = [f for f in fs if f["status"] != "pass"]
+            by = {}
+            for f in keep:  # one line per (subject, status, reason head): check attention has hundreds of cases
+                by.setdefault((f.get("subject"), f["status"], (f.get("reason") or "")[:80]), []).append(f)
+            keep = [v[0] | {"target": f"{v[0].get('target')} (+{len(v) - 1} more)" if len(v) > 1 else v[0].get("target")}
+                    for v in by.values()]
+        lines += [_finding_line(f) for f in keep[:40]]
+        if doc.get("engine"):
+            lines.append(f"  - engine explainer: {json.dumps(doc['engine'])[:400]}")
+    for log in sorted(outdir.rglob("*.log")):
+        tail = log.read_text(errors="replace").strip().splitlines()[-1:] or [""]
+        lines.append(f"- {log.name}: {tail[0][:300]}")
+    text = "\n".join(lines) + "\n"
+    (outdir / "summary.md").write_text(text)
+    return text
+
+
+if __name__ == "__main__":
+    cmd, args = sys.argv[1], sys.argv[2:]
+    if cmd == "models":
+        demo = Path(args[args.index("--demo") + 1]) if "--demo" in args else None
+        models(Path(args[0]), demo)
+    elif cmd == "faults":
+        faults(args[0], Path(args[1]), Path(args[2]) if len(args) > 2 else Path("/tmp/vfaults"))
+    elif cmd == "summary":
+        print(summary(Path(args[0])))
+    else:
+        sys.exit(f"unknown command {cmd!r}: models | faults | summary")

@@ -1,0 +1,143 @@
+#!/usr/bin/env bash
+# The vLLM GPU pass of issue 22 on the lent H200, in stages, one device call each (the calls and their
+# carry folders: `bash bench/carry_vllm.sh calls`; the folders: `bash bench/carry_vllm.sh`).
+#
+#   stash DIR   copy a carried folder (.whl/vllmN, .whl/demoN, .whl/wheelsN) to /tmp/carry
+#   setup       reassemble + sha256-check the vLLM wheel and the demo GGUF, install every wheel into
+#               /tmp/vsite (--no-deps, ../shared/notes/vllm-on-h200.md), write /tmp/vpy (the deployment's
+#               interpreter), build the models (bench/h200_vllm.py models)
+#   diagnose    issue 22's table: tiny llama and DeepSeek-V3 checkpoints, the tiny llama Q8_0 GGUF and the
+#               demo GGUF, each `diagnose --engine vllm --engine-python /tmp/vpy` in bfloat16 and float32
+#               (three engines at a time, each asking for a quarter of the GPU)
+#   gpu         vLLM's kernels as subjects (check dequant on the demo and the Q8_0 file, check attention on
+#               llama-3-8b, deepseek-v3 and glm-5, the GPU tests of tests/test_vllm_kernels.py and the engine
+#               explainer's) and, meanwhile, the planted faults of the CPU suite under vLLM on CUDA; then
+#               summary.md over every stage
+#
+# /tmp on that machine outlives a call only while the machine is held (30 s idle): make the calls back to
+# back. Each stage writes at most 4 files under $OUT (a tarball of its outputs, its summary, its log).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/llmdoctor-vllm}
+C=/tmp/carry M=/tmp/vmodels W=/tmp/vout
+mkdir -p "$OUT" "$C" "$M" "$W"
+export PYTHONPATH="/tmp/site:$PWD/src:$PWD/tests" HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+export VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_ENABLE_V1_MULTIPROCESSING=0
+TOKENS=3,17,42,5,77,8,23,61,9,30,55,14,2,88,40,19  # tests/test_engine_vllm.py's TOKENS
+stage=${1:?stage: stash DIR | setup | diagnose | gpu}
+t0=$(date +%s)
+step() { echo "[$(( $(date +%s) - t0 )) s] $*" | tee -a "$W/$stage.steps"; }
+left() { local n=$(( 545 - ($(date +%s) - t0) )); echo $(( n > 1 ? n : 1 )); }  # seconds left of this call
+cap() { local n=$(left); echo $(( n < $1 ? n : $1 )); }  # at most $1 seconds, within what is left
+pack() {  # the stage's folder as one tarball, its steps and summary beside it
+    python3 bench/h200_vllm.py summary "$W/$stage" > /dev/null 2>&1
+    cp "$W/$stage/summary.md" "$OUT/$stage-summary.md" 2>/dev/null
+    cp "$W/$stage.steps" "$OUT/$stage-steps.txt"
+    tar czf "$OUT/$stage.tgz" -C "$W" "$stage"
+}
+
+case "$stage" in
+stash)
+    src=${2:?stash DIR}
+    cp -r "$src"/. "$C"/ && ls -la "$C" | tee "$OUT/stash.txt"
+    df -h /tmp | tail -1 >> "$OUT/stash.txt"
+    ;;
+
+setup)
+    mkdir -p "$W/setup" "$M/demo"
+    step "reassemble and check"
+    (cd "$C" && cat vllm.whl.part* > "$(awk '{print $2}' vllm.sha256)" && sha256sum -c vllm.sha256) \
+        > "$W/setup/sha256.txt" 2>&1 || { step "vLLM wheel sha256 FAILED"; pack; exit 1; }
+    (cd "$C" && cat demo.gguf.part* > "$M/demo/demo.gguf" && cd "$M/demo" && sha256sum -c "$C/demo.sha256") \
+        >> "$W/setup/sha256.txt" 2>&1 || step "demo sha256 FAILED (the demo rows will fail)"
+    rm -f "$C"/*.part*
+    step "install"
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/vsite "$C"/*.whl \
+        > "$W/setup/pip.log" 2>&1 || { step "pip install into /tmp/vsite FAILED"; pack; exit 1; }
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site "$C"/gguf-*.whl \
+        >> "$W/setup/pip.log" 2>&1
+    printf '#!/bin/sh\nexport PYTHONPATH=/tmp/vsite VLLM_USE_FLASHINFER_SAMPLER=0\nexec python3 "$@"\n' > /tmp/vpy
+    chmod +x /tmp/vpy
+    { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+      /tmp/vpy -c "import vllm, torch, transformers, triton, vllm_gguf_plugin; from importlib.metadata import version as v; print('vllm', vllm.__version__, 'plugin', v('vllm-gguf-plugin'), 'torch', torch.__version__, 'transformers', transformers.__version__, 'triton', triton.__version__)"
+      PYTHONPATH="$PYTHONPATH:/tmp/vsite" python3 -c "import vllm.vllm_flash_attn, vllm.v1.attention.ops.flashmla as f; print('in-process: flash_attn ok; flashmla dense', f.is_flashmla_dense_supported(), 'sparse', f.is_flashmla_sparse_supported())"
+    } > "$W/setup/env.txt" 2>&1
+    step "models"
+    timeout "$(left)" python3 bench/h200_vllm.py models "$M" --demo "$M/demo/demo.gguf" > "$W/setup/models.log" 2>&1 \
+        || step "models FAILED: $(tail -1 "$W/setup/models.log")"
+    step "end"
+    pack
+    ;;
+
+diagnose)
+    D="$W/diagnose"
+    mkdir -p "$D"
+    export LLMDOCTOR_VLLM_GPU_MEMORY_UTILIZATION=0.25
+    diag() {  # name dtype args...: one row of issue 22's table
+        local name=$1 dtype=$2
+        shift 2
+        timeout "$(left)" python3 -m llmdoctor.cli diagnose "$@" --engine vllm --engine-python /tmp/vpy \
+            --engine-dtype "$dtype" --token-ids "$TOKENS" --json-out "$D/$name-$dtype.json" > "$D/$name-$dtype.log" 2>&1
+        step "$name $dtype: exit $?"
+    }
+    step "three lanes"
+    { diag demo-gguf bfloat16 --gguf "$M/demo/demo.gguf"; diag demo-gguf float32 --gguf "$M/demo/demo.gguf"; } &
+    { diag llama-hf bfloat16 --hf "$M/llama/hf-llama"; diag llama-hf float32 --hf "$M/llama/hf-llama"
+      diag llama-q8_0-gguf bfloat16 --gguf "$M/llama-q8_0/llama-q8_0.gguf"; } &
+    { diag deepseek-hf bfloat16 --hf "$M/deepseek/hf-deepseek"; diag deepseek-hf float32 --hf "$M/deepseek/hf-deepseek"
+      diag llama-q8_0-gguf float32 --gguf "$M/llama-q8_0/llama-q8_0.gguf"; } &
+    wait
+    step "end"
+    pack
+    ;;
+
+gpu)
+    G="$W/gpu"
+    mkdir -p "$G"
+    step "planted faults under vLLM (meanwhile)"
+    LLMDOCTOR_VLLM_GPU_MEMORY_UTILIZATION=0.25 timeout "$(left)" python3 bench/h200_vllm.py faults /tmp/vpy \
+        "$G/planted-faults.json" /tmp/vfaults > "$G/planted-faults.log" 2>&1 &
+    export PYTHONPATH="$PYTHONPATH:/tmp/vsite"  # vLLM's kernels run in llmdoctor's own process from here on
+    mkdir -p /tmp/vbin && ln -sf /tmp/vpy /tmp/vbin/python && export PATH="/tmp/vbin:$PATH"  # the explainer's `python`
+    step "check attention x3 (meanwhile)"
+    ca() {  # preset dtypes
+        timeout "$(left)" python3 -m llmdoctor.cli check attention --preset "$1" --subjects vllm --device cuda --dtype "$2" \
+            --json-out "$G/attention-$1.json" > "$G/attention-$1.log" 2>&1
+        step "check attention $1 $2: exit $?"
+    }
+    ca llama-3-8b bfloat16,float32 &
+    ca deepseek-v3 bfloat16 &
+    ca glm-5 bfloat16 &
+    step "check dequant"
+    for f in "$M/llama-q8_0/llama-q8_0.gguf" "$M/demo/demo.gguf"; do
+        n=$(basename "$f" .gguf)
+        timeout "$(cap 220)" python3 -m llmdoctor.cli check dequant "$f" --kernel vllm --device cuda --all \
+            --json-out "$G/dequant-$n.json" > "$G/dequant-$n.log" 2>&1
+        step "check dequant $n: exit $?"
+    done
+    step "GPU tests"
+    timeout "$(cap 180)" python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_vllm_kernels.py > "$G/gpu-tests.log" 2>&1
+    step "GPU tests: $(grep -E 'passed|failed' "$G/gpu-tests.log" | tr '\n' ' ')"
+    step "the engine explainer's selection on this GPU"
+    timeout "$(cap 90)" python3 - > "$G/explainer.txt" 2>&1 <<'PY'
+import json
+from llmdoctor.subjects.engines import vllm
+for head, dtype, mla, sparse in [(128, "bfloat16", False, False), (128, "float32", False, False), (192, "bfloat16", False, False),
+                                 (576, "bfloat16", True, False), (576, "float32", True, False), (576, "bfloat16", True, True)]:
+    try:
+        got = vllm.select("/tmp/vpy", head, dtype, use_mla=mla, use_sparse=sparse)
+    except Exception as e:  # noqa: BLE001
+        got = {"raised": f"{type(e).__name__}: {e}"}
+    print(head, dtype, "mla" if mla else "dense", "sparse" if sparse else "", json.dumps(got, default=str)[:600])
+PY
+    wait
+    step "end"
+    pack
+    python3 bench/h200_vllm.py summary "$W" > /dev/null 2>&1 && cp "$W/summary.md" "$OUT/summary.md"
+    ;;
+
+*)
+    echo "unknown stage $stage (stash DIR | setup | diagnose | gpu)" >&2
+    exit 2
+    ;;
+esac
