@@ -48,20 +48,36 @@ def vllm_python() -> str:
 
 
 @pytest.fixture(scope="session")
-def demo_hf(demo_path, tmp_path_factory) -> Path:
-    """The demo GGUF as an HF checkpoint (float32 weights, the GGUF's tokenizer and chat template), as a
-    vLLM deployment of the demo model would serve it."""
-    import torch
+def demo_tokenizer(demo_path, tmp_path_factory) -> Path:
+    """The demo GGUF's tokenizer as transformers converts it (AutoTokenizer with gguf_file=, 50-60 s on 2 loaded
+    cores: converted once per session), saved as an HF tokenizer folder; its chat template where the GGUF
+    carries one (the demo's carries none)."""
     import transformers
 
     from llmdoctor.gguf import open_gguf
+
+    out = tmp_path_factory.mktemp("demo-tokenizer")
+    tok = transformers.AutoTokenizer.from_pretrained(str(demo_path.parent), gguf_file=demo_path.name)
+    with open_gguf(demo_path) as g:
+        template = g.get("tokenizer.chat_template")
+    if isinstance(template, str) and template:
+        tok.chat_template = template
+    tok.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def demo_hf(demo_path, demo_tokenizer, tmp_path_factory) -> Path:
+    """The demo GGUF as an HF checkpoint (float32 weights, the GGUF's tokenizer and chat template), as a
+    vLLM deployment of the demo model would serve it."""
+    import shutil
+
+    import torch
+
     from llmdoctor.subjects.engines.transformers import build
 
     out = tmp_path_factory.mktemp("demo-hf")
     model, _ = build(demo_path, torch.float32)
     model.save_pretrained(out)
-    tok = transformers.AutoTokenizer.from_pretrained(str(demo_path.parent), gguf_file=demo_path.name)
-    with open_gguf(demo_path) as g:
-        tok.chat_template = str(g.get("tokenizer.chat_template"))
-    tok.save_pretrained(out)
+    shutil.copytree(demo_tokenizer, out, dirs_exist_ok=True)
     return out

@@ -267,6 +267,8 @@ def diagnose(
     threads: Optional[int] = typer.Option(None, "--threads", help="CPU threads for the engines."),
     manifest: Optional[Path] = typer.Option(None, "--manifest", help="A manifest of a known-good copy "
                                             "(llmdoctor manifest): every tensor and key that differs is named."),
+    tokenizer: Optional[Path] = typer.Option(None, "--tokenizer", help="The tokenizer folder the deployment loads "
+                                             "(vLLM's --tokenizer; default: the engine's own)."),
     seed: int = typer.Option(0, "--seed"),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object on stdout."),
     json_path: Optional[Path] = json_path_option(),
@@ -300,7 +302,8 @@ def diagnose(
                                     token_ids=token_ids, default_gguf=lambda: model_file(None),
                                     engine_dtype=engine_dtype, engine_python=engine_python,
                                     dequant_kernel=dequant_kernel, attention_impl=attention_impl,
-                                    attention_contract=attention_contract, seed=seed, threads=threads, manifest=manifest)
+                                    attention_contract=attention_contract, seed=seed, threads=threads, manifest=manifest,
+                                    tokenizer=tokenizer)
     with tempfile.TemporaryDirectory(prefix="llmdoctor-demo-") as tmp:
         if demo_fault:
             demo_faults.apply(demo_fault, inputs, Path(tmp))

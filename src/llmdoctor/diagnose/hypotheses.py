@@ -586,3 +586,57 @@ def h_symptom_bisection(s: Session) -> list[Finding]:
         f.confidence = f.confidence or "medium"
         out.append(f)
     return out
+
+
+def h_front_end(s: Session) -> list[Finding]:
+    """The deployment's own tokenization of a fixed set of prompts and a chat against the reference's
+    (checks/frontend_engine.py). Where they differ, the compute runs twice on the first differing prompt,
+    the engine on its own tokens (what users get) and on the reference's (the compute alone), each against
+    the reference on the reference's tokens at the last position (the next token a user sees), so that the
+    report can tell a front-end fault from a layer's."""
+    from ..checks import frontend_engine as fe
+
+    engine = s.engine()
+    ref = s.once("reference-front-end", lambda: fe.ReferenceFrontEnd(s.reference_path()))
+    try:
+        rows = fe.compare(engine, ref, s.inputs.prompt, s.progress)
+    except EngineError as e:
+        raise Skip(f"the engine's front end could not run: {e}") from None
+    f = fe.finding(engine, ref, rows)
+    if f.status == "skip":
+        raise Skip(f.reason)
+    if f.status == "fail":
+        row = next(r for r in rows if r.differs())
+        runs = _front_end_compute(s, ref, row)
+        f.metrics["compute_runs"] = runs
+        own, alone = runs.get("engine_tokens"), runs.get("reference_tokens")
+        if own and alone and "kl" in own and "kl" in alone:
+            f.explanation += (f". On its own tokens the engine's next token is {own['engine_next']!r} (the reference's "
+                              f"{own['reference_next']!r}, KL {own['kl']:.3g}); on the reference's tokens "
+                              f"{alone['engine_next']!r} (KL {alone['kl']:.3g})")
+            if alone["top1_agrees"] and alone["kl"] < own["kl"]:
+                f.explanation += ": the front end is the cause; the compute agrees on the reference's tokens " \
+                                 "(engine-vs-reference judges the layers)"
+    return [f]
+
+
+def _front_end_compute(s: Session, ref, row) -> dict[str, Any]:
+    """The engine's last-position distribution on its own tokens of `row`'s prompt and on the reference's,
+    each against the float32 reference on the reference's tokens: KL (checks/metrics.py) and next tokens."""
+    from ..checks import metrics as M
+
+    out: dict[str, Any] = {"prompt_label": row.label, "position": "the last (the next token a user gets)"}
+    try:
+        want = s.reference_logits_on(row.reference)[-1]
+    except Skip as e:
+        return {**out, "skipped": str(e)}
+    for key, ids in (("engine_tokens", row.engine), ("reference_tokens", row.reference)):
+        try:
+            got = torch.as_tensor(s.engine_run_on(ids).logits[-1])
+        except Skip as e:
+            out[key] = {"skipped": str(e)}
+            continue
+        out[key] = {"tokens": len(ids), "kl": float(M.kl_divergence(got, want)),
+                    "top1_agrees": int(got.argmax()) == int(want.argmax()),
+                    "engine_next": ref.piece(int(got.argmax())), "reference_next": ref.piece(int(want.argmax()))}
+    return out

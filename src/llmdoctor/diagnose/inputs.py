@@ -25,6 +25,7 @@ class Inputs:
     engine: str | None = None
     engine_gguf: Path | None = None  # the file the engine loads when it differs from --gguf (demo faults)
     engine_hf: Path | None = None  # the checkpoint the engine loads when it differs from --hf (planted faults)
+    tokenizer: Path | None = None  # the tokenizer folder the deployment loads (--tokenizer); None: the engine's own
     engine_dtype: str | None = None
     manifest: Path | None = None  # a manifest of a known-good copy (llmdoctor manifest): compared in file-integrity
     engine_python: str | None = None  # the deployment's interpreter for engines run in their own environment (vLLM)
@@ -46,6 +47,9 @@ class Inputs:
           safetensors); with neither, the demo model (`default_gguf()`).
         - the engine: `--engine`; none named and nothing else to examine: the demo deployment, the GGUF in
           llama.cpp; a checkpoint alone: transformers, the in-process engine that runs safetensors.
+        - `--tokenizer DIR`: the tokenizer folder the deployment loads, for every engine (vLLM's option of that
+          name; transformers' AutoTokenizer; llama-cpp-python's hf_pretrained_model_name_or_path). The
+          reference's tokenizer stays the model file's.
         """
         from ..reference.checkpoint import is_checkpoint
         from ..reference.hf_tokenizer import parse_token_ids
@@ -62,7 +66,7 @@ class Inputs:
             raise InputError(f"{hf}: no config.json with *.safetensors: without --gguf, the reference runs from an "
                              "HF checkpoint's safetensors")
         inputs = cls(gguf=gguf, hf=hf, endpoint=endpoint, engine=engine, **rest)
-        for name in ("manifest", "engine_gguf", "engine_hf"):
+        for name in ("manifest", "engine_gguf", "engine_hf", "tokenizer"):
             setattr(inputs, name, resolve(getattr(inputs, name)))
         if prompt:
             inputs.prompt = prompt

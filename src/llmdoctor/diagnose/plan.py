@@ -90,6 +90,14 @@ PLAN: tuple[Hypothesis, ...] = (
                "parity on every special and byte token and 4,096 seeded others)"),
     Hypothesis("mapping", "name map / layout", "Are the GGUF<->HF names and layouts right?", ("gguf",), h.h_mapping,
                "`check mapping` (with `--hf DIR` each tensor's numbers too)"),
+    Hypothesis("front-end", "engine front end", "Does the deployment tokenize as the model file says?", ("engine",),
+               h.h_front_end,
+               "the engine's own tokenization (llama.cpp as its server does; transformers and vLLM with the tokenizer "
+               "folder they load, `--tokenizer DIR`; an endpoint's tokenize route) of fixed prompts (digits, runs of "
+               "spaces, unicode, byte fallback, spelled special tokens) and a chat through its chat template, against "
+               "the GGUF's tokenizer and template: the first differing token with both pieces, BOS missing or "
+               "doubled, the count ratio; where they differ, the engine's next token on its own tokens and on the "
+               "reference's (front end or compute)"),
     Hypothesis("dequant", "dequant kernels", "Is the engine's dequant kernel right?", ("gguf", "dequant-kernel"),
                h.h_dequant, "`check dequant` of `--dequant-kernel`, or of the engine's own kernel (llama.cpp: "
                "libggml's `to_float`), 32 blocks per tensor"),

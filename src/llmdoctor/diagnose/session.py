@@ -185,7 +185,7 @@ class Session:
             i = self.inputs
             return create(name, Deployment(model=self.engine_model(), hf=i.hf if i.gguf is not None else None,
                                            dtype=i.engine_dtype, python=i.engine_python, threads=i.threads,
-                                           dequant_kernel=i.dequant_kernel))
+                                           dequant_kernel=i.dequant_kernel, tokenizer=i.tokenizer))
 
         if self.inputs.gguf is None and "hf" not in engine_class(name).traits.formats:
             raise Skip(f"{name} runs GGUF files only: no --gguf given")
@@ -215,6 +215,39 @@ class Session:
         if isinstance(result, Skip):
             raise result
         return result
+
+    def engine_run_on(self, tokens: list[int]) -> EngineRun:
+        """The engine's teacher-forced run of other token ids (its own tokenization of a prompt, where it
+        differs from the reference's), keyed by the ids; the run of the reference's tokens is `engine_run`'s.
+        An EngineError is raised as a Skip with the reason."""
+        if list(tokens) == self.tokens():
+            return self.engine_run()
+        engine = self.engine()
+
+        def make():
+            self.progress(f"{engine.name} forward pass on its own tokens ({len(tokens)})")
+            try:
+                return engine.run(list(tokens), self.config())
+            except EngineError as e:
+                return Skip(f"the engine could not run its own tokens: {e}")
+
+        result = self.once(f"engine-on-{tuple(tokens)}", make)
+        if isinstance(result, Skip):
+            raise result
+        return result
+
+    def reference_logits_on(self, tokens: list[int]) -> torch.Tensor:
+        """The float32 reference's logits [T, V] of other token ids, keyed by the ids (no captures)."""
+        if list(tokens) == self.tokens():
+            return self.reference("float32")[0]
+
+        def make():
+            self.progress(f"reference forward pass ({len(tokens)} other tokens)")
+            with self.pinned_threads():
+                logits, _ = self.model().forward(list(tokens), capture=set())
+            return logits
+
+        return self.once(f"reference-on-{tuple(tokens)}", make)
 
     def engine_info(self) -> dict[str, Any] | None:
         """What the engine reported of itself (versions, dtype, backends) if it ran in this session; never

@@ -52,6 +52,8 @@ def named_subjects(inputs: Inputs) -> set[str]:
         named.add("mapping")
     if inputs.engine:
         named.add("engine-vs-reference")
+    if inputs.tokenizer:
+        named.add("front-end")
     return named
 
 

@@ -15,13 +15,13 @@ _MODULES = ("llmdoctor.faults.hostile_files", "llmdoctor.faults.reference", "llm
             "llmdoctor.faults.endpoint", "llmdoctor.faults.kernels", "llmdoctor.faults.demo",
             "llmdoctor.faults.attention", "llmdoctor.faults.mapping", "llmdoctor.faults.checkpoint",
             "llmdoctor.faults.file_corruptions",
-            "llmdoctor.faults.sharding")
+            "llmdoctor.faults.sharding", "llmdoctor.faults.frontend")
 
 
 @dataclass(frozen=True)
 class Fault:
     name: str
-    kind: str  # "hostile-file", "hostile-split", "file", "kernel", "engine", "endpoint"
+    kind: str  # "hostile-file", "hostile-split", "file", "kernel", "engine", "endpoint", "frontend"
     description: str
     build: Callable[..., Any]
     expect: str  # a substring (or name) the right diagnosis contains

@@ -64,6 +64,7 @@ class Deployment:
     python: str | None = None  # the deployment's own interpreter (engines in their own environment)
     threads: int | None = None
     dequant_kernel: str | None = None  # the GGUF dequant kernel the deployment loads weights with
+    tokenizer: Path | None = None  # the tokenizer folder the deployment loads (vLLM's --tokenizer); None: the engine's own
 
     @property
     def is_gguf(self) -> bool:
@@ -118,6 +119,27 @@ class Engine:
 
     def tokenize(self, text: str) -> list[int]:
         raise NotOffered(f"{self.name}: tokenizing text as the deployment does is not offered yet")
+
+    def chat_tokenize(self, messages: list[dict[str, str]]) -> tuple[str | None, list[int]]:
+        """(the prompt text the deployment's chat template renders, or None where only ids are shown; the
+        token ids its chat route runs) for `messages`, with the generation prompt added."""
+        raise NotOffered(f"{self.name}: rendering a chat as the deployment does is not offered yet")
+
+    def tokenize_all(self, texts: list[str], conversations: list[list[dict[str, str]]]
+                     ) -> tuple[list[list[int]], list[tuple[str | None, list[int]] | NotOffered]]:
+        """`tokenize` of every text and `chat_tokenize` of every conversation (a NotOffered in its place where
+        the chat is not offered), in one call: an engine in a child process loads its tokenizer once."""
+        chats: list[tuple[str | None, list[int]] | NotOffered] = []
+        for conv in conversations:
+            try:
+                chats.append(self.chat_tokenize(conv))
+            except NotOffered as e:
+                chats.append(e)
+        return [self.tokenize(t) for t in texts], chats
+
+    def front_end(self) -> dict[str, Any]:
+        """Which tokenizer and chat template the deployment uses and its add-special rule, for the report."""
+        return {"tokenizer": None if self.deployment.tokenizer is None else os.fspath(self.deployment.tokenizer)}
 
     def generate(self, tokens: list[int], n: int) -> list[int]:
         raise NotOffered(f"{self.name}: greedy generation through the decode path is not offered yet")

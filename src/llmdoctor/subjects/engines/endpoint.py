@@ -40,7 +40,16 @@ class EndpointEngine(Engine):
         got = self.client().tokenize(text)
         if got is None:
             raise NotOffered(f"{self.deployment.url} has no tokenize route llmdoctor knows")
+        self._route = got[1]
         return got[0]
+
+    def front_end(self) -> dict[str, Any]:
+        """The tokenize route used and its add-special rule (subjects/endpoint.py's `Endpoint.tokenize` asks
+        for special tokens explicitly: llama.cpp's /tokenize defaults to add_special false, vLLM's to
+        add_special_tokens true, llama-cpp-python's /extras/tokenize always adds BOS)."""
+        route = getattr(self, "_route", None)
+        return {"tokenizer": f"the server's, through {route or 'its tokenize route'}", "route": route,
+                "add_special": ROUTE_ADD_SPECIAL.get(route, "unknown")}
 
     def generate(self, tokens: list[int], n: int) -> list[int]:
         out = self.client().complete(tokens, max_tokens=n, logprobs=1)  # a completion prompt may be token ids
@@ -54,3 +63,9 @@ class EndpointEngine(Engine):
     def close(self) -> None:
         if self._client is not None:
             self._client.close()
+
+
+# what each known tokenize route was asked for (subjects/endpoint.py), in words
+ROUTE_ADD_SPECIAL = {"/extras/tokenize": "llama-cpp-python adds BOS as the model says (no switch)",
+                     "/tokenize": "asked explicitly: llama.cpp add_special=true (its default false), vLLM "
+                                  "add_special_tokens=true (its default true)"}

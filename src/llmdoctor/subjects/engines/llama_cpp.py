@@ -332,8 +332,65 @@ class LlamaCppEngine(Engine):
         return Budget("float32", LLAMA_CPP_CPU, "llama.cpp arithmetic (Q8 activations, F16 KV)")
 
     def tokenize(self, text: str) -> list[int]:
+        return self.tokenize_all([text], [])[0][0]
+
+    def chat_tokenize(self, messages: list[dict[str, str]]) -> tuple[str | None, list[int]]:
+        got = self.tokenize_all([], [messages])[1][0]
+        if isinstance(got, Exception):
+            raise got
+        return got
+
+    def tokenize_all(self, texts: list[str], conversations: list[list[dict[str, str]]]
+                     ) -> tuple[list[list[int]], list[Any]]:
+        """As llama-cpp-python's server tokenizes: with an HF tokenizer folder (`hf_pretrained_model_name_or_path`)
+        through its LlamaHFTokenizer (add_special_tokens=True) and, for a chat, its `hf-autotokenizer` format (the
+        folder's template rendered, then tokenized by LlamaHFTokenizer, which passes add_special_tokens=True
+        whatever add_bos says); else llama_tokenize with add_special and parse_special, and a chat through the
+        GGUF's tokenizer.chat_template in its Jinja2ChatFormatter, tokenized without added specials (the
+        template writes BOS). The vocab is loaded once."""
+        from .base import NotOffered
+
+        chats: list[Any] = []
+        if self.deployment.tokenizer is not None:
+            for conv in conversations:
+                try:
+                    chats.append(self._hf().chat(conv, add_special_tokens=True))
+                except NotOffered as e:
+                    chats.append(e)
+            return [self._hf().encode(t) for t in texts], chats
+        from ...gguf import open_gguf
+
+        with open_gguf(self.deployment.model) as g:
+            template, bos, eos = (g.get(f"tokenizer.{k}") for k in ("chat_template", "ggml.bos_token_id",
+                                                                    "ggml.eos_token_id"))
         with VocabPieces(self.deployment.model) as vocab:
-            return vocab.tokenize(text)
+            for conv in conversations:
+                if not isinstance(template, str) or not template:
+                    chats.append(NotOffered(f"{self.deployment.model.name} carries no tokenizer.chat_template "
+                                            "(llama.cpp's chat route then falls back to a built-in format, not the "
+                                            "model's)"))
+                    continue
+                from llama_cpp.llama_chat_format import Jinja2ChatFormatter
+
+                text_of = lambda tid: "" if tid is None else vocab(int(tid), True).decode("utf-8", "replace")  # noqa: E731
+                res = Jinja2ChatFormatter(template, eos_token=text_of(eos), bos_token=text_of(bos))(messages=conv)
+                chats.append((res.prompt, vocab.tokenize(res.prompt, add_special=not res.added_special,
+                                                         parse_special=True)))
+            return [vocab.tokenize(t) for t in texts], chats
+
+    def front_end(self) -> dict[str, Any]:
+        if self.deployment.tokenizer is not None:
+            return {**self._hf().describe(chat_add_special=True),
+                    "as": "llama-cpp-python with hf_pretrained_model_name_or_path"}
+        return {"tokenizer": f"the GGUF's ({self.deployment.model})", "loaded_by": "llama_tokenize",
+                "add_special": True, "parse_special": True}
+
+    def _hf(self):
+        from .hf_front import HFFrontEnd
+
+        if not hasattr(self, "_hf_front"):
+            self._hf_front = HFFrontEnd(self.deployment.tokenizer)
+        return self._hf_front
 
     def piece_reader(self) -> "VocabPieces":
         return VocabPieces(self.deployment.model)

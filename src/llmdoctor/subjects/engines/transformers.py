@@ -227,3 +227,32 @@ class TransformersEngine(Engine):
         import transformers
 
         return {**super().describe(), "transformers": transformers.__version__, "device": "cpu"}
+
+    # ---- the front end: the tokenizer folder the deployment loads (hf_front.py) ----------------------
+    def _front(self):
+        from .hf_front import HFFrontEnd
+
+        d = self.deployment
+        folder = d.tokenizer or (d.model if d.model is not None and not d.is_gguf else None)
+        if folder is None:
+            raise NotOffered(GGUF_TOKENIZER_SLOW)
+        if not hasattr(self, "_front_end"):
+            self._front_end = HFFrontEnd(folder)
+        return self._front_end
+
+    def tokenize(self, text: str) -> list[int]:
+        return self._front().encode(text)
+
+    def chat_tokenize(self, messages: list[dict[str, str]]) -> tuple[str | None, list[int]]:
+        return self._front().chat(messages)
+
+    def front_end(self) -> dict[str, Any]:
+        return self._front().describe()
+
+
+# transformers' own GGUF tokenizer conversion (AutoTokenizer.from_pretrained(gguf_file=...)) rebuilds the BPE
+# merges from the vocab's scores: 50-60 s for the demo's 262,144 tokens on 2 loaded cores (measured), more
+# than the whole diagnosis; the deployment's folder is named instead.
+GGUF_TOKENIZER_SLOW = ("transformers running a GGUF tokenizes with what it converts from the file (AutoTokenizer "
+                       "with gguf_file=, 50-60 s for the demo's 262,144-token vocab): not converted here; give the "
+                       "deployment's tokenizer folder with --tokenizer DIR")

@@ -30,7 +30,7 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
-from .base import Engine, EngineError, EngineRun, EngineUnavailable, Traits, torch_dtype_name
+from .base import Engine, EngineError, EngineRun, EngineUnavailable, NotOffered, Traits, torch_dtype_name
 
 DRIVER = Path(__file__).with_name("vllm_driver.py")
 RUN_TIMEOUT_S = 1800.0  # loading a large checkpoint from a cold disk plus one prefill
@@ -590,3 +590,29 @@ class VLLMEngine(Engine):
 
     def gguf_name_map(self, hf_config: dict[str, Any]) -> dict[str, Any]:
         return gguf_name_map(self.python(), hf_config)
+
+    # ---- the front end: the renderer vLLM builds for the model (driver `tokenize`) -------------------
+    def tokenize(self, text: str) -> list[int]:
+        return self.tokenize_all([text], [])[0][0]
+
+    def chat_tokenize(self, messages: list[dict[str, str]]) -> tuple[str | None, list[int]]:
+        got = self.tokenize_all([], [messages])[1][0]
+        if isinstance(got, NotOffered):
+            raise got
+        return got
+
+    def tokenize_all(self, texts: list[str], conversations: list[list[dict[str, str]]]
+                     ) -> tuple[list[list[int]], list[tuple[str | None, list[int]] | NotOffered]]:
+        d = self.deployment
+        model = d.hf if d.is_gguf and d.hf is not None else d.model  # what `run` falls back to for a GGUF
+        res = _call(self.python(), {"command": "tokenize", "model": os.fspath(model), "texts": list(texts),
+                                    "conversations": list(conversations), "dtype": self._dtype(),
+                                    "tokenizer": None if d.tokenizer is None else os.fspath(d.tokenizer)},
+                    QUERY_TIMEOUT_S)
+        self._front_end = {**res["info"], "loaded_by": "vLLM's renderer (renderer_from_config)"}
+        chats = [NotOffered(f"vLLM refuses the chat: {c['error']}") if "error" in c else (c["text"], c["ids"])
+                 for c in res["chats"]]
+        return res["texts"], chats
+
+    def front_end(self) -> dict[str, Any]:
+        return getattr(self, "_front_end", None) or super().front_end()

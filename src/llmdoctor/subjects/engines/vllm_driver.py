@@ -19,6 +19,8 @@ Commands:
   select   the same selection for a bare attention shape (head size, dtype, MLA, sparse) under a
            VllmConfig without a model (the dtype through torch's default dtype, as vLLM reads it there).
   attention  vLLM's CPU attention kernel (CPU_ATTN's ops) on varlen q, k, v through a paged cache.
+  tokenize the texts and chat conversations through the renderer vLLM builds for the model (its
+           tokenizer and chat template), as its completion and chat routes tokenize them.
   namemap  the GGUF->HF parameter name map of the vllm-gguf-plugin (`get_weights_adapter(config)
            .build_name_map(model_config)`) for an HF config.
 
@@ -401,6 +403,41 @@ def cmd_attention(req: dict) -> dict:
     return {"out": out, "isa": isa}
 
 
+# ---- tokenize -------------------------------------------------------------------------------------
+
+def cmd_tokenize(req: dict) -> dict:
+    """The deployment's front end without its weights: the renderer vLLM builds for the model (its
+    tokenizer: the model folder's, or the `tokenizer=` option; its chat template) tokenizes each text as
+    a completion prompt (render_cmpl: add_special_tokens=True) and renders each conversation as a chat
+    request (render_messages for the text, render_chat for the ids: add_special_tokens=False)."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    try:
+        from vllm.renderers import renderer_from_config
+        from vllm.renderers.params import ChatParams
+    except ImportError:
+        raise Unsupported(f"vLLM {_version()} has no vllm.renderers (renderer_from_config, ChatParams)") from None
+    kw = {k: v for k, v in _engine_kwargs(req).items() if k not in ("skip_tokenizer_init", "max_model_len")}
+    if req.get("tokenizer"):
+        kw["tokenizer"] = req["tokenizer"]
+    config = EngineArgs(**kw).create_engine_config()
+    renderer = renderer_from_config(config)
+    texts = [[int(t) for t in renderer.render_cmpl([{"prompt": text}])[0]["prompt_token_ids"]] for text in req["texts"]]
+    chats = []
+    for conv in req.get("conversations") or []:
+        try:
+            _, prompt = renderer.render_messages(conv, ChatParams())
+            _, engine_prompts = renderer.render_chat([conv], ChatParams())
+            chats.append({"text": prompt.get("prompt"), "ids": [int(t) for t in engine_prompts[0]["prompt_token_ids"]]})
+        except Exception as e:  # noqa: BLE001 - vLLM's refusal (no chat template) is the answer, quoted
+            chats.append({"error": f"{type(e).__name__}: {str(e).strip()[:500]}"})
+    tok = renderer.get_tokenizer()
+    return {"texts": texts, "chats": chats,
+            "info": {**cmd_info(req), "tokenizer": str(config.model_config.tokenizer),
+                     "class": type(tok).__name__, "chat_template": bool(getattr(tok, "chat_template", None)),
+                     "add_special_tokens": True, "chat_add_special_tokens": False}}
+
+
 def _dist_version(name: str) -> str:
     from importlib.metadata import version
 
@@ -409,6 +446,7 @@ def _dist_version(name: str) -> str:
 
 COMMANDS = {"info": cmd_info, "run": cmd_run, "explain": cmd_explain, "select": cmd_select, "namemap": cmd_namemap,
             "attention": cmd_attention}
+COMMANDS["tokenize"] = cmd_tokenize
 
 
 def main() -> int:
