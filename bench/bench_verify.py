@@ -1,23 +1,22 @@
-"""verify and manifest at disk speed, each against a same-run anchor on the same file.
+"""verify against the same-run read rate, in every mode, with its memory (issue 23 part 2).
 
-    python bench/bench_verify.py [--synthetic-gb 4] [--keep]      (--synthetic-gb 0: the demo alone)
+    python bench/bench_verify.py [--gb 4] [--file F] [--devices cpu,cuda] [--caches cold,warm]
+                                 [--manifest] [--repeat 1] [--out DIR] [--keep]
 
-Files: the demo model, and a synthetic GGUF of --synthetic-gb GB written under /tmp by this script
-(Q4_K, Q6_K, Q8_0 and F32 tensors of random blocks whose scales are finite float16, so every value
-decodes finite; removed afterwards unless --keep).
-For each file, cold (its pages evicted from the page cache before each run) and warm:
-  read      one sequential pass, os.readv into one reused 16 MiB buffer (the anchor)
-  verify    checks.verify.run on the CPU, with the forensics statistics (what the command does),
-            and without them (`verify-bare`: the decode and finite checks alone), to name the slowest stage
-  manifest  checks.manifest.hash_tensors (every tensor's sha256, os.cpu_count() threads)
-  sha256sum `sha256sum FILE` (the anchor of the hashing)
-Each stage: wall seconds, CPU seconds of this process, GB/s, and CPU seconds per GB (the steadier
-figure on a shared machine). Also, once: the CPU milliseconds per 1M decoded values of each stage of
-verify's chunk (native decode, the finite check, the forensics accumulator), one thread, best of 20,
-on a chunk of each of the demo's quant types (`per_million`).
-Cold: `echo 3 > /proc/sys/vm/drop_caches` where the machine allows it, else posix_fadvise(DONTNEED)
-on the file (evicts its clean pages without privileges); the output says which (the cold read's
-rate against the warm one shows that the pages were gone). Prints one JSON object.
+The file: --file, or a synthetic GGUF of --gb GB written by this script (write_synthetic: Q4_K, Q6_K,
+Q8_0 and F32 tensors of 64M values, random blocks whose scales are finite float16, so every value
+decodes finite; removed afterwards unless --keep). For each cache state (cold: the file's pages
+evicted first, see `evict`; warm: read once just before), in one run on the one file:
+  read      the anchor: one sequential pass, os.readv into one reused 16 MiB buffer, in this process
+  dd        the anchor of issue 23's table: `dd if=FILE of=/dev/null bs=16M`, a child
+  verify    checks.verify.run in a child process per device (what `llmdoctor verify` does, the
+            forensics statistics included); with --manifest also `verify+manifest` (write_manifest:
+            every tensor's sha256 in the same pass)
+Per verify run: the pass's GB/s (timed inside the child, as the command reports it) and with the
+child's start-up (wall), the ratio of the pass to the faster anchor of the same cache state, the
+child's max RSS (os.wait4's ru_maxrss) and CPU seconds per GB (of the pass, every thread of the child,
+and of the whole child, start-up included): on a loaded machine the steadier figure. Prints one JSON object, and writes it
+and a markdown summary table under --out after every step (a run cut short keeps what it measured).
 """
 
 from __future__ import annotations
@@ -33,10 +32,7 @@ from pathlib import Path
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q, GGUFWriter
 
-from llmdoctor.checks import manifest as MF
-from llmdoctor.checks import verify as V
 from llmdoctor.checks.forensics import SCALE_FIELDS
-from llmdoctor.demo import model_path
 from llmdoctor.gguf import open_gguf
 
 READ_BUFFER = 16 << 20
@@ -115,119 +111,165 @@ def read_all(path: Path) -> int:
     return n
 
 
-def timed(fn, *args) -> tuple[float, float]:
-    """(wall seconds, CPU seconds of this process)."""
-    t0, c0 = time.perf_counter(), time.process_time()
-    fn(*args)
-    return time.perf_counter() - t0, time.process_time() - c0
+CHILD = """
+import json, sys, time
+from pathlib import Path
+import importlib
+V = importlib.import_module(sys.argv[4])
+t0, c0 = time.perf_counter(), time.process_time()
+r = V.run(Path(sys.argv[1]), device=sys.argv[2], **({"write_manifest": True} if sys.argv[3] == "1" else {}))
+print(json.dumps({"pass_s": r.seconds, "bytes": r.bytes, "findings": len(r.findings),
+                  "non_finite": r.totals()["non_finite"], "in_child_s": time.perf_counter() - t0,
+                  "pass_cpu_s": time.process_time() - c0,
+                  "manifest_tensors": len(r.manifest["tensors"]) if getattr(r, "manifest", None) else None}))
+"""
 
 
-def verify_bare(path: Path) -> None:
-    keep = V._forensics
-    V._forensics = lambda: None  # the decode and finite checks alone
-    try:
-        V.run(path)
-    finally:
-        V._forensics = keep
+def verify_child(path: Path, device: str, manifest: bool, module: str = "llmdoctor.checks.verify") -> dict:
+    """One verify pass in a child process: its own figures, wall time with start-up, max RSS, CPU."""
+    t0 = time.perf_counter()
+    p = subprocess.Popen([sys.executable, "-c", CHILD, str(path), device, "1" if manifest else "0", module],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    out, err = p.stdout.read(), p.stderr.read()
+    _, status, ru = os.wait4(p.pid, 0)
+    wall = time.perf_counter() - t0
+    p.returncode = os.waitstatus_to_exitcode(status)
+    if p.returncode != 0:
+        return {"error": f"exit {p.returncode}: {err[-800:]}"}
+    r = json.loads(out.strip().splitlines()[-1])
+    size = r["bytes"]
+    return {"pass_s": round(r["pass_s"], 3), "wall_s": round(wall, 3), "GB/s": round(size / r["pass_s"] / 1e9, 3),
+            "wall_GB/s": round(size / wall / 1e9, 3), "max_rss_GB": round(ru.ru_maxrss * 1024 / 1e9, 3),
+            "cpu_s_per_GB": round((ru.ru_utime + ru.ru_stime) / size * 1e9, 3),
+            "pass_cpu_s_per_GB": round(r["pass_cpu_s"] / size * 1e9, 3), "non_finite": r["non_finite"],
+            "findings": r["findings"], "manifest_tensors": r["manifest_tensors"]}
 
 
-def hash_all(path: Path) -> None:
-    with open_gguf(path) as g:
-        MF.hash_tensors(g)
+def agree(gb: float, devices: list[str]) -> dict:
+    """The devices' reports on one small synthetic file with a planted +inf block scale (faults'
+    scale-inf, block 3 of blk.0.t2.weight, a Q6_K tensor): the same per-tensor counts, first bad block
+    and offset, sha256 and finding statuses on each, rms within 1e-5 relative (the pieces are summed
+    in another order on the GPU)."""
+    import tempfile
 
-
-def sha256sum(path: Path) -> None:
-    subprocess.run(["sha256sum", *_files(path)], check=True, capture_output=True)
-
-
-STAGES = {"read": read_all, "verify": lambda p: V.run(p), "verify-bare": verify_bare, "manifest": hash_all,
-          "sha256sum": sha256sum}
-
-
-def _figures(size: int, wall: float, cpu: float) -> dict:
-    return {"s": round(wall, 3), "cpu_s": round(cpu, 3), "GB/s": round(size / wall / 1e9, 3),
-            "cpu_s_per_GB": round(cpu / size * 1e9, 2)}
-
-
-def bench_file(path: Path, stages: list[str]) -> dict:
-    with open_gguf(path) as g:
-        size = g.total_size
-    out: dict = {"file": str(path), "bytes": size, "cold": {}, "warm": {}}
-    for stage in stages:
-        how = evict(path)
-        wall, cpu = timed(STAGES[stage], path)
-        out["cold"][stage] = _figures(size, wall, cpu)
-        out["evicted_by"] = how
-        STAGES["read"](path)  # warm the cache, then time the warm run
-        wall, cpu = timed(STAGES[stage], path)
-        out["warm"][stage] = _figures(size, wall, cpu)
-    for cache in ("cold", "warm"):
-        r = out[cache]
-        out[cache]["ratios"] = {
-            "verify / read": round(r["verify"]["GB/s"] / r["read"]["GB/s"], 3),
-            "verify-bare / read": round(r["verify-bare"]["GB/s"] / r["read"]["GB/s"], 3),
-            "manifest / sha256sum": round(r["manifest"]["GB/s"] / r["sha256sum"]["GB/s"], 3),
-        }
-    return out
-
-
-def per_million(repeats: int = 20) -> dict:
-    """CPU ms per 1M values of verify's per-chunk work, one torch thread, best of `repeats`."""
     import torch
 
-    from llmdoctor.checks import forensics as FX
-    from llmdoctor.gguf import dequantize
+    from llmdoctor import faults
+    from llmdoctor.checks import verify as V
 
-    def best(fn) -> float:
-        times = []
-        for _ in range(repeats):
-            c = time.thread_time()
-            fn()
-            times.append(time.thread_time() - c)
-        return min(times) * 1e3
-
-    keep = torch.get_num_threads()
-    torch.set_num_threads(1)
-    out = {}
-    try:
-        with open_gguf(model_path()) as g:
-            for q in (Q.Q4_K, Q.Q6_K, Q.Q8_0):
-                t = next(t for t in g.tensors if t.type == q and t.n_elements >= V.CHUNK_VALUES)
-                nb = V.CHUNK_VALUES // t.block_size
-                raw = t.data[: nb * t.type_size]
-                v = dequantize(raw, q, (nb * t.block_size,))
-                acc = FX.Accumulator(t.name, q)
-                out[q.name] = {"decode": round(best(lambda: dequantize(raw, q, (nb * t.block_size,), out=v)), 3),
-                               "finite check": round(best(lambda: float(v.sum())), 3),
-                               "forensics": round(best(lambda: acc.add(raw.reshape(nb, -1), v)), 3)}
-    finally:
-        torch.set_num_threads(keep)
+    with tempfile.TemporaryDirectory() as d:
+        src = write_synthetic(Path(d) / "small.gguf", gb)
+        bad = faults.get("scale-inf").build(src, Path(d), tensor="blk.0.t2.weight", block=3)
+        runs = {dev: V.run(bad, device=dev, write_manifest=True) for dev in devices
+                if dev != "cuda" or torch.cuda.is_available()}
+    key = lambda r: [(t.name, t.values, t.non_finite, t.first_bad_block, t.first_bad_offset, t.sha256)
+                     for t in r.tensors]  # noqa: E731
+    status = lambda r: [(f.check, f.target, f.status) for f in r.findings]  # noqa: E731
+    first = next(iter(runs.values()))
+    out = {"devices": list(runs), "bad_tensors": [t.name for t in first.tensors if t.non_finite],
+           "first_bad_block": [t.first_bad_block for t in first.tensors if t.non_finite]}
+    for dev, r in runs.items():
+        rms = [abs(a.stats["rms"] - b.stats["rms"]) / b.stats["rms"] for a, b in zip(r.tensors, first.tensors)
+               if a.stats and b.stats and b.stats["rms"] > 0]
+        out[dev] = {"reports_agree": key(r) == key(first), "statuses_agree": status(r) == status(first),
+                    "manifest_agrees": r.manifest == first.manifest, "max_rms_rel_diff": max(rms, default=0.0),
+                    "failed": [(f.check, f.target) for f in r.findings if f.status == "fail"]}
     return out
+
+
+def dd(path: Path) -> None:
+    for p in _files(path):
+        subprocess.run(["dd", f"if={p}", "of=/dev/null", "bs=16M"], check=True, capture_output=True)
+
+
+def timed(fn, *args) -> float:
+    t0 = time.perf_counter()
+    fn(*args)
+    return time.perf_counter() - t0
+
+
+def summary(result: dict) -> str:
+    rows = ["| run | cache | mode | read GB/s | dd GB/s | verify GB/s (wall with start-up) | ratio (wall) "
+            "| max RSS GB | CPU s/GB: pass (child) |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in result["runs"]:
+        for mode, v in r["verify"].items():
+            if "error" in v:
+                rows.append(f"| {r['run']} | {r['cache']} | {mode} | {r['read']} | {r['dd']} | {v['error'][:80]} | | | |")
+                continue
+            rows.append(f"| {r['run']} | {r['cache']} | {mode} | {r['read']} | {r['dd']} | {v['GB/s']} ({v['wall_GB/s']}) "
+                        f"| **{v['ratio']}** ({v['wall_ratio']}) | {v['max_rss_GB']} | {v['pass_cpu_s_per_GB']} ({v['cpu_s_per_GB']}) |")
+    head = f"agreement of the devices on a planted file: {json.dumps(result['agree'])}\n\n" if "agree" in result else ""
+    return head + f"file {result['file']} ({result['bytes'] / 1e9:.1f} GB), {result['cpus']} CPUs, evicted by " \
+           f"{result.get('evicted_by')}, load average before {result['load_average_before']}\n\n" + "\n".join(rows) + "\n"
 
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--synthetic-gb", type=float, default=4.0)
+    ap.add_argument("--gb", type=float, default=4.0)
+    ap.add_argument("--file", type=Path)
+    ap.add_argument("--devices", default="cpu")
+    ap.add_argument("--caches", default="cold,warm")
+    ap.add_argument("--manifest", action="store_true")
+    ap.add_argument("--repeat", type=int, default=1)
+    ap.add_argument("--out", type=Path)
     ap.add_argument("--keep", action="store_true")
+    ap.add_argument("--ab", metavar="MODULE", help="also time this module's run() (an A/B against another "
+                    "version of checks/verify.py, e.g. an earlier commit's copied to llmdoctor/checks/_verify_old.py)")
+    ap.add_argument("--agree-gb", type=float, default=0.0, help="first, the devices' reports on a small "
+                    "synthetic file of this size with a planted fault (see agree); 0: not run")
     a = ap.parse_args()
-    stages = list(STAGES)
-    result = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cpus": os.cpu_count(),
-              "load_average_before": os.getloadavg(), "ms_per_1M_values": per_million(), "files": []}
-    result["files"].append(bench_file(model_path(), stages))
-    if a.synthetic_gb <= 0:  # the demo alone
-        print(json.dumps(result, indent=2))
-        return 0
-    syn = Path("/tmp/llmdoctor-bench-verify.gguf")
-    t0 = time.perf_counter()
-    write_synthetic(syn, a.synthetic_gb)
-    result["synthetic_write_s"] = round(time.perf_counter() - t0, 1)
+    result: dict = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cpus": os.cpu_count(),
+                    "load_average_before": [round(x, 1) for x in os.getloadavg()], "runs": []}
+    if a.agree_gb > 0:
+        result["agree"] = agree(a.agree_gb, a.devices.split(","))
+        print(json.dumps({"agree": result["agree"]}), file=sys.stderr, flush=True)
+
+    def save() -> None:
+        if a.out:
+            a.out.mkdir(parents=True, exist_ok=True)
+            (a.out / "verify-bench.json").write_text(json.dumps(result, indent=2))
+            (a.out / "verify-summary.md").write_text(summary(result))
+
+    path = a.file
+    if path is None:
+        path = Path(os.environ.get("TMPDIR", "/tmp")) / "llmdoctor-bench-verify.gguf"
+        t0 = time.perf_counter()
+        write_synthetic(path, a.gb)
+        result["synthetic_write_s"] = round(time.perf_counter() - t0, 1)
+    with open_gguf(path) as g:
+        size = sum(t.nbytes for t in g.tensors)
+    result.update(file=str(path), bytes=size)
+    devices = a.devices.split(",")
+    modes = [(d, False, None) for d in devices] + [(d, True, None) for d in devices if a.manifest] + \
+        [(d, False, a.ab) for d in devices if a.ab]
     try:
-        result["files"].append(bench_file(syn, stages))
+        for run in range(a.repeat):
+            for cache in a.caches.split(","):
+                r: dict = {"run": run, "cache": cache, "verify": {}}
+                result["runs"].append(r)
+                for name, fn in (("read", read_all), ("dd", dd)):
+                    if cache == "cold":
+                        result["evicted_by"] = evict(path)
+                    else:
+                        read_all(path)
+                    r[name] = round(size / timed(fn, path) / 1e9, 3)
+                anchor = max(r["read"], r["dd"])
+                for device, manifest, module in modes:
+                    if cache == "cold":
+                        evict(path)
+                    v = verify_child(path, device, manifest, *([module] if module else []))
+                    if "error" not in v:
+                        v["ratio"], v["wall_ratio"] = round(v["GB/s"] / anchor, 3), round(v["wall_GB/s"] / anchor, 3)
+                    r["verify"][device + ("+manifest" if manifest else "") + (f"@{module}" if module else "")] = v
+                    print(json.dumps({cache: v}), file=sys.stderr, flush=True)
+                    save()
     finally:
-        if not a.keep:
-            syn.unlink(missing_ok=True)
-    result["load_average_after"] = os.getloadavg()
+        if a.file is None and not a.keep:
+            path.unlink(missing_ok=True)
+    result["load_average_after"] = [round(x, 1) for x in os.getloadavg()]
+    save()
     print(json.dumps(result, indent=2))
+    print(summary(result))
     return 0
 
 

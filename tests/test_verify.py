@@ -153,9 +153,7 @@ def test_small_ring_gives_the_same_report(subset, monkeypatch):
 
 def test_a_worker_error_ends_the_pass(subset, monkeypatch):
     """An exception on a worker thread is raised by run, without a hang, and every buffer is let go."""
-    from llmdoctor.gguf import dequant
-
-    real = dequant.dequantize
+    real = V.dequantize
     with open_gguf(subset) as g:
         bad_type = int(g.tensor(BAD).type)
 
@@ -164,7 +162,7 @@ def test_a_worker_error_ends_the_pass(subset, monkeypatch):
             raise RuntimeError("planted decoder failure")
         return real(raw, qtype, *a, **kw)
 
-    monkeypatch.setattr(dequant, "dequantize", broken)
+    monkeypatch.setattr(V, "dequantize", broken)
     monkeypatch.setattr(V, "READ_BYTES", {"cpu": 1, "cuda": 1})
     monkeypatch.setattr(V, "RING_BYTES", 2)
     with pytest.raises(RuntimeError, match="planted decoder failure"):

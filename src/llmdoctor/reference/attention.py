@@ -16,6 +16,8 @@ precision inputs: fp32 accumulation and softmax); the output is cast back to q's
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 
@@ -53,12 +55,14 @@ def scores(q: torch.Tensor, k: torch.Tensor, *, scale: float, softcap: float | N
 
 def partial_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor, *,
                       scale: float, softcap: float | None = None,
-                      p_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                      p_dtype: torch.dtype | Callable[[torch.Tensor], torch.Tensor] | None = None,
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of q over one block of keys: (out [T, H, Dv] in the accumulation dtype, lse [T, H]).
 
     `allowed` is bool [T, S]. A query with no visible key in the block gets out 0 and lse -inf, so
     blocks merge with `merge` regardless of how the keys were split. `p_dtype` rounds the
-    probabilities before P·V, as an engine that multiplies V in half precision does.
+    probabilities before P·V, as an engine that multiplies V in half precision does (a dtype, or a
+    rounding function: TF32, reference/emulate.py).
     """
     t, h, _ = q.shape
     s, hk, dv = v.shape
@@ -66,7 +70,9 @@ def partial_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed
     x = x.masked_fill(~allowed[None], float("-inf"))
     lse = torch.logsumexp(x, dim=-1)  # [H, T]
     p = torch.exp(x - torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))[..., None])  # [H, T, S]
-    if p_dtype is not None:
+    if callable(p_dtype):
+        p = p_dtype(p)
+    elif p_dtype is not None:
         p = p.to(p_dtype).to(x.dtype)
     vg = v.to(x.dtype).permute(1, 0, 2)[:, None]  # [Hk, 1, S, Dv]
     out = torch.matmul(p.reshape(hk, h // hk, t, s), vg).reshape(h, t, dv)  # [H, T, Dv]
@@ -84,7 +90,7 @@ def merge(outs: list[torch.Tensor], lses: list[torch.Tensor]) -> tuple[torch.Ten
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float,
               window: int | None = None, softcap: float | None = None, q_offset: int | None = None,
               kv_chunk: int | None = None, q_chunk: int | None = None,
-              p_dtype: torch.dtype | None = None) -> torch.Tensor:
+              p_dtype: torch.dtype | Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
     """Causal attention. q [T, H, D], k [S, Hk, D], v [S, Hk, Dv] -> [T, H, Dv] in q's dtype.
 
     With `kv_chunk`, the keys are processed in blocks and merged by log-sum-exp; with `q_chunk`, the

@@ -19,30 +19,126 @@ V·P) are rounded to f16 as well. For MLA the cache holds [latent, k_pe] with th
 absorbed query, both and P are rounded; a legacy file (kv_b unsplit) caches the expanded K and V
 (reference/arch_deepseek.py; tests/test_emulate.py). Rounding half away from zero follows ggml-quants.c's reference
 (`roundf` / `nearest_int`); the SIMD paths round half to even, a difference only at exact ties.
+
+vLLM on CUDA in float32 (vLLM 0.24 / 0.32, vllm-gguf-plugin 0.0.5, Triton 3.6 / 3.9; read from their sources)
+is not a float32 engine either:
+
+- Triton attention (TRITON_ATTN: vllm/v1/attention/ops/triton_unified_attention.py, `kernel_unified_attention`)
+  computes `tl.dot(Q, K)` and `tl.dot(P, V)` with no `input_precision`, so Triton's default applies:
+  `knobs.language.fp32_default` (env TRITON_F32_DEFAULT) or else "tf32" on NVIDIA (language/core.py `dot`,
+  backends/nvidia/compiler.py `default_dot_input_precision`). Triton's NVIDIA lowering passes the float32
+  registers straight to `mma.sync ... .tf32` / `wgmma ... .tf32` (DotOpToLLVM/MMAv2.cpp, WGMMA.cpp: no
+  `cvt.rna.tf32.f32` for a plain "tf32" dot; only its tf32x3 split converts), so the tensor core reads the
+  top 19 bits: the low 13 mantissa bits are dropped (`tf32(x, "rz")`). Code that converts first
+  (`cvt.rna.tf32.f32`: round to nearest, ties away from zero) gives `tf32(x, "rna")`. Which one Hopper's
+  wgmma applies to unconverted operands is confirmed on the GPU (tests/test_emulate_vllm.py).
+- The plugin's GGUF linear layers (quantization/linear.py `_fused_mul_mat_gguf`) multiply quantized weights
+  with the activations quantized to Q8_1 by `quantize_q8_1` (csrc/gguf/gguf_kernel.cu, as llama.cpp's
+  ggml-cuda/quantize.cu for MMVQ): blocks of 32, d = amax / 127 in float32, q = roundf(x / d), and the
+  block stores half(d) and half(sum of the float x). MMVQ runs up to 6 tokens (2 when the weight has more
+  than 5120 rows; IQ types 16 / 8), MMQ above for the legacy and K-quant types, dequantize-then-matmul for
+  IQ types above (their CUDA dequantizers compute in float32: exact). The weight's constant part uses
+  the block sum (vecdotq.cuh): Q4_0 / Q5_0 subtract 8 / 16 x d_w x half(sum) and Q4_1 / Q5_1 add
+  m_w x half(sum) on both paths; Q4_K / Q5_K subtract dmin x m_j x half(sum) on MMQ and use the
+  quantized values' sum on MMVQ; every other type only d_w x d_a x the integer dot (`q8_1_product`).
+  Not emulated: Q4_1 / Q5_1 round d_w x d_a and m_w x s to half before use (__hmul2), and the extension
+  is built with --use_fast_math (x / d approximate to 2 ulp: a quant differs only where x / d lies that
+  close to a rounding tie).
+- Without its CUDA ops (`_C_gguf` not loaded, or VLLM_GGUF_USE_CUDA=0) the plugin runs Triton GEMMs
+  (triton/gemm/*): the weight dequantized in float32 and `tl.dot(x, w)`: TF32 on both.
+- Quantized token embeddings are dequantized by the CUDA `ggml_dequantize` (dequantize.cuh), which for the
+  legacy and K-quant types computes in half precision whatever the output dtype: one rounding of the
+  float32 value to half for Q4_0 / Q5_0 / Q8_0 (an integer times the f16 scale, rounded once: exact
+  emulation), two or three roundings for Q4_1 / Q5_1 / K-quants (emulated by one: within a half ulp).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
+import torch.nn.functional as F
+from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as Q
+from gguf.quants import Q4_K
 
 _Q8_0_TYPES = {Q.Q4_0, Q.Q5_0, Q.Q8_0, Q.IQ4_NL, Q.MXFP4, Q.Q4_1, Q.Q5_1}
 _Q8_K_TYPES = {Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ2_XXS, Q.IQ2_XS, Q.IQ2_S, Q.IQ3_XXS,
                Q.IQ3_S, Q.IQ1_S, Q.IQ1_M, Q.IQ4_XS, Q.TQ1_0, Q.TQ2_0}
+# vllm-gguf-plugin's type sets (quantization/utils.py): what its GGUF linear layers multiply how
+_UNQUANTIZED = {Q.F32, Q.F16, Q.BF16}
+_PLUGIN_STANDARD = {Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0}
+_PLUGIN_K = {Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K}
+_PLUGIN_IQ = {Q.IQ1_M, Q.IQ1_S, Q.IQ2_XXS, Q.IQ2_XS, Q.IQ2_S, Q.IQ3_XXS, Q.IQ3_S, Q.IQ4_XS, Q.IQ4_NL}
+# weight types whose constant part the CUDA vec dots multiply by the Q8_1 block's half(sum of x)
+# (vecdotq.cuh): on both paths, and on MMQ only
+_SUM_TERM = {Q.Q4_0, Q.Q5_0, Q.Q4_1, Q.Q5_1}
+_SUM_TERM_MMQ = {Q.Q4_K, Q.Q5_K}
 
 
 @dataclass(frozen=True)
 class EnginePrecision:
-    """How an engine computes: activation quantization before matmuls, and the attention dtype."""
+    """How an engine computes: activation quantization before matmuls, the attention dtype, and the
+    roundings a GPU engine's float32 kernels apply (vLLM on CUDA). `name` identifies the combination
+    (runs are cached by it)."""
 
     name: str
-    activation_quant: bool = False
+    activation_quant: bool = False  # ggml-cpu: activations converted to the weight type's vec_dot_type
     kv_dtype: torch.dtype | None = None  # Q, K, V and P rounded to this dtype around attention
+    attention_tf32: str | None = None  # "rz" | "rna": Q, K, P, V as a float32 tensor-core dot reads them
+    gguf_products: str | None = None  # quantized weights: "q8_1" (the plugin's CUDA MMVQ/MMQ), "tf32" (Triton GEMMs)
+    dense_tf32: str | None = None  # unquantized weights: torch's float32 matmul in TF32 (precision "high")
+    embedding_half: bool = False  # quantized token-embedding rows dequantized in half precision
+
+    def product(self, x: torch.Tensor, w: torch.Tensor, qtype: int | None, raw=None) -> torch.Tensor:
+        """x [T, in] @ w [out, in]^T as the engine computes it; `qtype` is w's GGML type (None: not from a
+        GGUF) and `raw` its bytes [out, row bytes] (the Q8_1 products read the weight's block constants)."""
+        quantized = qtype is not None and Q(qtype) not in _UNQUANTIZED
+        if self.activation_quant and qtype is not None:
+            return quantize_activations(x, qtype) @ w.t()
+        if quantized and self.gguf_products == "q8_1":
+            return q8_1_product(x, w, qtype, raw)
+        if quantized and self.gguf_products == "tf32":
+            return tf32(x, "rz") @ tf32(w, "rz").t()  # the plugin's Triton GEMMs: Triton's default dot
+        if not quantized and self.dense_tf32:
+            return tf32(x, self.dense_tf32) @ tf32(w, self.dense_tf32).t()
+        return x @ w.t()
 
 
 LLAMA_CPP_CPU = EnginePrecision("llama.cpp-cpu (Q8 activations, F16 KV cache)", True, torch.float16)
+
+
+def vllm_cuda(*, attention_tf32: str | None = None, gguf_products: str | None = None,
+              dense_tf32: str | None = None, embedding_half: bool = False) -> EnginePrecision | None:
+    """vLLM's arithmetic on CUDA as the run's info describes it (subjects/engines/vllm.py); None when
+    it rounds nothing the float32 reference does not."""
+    parts = [f"TF32 attention ({attention_tf32})" if attention_tf32 else "",
+             {"q8_1": "Q8_1 activations", "tf32": "TF32 GGUF GEMMs"}.get(gguf_products or "", ""),
+             f"TF32 dense matmuls ({dense_tf32})" if dense_tf32 else "",
+             "f16 embedding dequant" if embedding_half else ""]
+    parts = [p for p in parts if p]
+    if not parts:
+        return None
+    return EnginePrecision(f"vllm-cuda ({', '.join(parts)})", attention_tf32=attention_tf32,
+                           gguf_products=gguf_products, dense_tf32=dense_tf32, embedding_half=embedding_half)
+
+
+def tf32(x: torch.Tensor, mode: str = "rna") -> torch.Tensor:
+    """x (float32) as a TF32 tensor-core operand: 10 explicit mantissa bits of float32's 23, the exponent
+    range unchanged. "rna": PTX `cvt.rna.tf32.f32` (round to nearest, ties away from zero); "rz": the low
+    13 bits dropped (an unconverted float32 register read as tf32). inf and NaN pass unchanged; a value
+    that rounds past float32's largest becomes inf, as the conversion does. Computed as a multiple of the
+    TF32 quantum 2^(e - 11) (x = m 2^e, m in [0.5, 1); subnormals share the smallest normal's quantum)."""
+    if mode not in ("rna", "rz"):
+        raise ValueError(f"tf32 rounding {mode!r}: expected 'rna' or 'rz'")
+    xd = x.double()
+    _, e = torch.frexp(xd)
+    quantum = torch.ldexp(torch.ones_like(xd), torch.clamp(e, min=-125) - 11)
+    a = xd.abs() / quantum  # exact: a power-of-two scaling
+    n = torch.floor(a + 0.5) if mode == "rna" else torch.floor(a)
+    out = torch.copysign(n * quantum, xd).to(torch.float32)
+    return torch.where(torch.isfinite(x), out, x.float()).to(x.dtype)
 
 
 def vec_dot_type(qtype: int) -> str:
@@ -96,3 +192,90 @@ def quantize_activations(x: torch.Tensor, qtype: int) -> torch.Tensor:
     if kind == "bf16":
         return x.to(torch.bfloat16).to(x.dtype)
     return x
+
+
+def q8_1(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., K] -> (values [..., K], sums [..., ceil(K / 32)]) of a Q8_1 quantization as the plugin's
+    CUDA `quantize_q8_1` does it (csrc/gguf/gguf_kernel.cu; llama.cpp ggml-cuda/quantize.cu for MMVQ):
+    per block of 32 (K zero-padded), d = amax / 127 in float32, q = roundf(x / d) (0 for an all-zero
+    block), value = q x half(d); sum = half(the float32 sum of x, added in the warp's xor-butterfly
+    order: lanes i and i ^ 16, then ^ 8, ^ 4, ^ 2, ^ 1). Values and sums in float32."""
+    k = x.shape[-1]
+    b = F.pad(x.float().reshape(-1, k), (0, -k % 32)).reshape(-1, 32)  # [n_blocks, 32]
+    amax = b.abs().amax(dim=1, keepdim=True)
+    d = amax / 127
+    r = (b / torch.where(amax == 0, 1.0, d)).double()  # the float32 quotient; roundf on it exactly (in float32,
+    q = torch.where(amax == 0, 0.0, _round_half_away(r)).float()  # r + 0.5 itself rounds: 0.49999997 -> 1)
+    values = (q * d.to(torch.float16).float()).reshape(*x.shape[:-1], -1)[..., :k]
+    s = b
+    while s.shape[1] > 1:  # lane 0's butterfly: (x_i + x_{i+16}), then pairs 8 apart, ...
+        h = s.shape[1] // 2
+        s = s[:, :h] + s[:, h:]
+    return values, s.to(torch.float16).float().reshape(*x.shape[:-1], -1)
+
+
+def plugin_path(qtype: int, rows: int, tokens: int) -> str:
+    """Which product the vllm-gguf-plugin's `_fused_mul_mat_gguf` (quantization/linear.py) takes for a
+    weight of `qtype` with `rows` output rows and `tokens` input rows: "dense" (unquantized: x @ w^T),
+    "mmvq" (up to 6 tokens, 2 when rows > 5120; IQ types 16 / 8), "mmq" (legacy and K-quants above) or
+    "dequant" (IQ types above: dequantized, then x @ w^T). A type outside the plugin's lists is "dense"
+    (the plugin refuses it at load)."""
+    q = Q(qtype)
+    if q in _UNQUANTIZED or q not in (_PLUGIN_STANDARD | _PLUGIN_K | _PLUGIN_IQ):
+        return "dense"
+    iq = q in _PLUGIN_IQ
+    safe = (8 if rows > 5120 else 16) if iq else (2 if rows > 5120 else 6)
+    if tokens <= safe:
+        return "mmvq"
+    return "dequant" if iq else "mmq"
+
+
+def block_constants(raw: np.ndarray, qtype: int, rows: int) -> torch.Tensor | None:
+    """float32 [rows, K / 32]: the constant each 32-block of a weight row adds to every element (the part
+    the CUDA vec dots multiply by the activations' block sum): Q4_0 -8 d, Q5_0 -16 d, Q4_1 / Q5_1 m,
+    Q4_K / Q5_K -dmin x m_j (sub-block j's 6-bit min, gguf-py's `Q4_K.get_scale_min`); None for a type
+    without one. `raw`: the weight's bytes, [rows, row bytes] or flat."""
+    q = Q(qtype)
+    if q not in _SUM_TERM | _SUM_TERM_MMQ:
+        return None
+    _, type_size = GGML_QUANT_SIZES[q]
+    b = np.ascontiguousarray(np.asarray(raw, dtype=np.uint8).reshape(rows, -1, type_size))  # [rows, blocks, bytes]
+
+    def f16(offset: int) -> np.ndarray:  # [rows, blocks]
+        return b[..., offset:offset + 2].copy().view(np.float16)[..., 0].astype(np.float32)
+
+    if q in (Q.Q4_0, Q.Q5_0):
+        c = (-8.0 if q == Q.Q4_0 else -16.0) * f16(0)
+    elif q in (Q.Q4_1, Q.Q5_1):
+        c = f16(2)
+    else:  # Q4_K / Q5_K: d, dmin, 12 bytes of packed 6-bit scales and mins
+        _, mins = Q4_K.get_scale_min(b[..., 4:16].reshape(-1, 12))
+        c = -f16(2)[..., None] * mins.reshape(rows, -1, 8).astype(np.float32)
+    return torch.from_numpy(np.ascontiguousarray(c.reshape(rows, -1)))
+
+
+def q8_1_product(x: torch.Tensor, w: torch.Tensor, qtype: int, raw=None) -> torch.Tensor:
+    """x [T, K] @ w [N, K]^T as the plugin's CUDA GGUF linear computes it (w: the exactly dequantized
+    weight, `raw` its bytes): on MMVQ / MMQ the Q8_1 values times w, where the weight's block constant c
+    meets half(block sum) instead of the values' sum: + (half(sum) - sum(values)) @ c^T (vecdotq.cuh);
+    on the other paths x @ w^T."""
+    path = plugin_path(qtype, w.shape[0], x.shape[0])
+    if path in ("dense", "dequant"):
+        return x @ w.t()
+    xq, sums = q8_1(x)  # [T, K], [T, K / 32]
+    y = xq.to(w.dtype) @ w.t()
+    q = Q(qtype)
+    if raw is not None and (q in _SUM_TERM or (path == "mmq" and q in _SUM_TERM_MMQ)) and x.shape[-1] % 32 == 0:
+        c = block_constants(raw, qtype, w.shape[0])  # [N, K / 32]
+        own = xq.reshape(*xq.shape[:-1], -1, 32).sum(-1)  # [T, K / 32]
+        y = y + (sums - own).to(w.dtype) @ c.to(device=w.device, dtype=w.dtype).t()
+    return y
+
+
+def half_dequant(rows: torch.Tensor, qtype: int | None) -> torch.Tensor:
+    """Dequantized rows of a `qtype` tensor as the plugin's CUDA `ggml_dequantize` leaves them: legacy and
+    K-quant types computed in half precision (rounded once to float16 here: exact for Q4_0 / Q5_0 / Q8_0,
+    within half a float16 ulp otherwise); unquantized and IQ types unchanged (float arithmetic)."""
+    if qtype is None or Q(qtype) not in _PLUGIN_STANDARD | _PLUGIN_K:
+        return rows
+    return rows.to(torch.float16).to(rows.dtype)

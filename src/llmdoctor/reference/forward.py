@@ -55,7 +55,7 @@ from ..gguf import open_gguf
 from . import attention as attn
 from .checkpoint import Checkpoint, CheckpointWeights
 from .config import ModelConfig, from_gguf
-from .emulate import EnginePrecision, quantize_activations
+from .emulate import EnginePrecision, half_dequant, quantize_activations, tf32
 
 
 # ---- weights ------------------------------------------------------------------------------------
@@ -92,11 +92,16 @@ class Weights:
         # suspect kernel (subjects/kernels.py KernelDequantizer)
         self.dequantize = dequantizer or dequantize_raw
         self.qtypes: dict[int, int] = {}  # data_ptr -> GGML type
+        self.raws: dict[int, np.ndarray] = {}  # data_ptr -> the tensor's bytes (an emulated engine may read its blocks)
         self._names = {t.name for t in g.tensors}
         self._cached: dict[str, torch.Tensor] = {}
 
-    def _remember(self, w: torch.Tensor, qtype: int) -> torch.Tensor:
+    def _remember(self, w: torch.Tensor, qtype: int, raw: np.ndarray | None = None) -> torch.Tensor:
         self.qtypes[w.data_ptr()] = int(qtype)
+        if raw is None:
+            self.raws.pop(w.data_ptr(), None)  # an address reused by a tensor no bytes describe
+        else:
+            self.raws[w.data_ptr()] = raw
         return w
 
     def has(self, name: str) -> bool:
@@ -115,42 +120,42 @@ class Weights:
             w = self.dequantize(t.data, t.type, t.shape, device=self.device).to(self.dtype)
             if self.cache:
                 self._cached[name] = w
-            self._remember(w, t.type)
+            self._remember(w, t.type, t.data)
         return w
 
     def rows(self, name: str, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` of a 2-D tensor, dequantizing only those rows (embedding lookup)."""
-        if name in self._cached:
-            return self._cached[name][ids.to(self.device)]
         t = self.g.tensor(name)
+        if name in self._cached:
+            return self._remember(self._cached[name][ids.to(self.device)], t.type)
         n_rows, row_len = t.shape
         raw = t.data.reshape(n_rows, -1)[ids.cpu().numpy()]  # [len(ids), row_bytes]
-        return self.dequantize(raw, t.type, (len(ids), row_len), device=self.device).to(self.dtype)
+        return self._remember(self.dequantize(raw, t.type, (len(ids), row_len), device=self.device).to(self.dtype),
+                              t.type)
 
     def slab(self, name: str, i: int) -> torch.Tensor:
         """Slab i along the slowest dim (one expert of a merged [E, out, in] expert tensor), dequantizing
         only that slab's bytes: an MoE layer never holds all its experts at once."""
         t = self.g.tensor(name)
-        if name in self._cached:
-            return self._remember(self._cached[name][i], t.type)
         raw = t.data.reshape(t.shape[0], -1)[i]
+        if name in self._cached:
+            return self._remember(self._cached[name][i], t.type, raw)
         w = self.dequantize(raw, t.type, tuple(t.shape[1:]), device=self.device).to(self.dtype)
-        return self._remember(w, t.type)
+        return self._remember(w, t.type, raw)
 
     def row_slices(self, name: str, chunk: int) -> Iterable[torch.Tensor]:
         """A 2-D tensor in slices of `chunk` rows (the output projection over the vocabulary)."""
-        if self.cache:
-            w = self.get(name)
-            for part in w.split(chunk):
-                yield self._remember(part, self.g.tensor(name).type)
-            return
         t = self.g.tensor(name)
         n_rows, row_len = t.shape
         raw = t.data.reshape(n_rows, -1)
+        if self.cache:
+            for r, part in zip(range(0, n_rows, chunk), self.get(name).split(chunk)):
+                yield self._remember(part, t.type, raw[r:r + chunk])
+            return
         for r in range(0, n_rows, chunk):
             part = raw[r:r + chunk]
             w = self.dequantize(part, t.type, (part.shape[0], row_len), device=self.device).to(self.dtype)
-            yield self._remember(w, t.type)
+            yield self._remember(w, t.type, part)
 
 
 def tensor_name(kind: MODEL_TENSOR, il: int | None = None, suffix: str = "weight") -> str:
@@ -298,9 +303,31 @@ def kv_cache_dtype() -> torch.dtype | None:
     return em[0].kv_dtype if em is not None else None
 
 
+def attention_rounding() -> "Callable[[torch.Tensor], torch.Tensor] | None":
+    """The emulated engine's rounding of attention's dot inputs (Q, K, P, V: TF32 in a float32 Triton
+    kernel), or None."""
+    em = _EMULATING.get()
+    mode = em[0].attention_tf32 if em is not None else None
+    return None if mode is None else (lambda t: tf32(t, mode))
+
+
+def engine_rows(x: torch.Tensor) -> torch.Tensor:
+    """Embedding rows x [T, n_embd] (from `Weights.rows`) as the emulated engine dequantizes them."""
+    em = _EMULATING.get()
+    if em is None or not em[0].embedding_half:
+        return x
+    return half_dequant(x, em[1].qtypes.get(x.data_ptr()))
+
+
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-    """x [T, in] @ w[out, in]^T (+ b) -> [T, out], with x as the emulated engine feeds it (`engine_input`)."""
-    y = engine_input(x, w) @ w.t()
+    """x [T, in] @ w[out, in]^T (+ b) -> [T, out], as the emulated engine computes the product
+    (`EnginePrecision.product`: its activation rounding, its matmul kernel's arithmetic)."""
+    em = _EMULATING.get()
+    if em is None:
+        y = x @ w.t()
+    else:
+        ptr = w.data_ptr()
+        y = em[0].product(x, w, em[1].qtypes.get(ptr), getattr(em[1], "raws", {}).get(ptr))
     hook = _PRODUCT_HOOK.get()
     if hook is not None:
         y = hook(x, w, y)
@@ -344,12 +371,16 @@ def dense_attention(st: Step, h: torch.Tensor) -> torch.Tensor:
     kv_dtype = kv_cache_dtype()
     if kv_dtype is not None:  # the engine's KV cache (and the matmuls against it) in kv_dtype
         q, k, v = (t.to(kv_dtype).to(t.dtype) for t in (q, k, v))
+    dot_round = attention_rounding()
+    if dot_round is not None:  # the engine's attention dots read Q, K, V (and P) rounded
+        q, k, v = (dot_round(t) for t in (q, k, v))
     swapped = _ATTENTION.get()
     if swapped is not None:  # op substitution: a suspect attention kernel in place of ours
         o = swapped(q, k, v, scale=cfg.attn_scale, window=cfg.layer_window(st.il), softcap=cfg.attn_softcap)
     else:
         o = attn.attention(q, k, v, scale=cfg.attn_scale, window=cfg.layer_window(st.il), q_chunk=st.kv_chunk,
-                           softcap=cfg.attn_softcap, kv_chunk=st.kv_chunk, p_dtype=kv_dtype)  # [T, H, Dv]
+                           softcap=cfg.attn_softcap, kv_chunk=st.kv_chunk,
+                           p_dtype=kv_dtype or dot_round)  # [T, H, Dv]
     o = st.cap("kqv_out", o.reshape(T, cfg.n_head * cfg.head_dim_v))
     return st.cap("attn_out", linear(o, st.w(MODEL_TENSOR.ATTN_OUT)))
 
@@ -457,7 +488,7 @@ class ReferenceModel:
         if int(ids.min()) < 0 or int(ids.max()) >= cfg.n_vocab:
             raise InputError(f"token id out of range [0, {cfg.n_vocab})")
         rec = Recorder(capture)
-        x = self.weights.rows(tensor_name(MODEL_TENSOR.TOKEN_EMBD), ids)  # [T, n_embd]
+        x = engine_rows(self.weights.rows(tensor_name(MODEL_TENSOR.TOKEN_EMBD), ids))  # [T, n_embd]
         if cfg.embed_scale != 1.0:
             x = x * cfg.embed_scale
             rec("inp_scaled", x)
