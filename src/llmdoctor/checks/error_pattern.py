@@ -69,7 +69,9 @@ def error_pattern(engine: Any, ref: Any, emu: Any, *, rope_dim: int | None = Non
     """The spread of the engine's error at one capture point. engine, ref, emu: [T, H, D] or [T, C]
     (the reference's layout); `rope_dim`: the rotated channels of each head, first in the head (the
     reference's RoPE convention), when the point is after RoPE."""
-    x_e, x_r, x_n = (np.asarray(x, dtype=np.float64) for x in (engine, ref, emu))
+    # a torch tensor through .double() first: bfloat16 has no numpy dtype (a bf16 engine's captures)
+    x_e, x_r, x_n = (np.asarray(x.double() if hasattr(x, "double") else x, dtype=np.float64)
+                     for x in (engine, ref, emu))
     if x_r.ndim == 2:
         x_e, x_r, x_n = (x[:, None, :] for x in (x_e, x_r, x_n))  # [T, 1, C]
     pos, w_pos = _wrong(x_e, x_r, x_n, 0)
