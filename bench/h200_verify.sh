@@ -3,7 +3,8 @@
 # (CPU with every core / GPU, cold / warm page cache), with and without the manifest's hashes in the same
 # pass, on a >= 30 GB synthetic file written here by bench/bench_verify.py (never carried), with each
 # verify child's max RSS; first, CPU and GPU reports compared on a small planted file.
-# Carry: .whl (any gguf-*.whl under it: gguf is not in the device image). GB=32 by default.
+# Carry: build/h23-whl (gguf-0.19.0-py3-none-any.whl: gguf is not in the device image; any gguf-*.whl under
+# .whl is used as well). GB=32 by default; BENCH_S bounds the benchmark (520 s: one device call is 600 s).
 # Writes under $OUT: steps.txt, env.txt, build.log, bench.log, verify-bench.json, verify-summary.md.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -11,7 +12,7 @@ OUT=${OUT:-/tmp/llmdoctor-h200-verify}
 mkdir -p "$OUT"
 t0=$(date +%s)
 step() { echo "[$(( $(date +%s) - t0 )) s] $*" | tee -a "$OUT/steps.txt"; }
-whl=$(find .whl -name 'gguf-*.whl' 2>/dev/null | head -1)
+whl=$(find build/h23-whl .whl -name 'gguf-*.whl' 2>/dev/null | head -1)
 if ! python3 -c "import gguf" 2>/dev/null; then
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$whl" || { step "no gguf wheel"; exit 1; }
 fi
