@@ -167,3 +167,35 @@ def test_a_worker_error_ends_the_pass(subset, monkeypatch):
     monkeypatch.setattr(V, "RING_BYTES", 2)
     with pytest.raises(RuntimeError, match="planted decoder failure"):
         V.run(subset)
+
+
+def test_the_cuda_pass_split_on_a_cpu_stand_in(planted, monkeypatch):
+    """The CUDA pass's division of labour without a GPU: raw-block statistics and sha256 on the workers,
+    the values decoded, checked and gathered by the dispatching thread (a CPU stand-in for _Gpu, whole
+    chunks at a time): the CPU pass's report (moments to rounding: other pieces)."""
+
+    class StandIn:
+        def __init__(self, tensors, size, n_bufs):
+            self.host = [torch.empty(size, dtype=torch.uint8) for _ in range(n_bufs)]
+
+        def chunk(self, tw, ring, i, b0, b1):
+            try:
+                t = tw.t
+                if V._decoded(t):
+                    v = V.dequantize(ring.bufs[i][: (b1 - b0) * t.type_size], t.type, ((b1 - b0) * t.block_size,))
+                    V._check_chunk(tw.rep, v, b0, t.block_size, t.type_size)
+                    if tw.acc is not None:
+                        tw.acc.add_values(v)
+            finally:
+                ring.release(i)
+
+    cpu = V.run(planted, write_manifest=True)
+    monkeypatch.setattr(V, "_Gpu", StandIn)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    gpu = V.run(planted, device="cuda", write_manifest=True)
+    exact = lambda r: [(t.name, t.values, t.non_finite, t.first_bad_block, t.first_bad_offset, t.sha256,  # noqa: E731
+                        (t.stats or {}).get("scales"), (t.stats or {}).get("max_abs")) for t in r.tensors]
+    assert exact(gpu) == exact(cpu) and gpu.manifest == cpu.manifest
+    for a, b in zip(gpu.tensors, cpu.tensors):
+        assert a.stats["rms"] == pytest.approx(b.stats["rms"], rel=1e-5)
+    assert [(f.check, f.target, f.status) for f in gpu.findings] == [(f.check, f.target, f.status) for f in cpu.findings]
