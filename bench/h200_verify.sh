@@ -19,7 +19,9 @@ fi
 export PYTHONPATH="/tmp/site:$PWD/src" HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
 step "build the native kernels for this Python"
 python3 setup.py -q build_ext --inplace > "$OUT/build.log" 2>&1
-{ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader; nproc; free -g; df -h /tmp
+mkdir -p build
+export TMPDIR="$PWD/build"  # the file on the machine's disk (not a tmpfs /tmp, whose pages cannot be evicted)
+{ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader; nproc; free -g; df -hT /tmp "$TMPDIR"
   python3 -c "import torch, triton; from llmdoctor.gguf import dequant_native as d; from llmdoctor.checks import forensics as f
 print('torch', torch.__version__, 'triton', triton.__version__, 'native dequant', d.available(), 'native forensics', f._NATIVE is not None)"
 } > "$OUT/env.txt" 2>&1
@@ -29,5 +31,5 @@ timeout "${BENCH_S:-520}" python3 bench/bench_verify.py --gb "${GB:-32}" --devic
     --out "$OUT" > "$OUT/bench.log" 2>&1
 step "bench exit $?"
 cat "$OUT/verify-summary.md" 2>/dev/null || tail -20 "$OUT/bench.log"
-rm -f /tmp/llmdoctor-bench-verify.gguf
+rm -f "$TMPDIR/llmdoctor-bench-verify.gguf"
 step end
