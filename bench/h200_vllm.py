@@ -74,6 +74,8 @@ def models(out: Path, demo: Path | None) -> dict[str, str]:
     t0 = time.perf_counter()
     llama, llama_gguf = vllm_checkpoint("llama", out / "llama")
     deepseek, _ = vllm_checkpoint("deepseek", out / "deepseek")
+    for ckpt in (llama, deepseek):  # a deployment has one (diagnose's front-end checks read it)
+        fixtures_hf.with_tokenizer(ckpt, WORDS)
     q8_dir = out / "llama-q8_0"
     q8_dir.mkdir(parents=True, exist_ok=True)
     q8 = q8_0_copy(llama_gguf, q8_dir / "llama-q8_0.gguf")
@@ -97,6 +99,7 @@ PLANTED = [("llama", "q_proj", (0, None), "Qcur", ("bfloat16", "float32")),
 def faults(python: str, out: Path, work: Path) -> list[dict]:
     """tests/test_engine_vllm.py's planted faults (rows of a layer-1 projection scaled by 1.5 in the copy
     the engine loads) under vLLM on CUDA: found when the diagnosis fails at layer 1 naming that point."""
+    import fixtures_hf
     from test_engine_vllm import TOKENS, planted_copy, vllm_checkpoint
 
     from llmdoctor import diagnose as dg
@@ -104,6 +107,7 @@ def faults(python: str, out: Path, work: Path) -> list[dict]:
     rows_out = []
     for kind, tensor, rows, point, dtypes in PLANTED:
         src, _ = vllm_checkpoint(kind, work / kind)
+        fixtures_hf.with_tokenizer(src, WORDS)
         bad = planted_copy(src, work / f"{kind}-bad", tensor, slice(*rows))
         for dtype in dtypes:
             t0 = time.perf_counter()
@@ -112,6 +116,7 @@ def faults(python: str, out: Path, work: Path) -> list[dict]:
                                        token_ids=TOKENS))
             except Exception as e:  # noqa: BLE001 - recorded, the next row still runs
                 rows_out.append({"model": kind, "dtype": dtype, "error": f"{type(e).__name__}: {e}"})
+                print(json.dumps(rows_out[-1]), flush=True)
                 continue
             loc = next((f for f in res.findings if f.check == "layer-localization"), None)
             m = loc.metrics if loc else {}
