@@ -18,6 +18,7 @@ from llmdoctor.gguf import dequant, dequant_native
 from llmdoctor.gguf.dequant import dequantize
 
 NATIVE_TYPES = list(dequant_native._FUNCTIONS)
+QUANT_TYPES = [q for q in NATIVE_TYPES if q != T.F32]  # F32's kernel is a byte copy: no scales
 # Byte offsets of the float16 fields of each block (d, and dmin or m where the type has one).
 F16_FIELDS = {T.Q8_0: (0,), T.Q4_0: (0,), T.Q4_1: (0, 2), T.Q5_0: (0,), T.Q5_1: (0, 2), T.IQ4_NL: (0,),
               T.Q2_K: (80, 82), T.Q3_K: (108,), T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,), T.IQ4_XS: (0,)}
@@ -32,7 +33,7 @@ def test_the_install_built_the_native_kernels():
 
 
 def test_the_cpu_path_picks_the_native_kernel_for_each_type_it_has():
-    assert set(NATIVE_TYPES) == set(F16_FIELDS)
+    assert set(QUANT_TYPES) == set(F16_FIELDS)
     cpu = torch.device("cpu")
     for q in NATIVE_TYPES:
         assert dequant._kernel(q, cpu)[1].__name__ == f"native_{q.name.lower()}"
@@ -40,7 +41,7 @@ def test_the_cpu_path_picks_the_native_kernel_for_each_type_it_has():
     assert not dequant._kernel(T.IQ2_XXS, cpu)[1].__name__.startswith("native")
 
 
-@pytest.mark.parametrize("qtype", NATIVE_TYPES, ids=lambda q: q.name)
+@pytest.mark.parametrize("qtype", QUANT_TYPES, ids=lambda q: q.name)
 def test_edge_scales_bit_exact_with_the_torch_kernels(qtype):
     """Every edge float16 in every float16 field, against the torch kernels (themselves tested
     against gguf-py); NaN payloads included, since both follow numpy's conversion."""
@@ -75,6 +76,33 @@ def test_without_the_library_the_reason_is_given(monkeypatch):
     monkeypatch.setattr(native.importlib.util, "find_spec", lambda name: None)
     lib, why = dequant_native._load()
     assert lib is None and "not built" in why
+
+
+def test_f32_is_every_stored_bit(monkeypatch):
+    """The F32 kernel copies the stored bytes (NaN payloads, signalling or not, and -0 included) as
+    the torch kernel does, for lengths around its 4-value steps, from a source at an odd byte offset,
+    streamed or not, on 1 and 2 threads, into an aligned output and one 4 bytes off."""
+    rng = np.random.default_rng(5)
+    words = rng.integers(0, 2**32, 3 * 65536 + 5, dtype=np.uint64).astype(np.uint32)
+    words[:6] = [0x7F800001, 0xFFC00001, 0x7FC00000, 0x80000000, 0x7F800000, 0x00000001]
+    data = np.concatenate([np.zeros(1, np.uint8), words.view(np.uint8)])  # the source at offset 1
+    before = torch.get_num_threads()
+    try:
+        for stream_bytes in (dequant._STREAM_BYTES, 0):
+            monkeypatch.setattr(dequant, "_STREAM_BYTES", stream_bytes)
+            for threads in (1, 2):
+                torch.set_num_threads(threads)
+                for n in (1, 3, 4, 5, 7, 8, 9, 4096 + 3, 3 * 65536 + 5):  # the last: several chunks of the C pool
+                    raw = torch.from_numpy(data[1 : 1 + 4 * n])
+                    want = words[:n]
+                    buf = torch.empty(n + 1)
+                    for start in (0, 1):
+                        out = buf[start : start + n]
+                        got = dequantize(raw, T.F32, (n,), out=out)
+                        assert np.array_equal(got.numpy().view(np.uint32), want), (n, start, threads, stream_bytes)
+                    assert np.array_equal(dequantize(raw, T.F32, (n,), native=False).numpy().view(np.uint32), want)
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_non_contiguous_or_wrong_blocks_are_refused_by_the_block_kernel():
@@ -165,7 +193,7 @@ def test_streamed_output_is_the_same(monkeypatch, qtype):
     into an aligned buffer and into one that starts 4 bytes off alignment (regular stores then)."""
     block_size, type_size = GGML_QUANT_SIZES[qtype]
     blocks = np.random.default_rng(int(qtype) + 7).integers(0, 256, size=(300, type_size), dtype=np.uint8)
-    for off in F16_FIELDS[qtype]:
+    for off in F16_FIELDS.get(qtype, ()):
         blocks[:, off : off + 2] = np.array([0.25], dtype=np.float16).view(np.uint8)
     raw = torch.from_numpy(blocks.reshape(-1))
     want = dequantize(raw, qtype, (300, block_size)).numpy()

@@ -1,11 +1,11 @@
 /* Fused single-pass CPU dequantization kernels, bit-exact with gguf-py 0.19 (gguf.quants).
  *
- * One function per GGML type: llmd_dq_<type>(src, dst, n_blocks, kvalues, stream) reads n_blocks
- * whole blocks of the type (uint8, exactly as stored in the file) and writes n_blocks * block_size
- * float32 values. Each
- * value is produced in one pass, with the float operations of gguf-py's numpy code in its order:
- * every float16 scale widened to float32 first, a sub-block scale one rounded product (d * sc),
- * then one product per value and, for types with a minimum, one add or subtract. The build passes
+ * One function per GGML type (F32's a copy): llmd_dq_<type>(src, dst, n_blocks, kvalues, stream)
+ * reads n_blocks whole blocks of the type (uint8, exactly as stored in the file) and writes
+ * n_blocks * block_size float32 values. Each value is produced in one pass, with the float operations
+ * of gguf-py's numpy code in its order: every float16 scale widened to float32 first, a sub-block
+ * scale one rounded product (d * sc), then one product per value and, for types with a minimum, one
+ * add or subtract. The build passes
  * -ffp-contract=off (no fused multiply-add: it would round once where gguf-py rounds twice) and no
  * fast-math flag. Integer work (nibble unpacking, offsets) is exact.
  *
@@ -270,9 +270,12 @@ static inline void blk_iq4_xs(const uint8_t *restrict src, float *restrict dst, 
 /* ------------------------------------------------------------------ drivers */
 
 /* Copy n floats (a multiple of 4) from the aligned tmp to the 16-byte aligned dst with
- * non-temporal stores: the written lines go to memory without first being read into the cache. */
+ * non-temporal stores: the written lines go to memory without first being read into the cache.
+ * Unrolled: the loop's own add/compare/branch per 16 bytes made the demo's streamed Q8_0 embedding
+ * 18.4-19.2 ms instead of 15.8-16.2 (2 threads, bench/RESULTS.md). */
 static inline void stream_copy(float *restrict dst, const float *restrict tmp, int n) {
 #if defined(__SSE2__)
+#pragma GCC unroll 8
     for (int i = 0; i < n; i += 4) _mm_stream_ps(dst + i, _mm_load_ps(tmp + i));
 #else
     memcpy(dst, tmp, (size_t)n * sizeof(float));
@@ -321,14 +324,32 @@ LLMD_DRIVER(q5_k, 176, 256)
 LLMD_DRIVER(q6_k, 210, 256)
 LLMD_DRIVER(iq4_xs, 136, 256)
 
+/* F32: the stored bytes, copied (every bit kept, NaN payloads included, as the torch kernel's byte
+ * copy does). A native kernel so that the demo's 109 small norm vectors take the one-ctypes-call
+ * path instead of torch ops (17.7 -> 11.4 us a call, bench/RESULTS.md); huge outputs are
+ * streamed like the other types' (the source may have any alignment). */
+void llmd_dq_f32(const uint8_t *src, float *dst, int64_t n_blocks, const int8_t *kvalues, int stream) {
+    (void)kvalues;
+#if defined(__SSE2__)
+    if (stream && !((uintptr_t)dst & 15u)) {
+        const int64_t n4 = n_blocks & ~(int64_t)3;
+        for (int64_t i = 0; i < n4; i += 4) _mm_stream_ps(dst + i, _mm_loadu_ps((const float *)(src + 4 * i)));
+        memcpy(dst + n4, src + 4 * n4, (size_t)(n_blocks - n4) * 4);
+        stream_fence();
+        return;
+    }
+#endif
+    memcpy(dst, src, (size_t)n_blocks * 4);
+}
+
 /* The calling convention of the exported functions (their arguments, and llmd_dq_parallel's in
  * _dequant_pool.c); bumped with every change, so that a stale build is refused, not misread. */
-int llmd_dq_abi(void) { return 3; }
+int llmd_dq_abi(void) { return 4; }
 
 /* The layouts assumed above, for the loader to check against gguf's GGML_QUANT_SIZES:
  * "name:block_size:type_size" separated by spaces. */
 const char *llmd_dq_layout(void) {
-    return "Q8_0:32:34 Q4_0:32:18 Q4_1:32:20 Q5_0:32:22 Q5_1:32:24 IQ4_NL:32:18 "
+    return "F32:1:4 Q8_0:32:34 Q4_0:32:18 Q4_1:32:20 Q5_0:32:22 Q5_1:32:24 IQ4_NL:32:18 "
            "Q2_K:256:84 Q3_K:256:110 Q4_K:256:144 Q5_K:256:176 Q6_K:256:210 IQ4_XS:256:136";
 }
 

@@ -5,7 +5,8 @@ package installs anyway and the torch kernels do the work. `available()` says wh
 loaded and, if not, why. Each C kernel is one pass over a chunk of whole blocks, bit-exact with
 gguf-py like the torch kernels it stands in for (tests/test_dequant_native.py checks both against
 gguf-py). A tensor is one call through ctypes (which releases the GIL); the C pool of
-`_dequant_pool.c` shares its chunks between the calling thread and its helper threads.
+`_dequant_pool.c` shares its chunks between the calling thread and its helper threads. F32 is here
+too, as a byte copy: a model's many small norm vectors then cost one call each, not torch ops.
 """
 
 from __future__ import annotations
@@ -24,9 +25,10 @@ from ..native import load_extension
 from .dequant import register
 
 _MODULE = "llmdoctor.gguf._dequant_native"
-_ABI = 3  # llmd_dq_abi() of the C code this module calls (an editable install does not rebuild it)
+_ABI = 4  # llmd_dq_abi() of the C code this module calls (an editable install does not rebuild it)
 # GGML type -> (C function, whether it takes the IQ4 non-linear table)
 _FUNCTIONS = {
+    T.F32: ("llmd_dq_f32", False),  # a byte copy: one ctypes call instead of the torch kernel's ops
     T.Q8_0: ("llmd_dq_q8_0", False), T.Q4_0: ("llmd_dq_q4_0", False), T.Q4_1: ("llmd_dq_q4_1", False),
     T.Q5_0: ("llmd_dq_q5_0", False), T.Q5_1: ("llmd_dq_q5_1", False), T.IQ4_NL: ("llmd_dq_iq4_nl", True),
     T.Q2_K: ("llmd_dq_q2_k", False), T.Q3_K: ("llmd_dq_q3_k", False), T.Q4_K: ("llmd_dq_q4_k", False),
