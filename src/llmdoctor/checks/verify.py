@@ -408,7 +408,11 @@ def _host_buffers(size: int, n: int) -> list[np.ndarray]:
 
 
 def _workers() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    """One per core of this process, shared among the ranks of a `verify --gpus N` run (one host)."""
+    n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        n //= torch.distributed.get_world_size()
+    return max(1, n)
 
 
 def _pass(g: GGUFFile, device: str, progress: Callable, fx: Any, hashing: bool,
