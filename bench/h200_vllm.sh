@@ -77,7 +77,7 @@ diagnose)
         local name=$1 dtype=$2
         shift 2
         timeout "$(left)" python3 -m llmdoctor.cli diagnose "$@" --engine vllm --engine-python /tmp/vpy \
-            --engine-dtype "$dtype" --token-ids "$TOKENS" --json-out "$D/$name-$dtype.json" > "$D/$name-$dtype.log" 2>&1
+            --engine-dtype "$dtype" --token-ids "$TOKENS" --generate 0 --json-out "$D/$name-$dtype.json" > "$D/$name-$dtype.log" 2>&1
         step "$name $dtype: exit $?"
     }
     step "three lanes"
