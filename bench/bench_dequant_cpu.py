@@ -6,9 +6,11 @@ output with nothing to read: no kernel that produces it can be faster). gguf-py 
 first pass pays for fresh output memory (page faults), as one run of a tool does; its second reuses
 the memory its first pass freed (glibc keeps it), its best case. Both ratios are printed. Ours
 (`--torch`: the torch kernels only) and memcpy: best of --reps. Wall and CPU time are printed, and
-the load average: the machine is shared.
+the load average: the machine is shared. Per type, ours and the fill of the same tensors (best of the
+runs each) show where the gap to the floor is. `--no-gguf-py` skips gguf-py (seconds of a loaded
+machine) when only ours against the fill is wanted.
 
-    python bench/bench_dequant_cpu.py [FILE] [--reps 5] [--threads N] [--torch]
+    python bench/bench_dequant_cpu.py [FILE] [--reps 5] [--threads N] [--torch] [--no-gguf-py]
     python bench/bench_dequant_cpu.py --per-type     # synthetic random blocks, every non-IQ type
 """
 
@@ -70,6 +72,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--per-type", action="store_true")
     ap.add_argument("--torch", action="store_true", help="our torch kernels only (no native C kernels)")
+    ap.add_argument("--no-gguf-py", action="store_true", help="skip gguf-py (ours against memcpy and fill only)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -89,6 +92,7 @@ def main() -> None:
         np.asarray(t.data).sum()
 
     per_type_runs: list[dict[str, float]] = []
+    per_type_fills: list[dict[str, float]] = []
     native = not args.torch
 
     def ours() -> None:  # also records each type's wall time in this run
@@ -104,15 +108,20 @@ def main() -> None:
             buf[: t.n_elements].copy_(src[: t.n_elements])
 
     def fill() -> None:  # writing the output alone: the floor for anything that produces it
+        split: dict[str, float] = collections.defaultdict(float)
         for t in tensors:
+            w = time.perf_counter()
             buf[: t.n_elements].fill_(1.0)
+            split[t.type.name] += time.perf_counter() - w
+        per_type_fills.append(split)
 
     def reference() -> None:
         for t in tensors:
             gq.dequantize(t.data.reshape(*t.shape[:-1], -1), t.type)
 
-    ref_wall, ref_cpu = timed(reference)  # first, before our worker threads exist: a cold pass
-    warm_wall, _ = timed(reference)  # its output memory recycled from the first pass
+    nan = float("nan")
+    ref_wall, ref_cpu = (nan, nan) if args.no_gguf_py else timed(reference)  # first, before our threads: cold
+    warm_wall = nan if args.no_gguf_py else timed(reference)[0]  # its output memory recycled from the first pass
     ours()  # warm-up
     per_type_runs.clear()
     runs = [timed(ours) for _ in range(args.reps)]
@@ -127,19 +136,23 @@ def main() -> None:
           f"{' '.join(f'{x:.1f}' for x in os.getloadavg())}")
     print(f"file: {f.path} ({len(tensors)} tensors, {in_bytes / 1e6:.1f} MB quantized, "
           f"{out_bytes / 1e9:.3f} GB float32 out)")
-    print(f"gguf-py:  {ref_wall:7.3f} s wall  {ref_cpu:7.3f} s CPU  {in_bytes / ref_wall / 1e6:7.1f} MB/s in "
-          f"(first pass); second pass {warm_wall:.3f} s")
+    if not args.no_gguf_py:
+        print(f"gguf-py:  {ref_wall:7.3f} s wall  {ref_cpu:7.3f} s CPU  {in_bytes / ref_wall / 1e6:7.1f} MB/s in "
+              f"(first pass); second pass {warm_wall:.3f} s")
     print(f"ours:     {our_wall:7.3f} s wall  {our_cpu:7.3f} s CPU  (best of {args.reps}; "
           f"median {sorted(r[0] for r in runs)[len(runs) // 2]:.3f} s; {'native + torch' if native else 'torch'} kernels)")
     print(f"memcpy:   {cp_wall:7.3f} s wall  (same sizes into the same buffer)")
     print(f"fill:     {fill_wall:7.3f} s wall  (writing the same sizes, nothing read: the floor)")
-    print(f"speed-up vs gguf-py: {ref_wall / our_wall:.1f}x wall vs its first pass ({ref_cpu / our_cpu:.1f}x CPU "
-          f"time), {warm_wall / our_wall:.1f}x vs its second")
+    if not args.no_gguf_py:
+        print(f"speed-up vs gguf-py: {ref_wall / our_wall:.1f}x wall vs its first pass ({ref_cpu / our_cpu:.1f}x CPU "
+              f"time), {warm_wall / our_wall:.1f}x vs its second")
     print(f"written:  ours {out_bytes / our_wall / 1e9:.2f} GB/s, memcpy {out_bytes / cp_wall / 1e9:.2f} GB/s "
           f"-> {cp_wall / our_wall:.0%} of memcpy; fill {out_bytes / fill_wall / 1e9:.2f} GB/s -> {fill_wall / our_wall:.0%} "
-          f"of fill; 30x gguf-py's first pass needs {ref_wall / 30 * 1e3:.1f} ms, fill takes {fill_wall * 1e3:.1f} ms")
-    print("per type (wall, best of the runs): " + ", ".join(
-        f"{k} {min(r[k] for r in per_type_runs) * 1e3:.1f} ms" for k in per_type_runs[0]))
+          f"of fill" + ("" if args.no_gguf_py else f"; 30x gguf-py's first pass needs {ref_wall / 30 * 1e3:.1f} ms, "
+                        f"fill takes {fill_wall * 1e3:.1f} ms"))
+    print("per type (wall, best of the runs), ours / fill: " + ", ".join(
+        f"{k} {min(r[k] for r in per_type_runs) * 1e3:.1f} / {min(r[k] for r in per_type_fills) * 1e3:.1f} ms"
+        for k in per_type_runs[0]))
 
 
 if __name__ == "__main__":
