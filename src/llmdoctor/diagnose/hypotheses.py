@@ -271,6 +271,7 @@ def h_engine_vs_reference(s: Session) -> list[Finding]:
                        top1_flips_beyond_noise=int(by["top1"].value), worst_position=worst["position"])
         budget.update(kl_mean_limit=by["kl"].limit, kl_noise_mean=by["kl"].noise,
                       top1_flips_allowed=int(by["top1"].limit))
+    budget["arithmetic"] = s.budget().words  # whose noise: what the emulated run reproduces of the engine
     metrics.update(positions=got.shape[0], failed_criteria=[c.name for c in failed],
                    reference_reads=str(s.reference_path()))
     return [_finding(
@@ -279,7 +280,7 @@ def h_engine_vs_reference(s: Session) -> list[Finding]:
         budget=budget, evidence=[c.as_dict() for c in crit],
         explanation=("; ".join(f"the {c.name} criterion fails: {c.reason}" for c in failed) if failed else
                      f"KL {by['kl'].value:.3g} (noise {by['kl'].noise:.3g}), top-1 {top1:.0%}: every top-1 flip "
-                     "and the KL within the engine's noise"),
+                     "and the KL within the engine's noise") + f" (the engine's arithmetic: {budget['arithmetic']})",
     )]
 
 

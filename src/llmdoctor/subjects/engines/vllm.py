@@ -30,7 +30,7 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
-from .base import Engine, EngineError, EngineRun, EngineUnavailable, NotOffered, Traits, torch_dtype_name
+from .base import Budget, Engine, EngineError, EngineRun, EngineUnavailable, NotOffered, Traits, torch_dtype_name
 
 DRIVER = Path(__file__).with_name("vllm_driver.py")
 RUN_TIMEOUT_S = 1800.0  # loading a large checkpoint from a cold disk plus one prefill
@@ -554,8 +554,10 @@ class VLLMEngine(Engine):
     distribution = "vllm"
     traits = Traits(formats=frozenset({"gguf", "hf"}), dequant_kernel=None,
                     captures="forward hooks: each layer's points, q and k after RoPE (MLA: q_pe, k_pe), routers",
-                    noise="the reference in float64 for float32 (another draw of float32 rounding), else in the "
-                          "engine's dtype", selects_backends=True, quantized_indexer=False)
+                    noise="the reference in float64 for float32 on the CPU, else in the engine's dtype; on CUDA "
+                          "with the arithmetic it built emulated (TF32 Triton attention, the GGUF plugin's Q8_1 "
+                          "activations, half-precision embedding dequant)",
+                    selects_backends=True, quantized_indexer=False)
 
     def python(self) -> str:
         return find_python(self.deployment.python)
@@ -581,6 +583,49 @@ class VLLMEngine(Engine):
 
     def describe(self) -> dict[str, Any]:
         return {**super().describe(), **info(self.python())}
+
+    def noise_budget(self, ran: EngineRun) -> Budget:
+        """The reference run that emulates what this vLLM built (the run info's `arithmetic`, reported by
+        the driver). On the CPU, or where nothing rounds beyond the dtype: the default (float64 for
+        float32: another draw of float32 rounding). On CUDA (reference/emulate.py's docstring names the
+        sources): a TRITON_* attention backend in float32, with Triton's float32 dot at "tf32", reads Q,
+        K, P and V as TF32 (unconverted registers: truncated); GGUF linear layers through the
+        vllm-gguf-plugin take Q8_1 activations when its CUDA ops loaded (its Triton GEMMs in TF32 when
+        they did not, in float32), and its CUDA dequant leaves quantized embedding rows in half precision;
+        torch's float32 matmul precision "high" (VLLM_FLOAT32_MATMUL_PRECISION) runs the unquantized
+        products in TF32. The emulated run is float32 for a float32 engine, else the engine's dtype."""
+        from ...reference.emulate import vllm_cuda
+
+        arith = ran.info.get("arithmetic") or {}
+        if arith.get("device") != "cuda":
+            return super().noise_budget(ran)
+        dtype = torch_dtype_name(str(ran.info.get("dtype") or self.deployment.dtype or "float32"))
+        f32 = dtype == "float32"
+        f32_dot = (arith.get("triton") or {}).get("f32_dot") or "tf32"  # Triton's NVIDIA default when unreported
+        backends = sorted({b for b in (ran.info.get("backends") or {}).get("decode", {}).values()
+                           if str(b).startswith("TRITON")})
+        methods, plugin = arith.get("linear_methods") or {}, arith.get("gguf_plugin") or {}
+        words = []
+        attention = "rz" if f32 and f32_dot == "tf32" and backends else None
+        if attention:
+            words.append(f"attention computed in TF32 by {', '.join(backends)} (Triton's float32 dot default)")
+        gguf = None
+        if "GGUFLinearMethod" in methods and plugin.get("cuda_ops"):
+            gguf = "q8_1"
+            words.append("GGUF linear layers with Q8_1 activations (the plugin's CUDA MMVQ/MMQ)")
+        elif "GGUFLinearMethod" in methods and f32 and f32_dot == "tf32":
+            gguf = "tf32"
+            words.append("GGUF linear layers in TF32 (the plugin's Triton GEMMs: its CUDA ops did not load)")
+        embedding = "GGUFEmbeddingMethod" in methods and bool(plugin.get("cuda_ops"))
+        if embedding:
+            words.append("quantized embedding rows dequantized in half precision (the plugin's CUDA dequant)")
+        dense = "rna" if f32 and arith.get("float32_matmul_precision") == "high" else None
+        if dense:
+            words.append("unquantized matmuls in TF32 (float32 matmul precision 'high')")
+        emulate = vllm_cuda(attention_tf32=attention, gguf_products=gguf, dense_tf32=dense, embedding_half=embedding)
+        if emulate is None:
+            return super().noise_budget(ran)
+        return Budget(dtype, emulate, f"{dtype} vLLM on CUDA: " + "; ".join(words))
 
     def explain_backends(self) -> dict[str, Any]:
         return explain(self.python(), self.deployment.model, dtype=self._dtype())

@@ -12,7 +12,8 @@ Commands:
            prefix caching off): every position's full next-token log-distribution (prompt_logprobs
            with max_logprobs = the vocabulary, the last position from the first sampled step's
            logprobs), per-layer captures by forward hooks named as llmdoctor's reference names its
-           capture points, and the attention backends the engine built.
+           capture points, the attention backends the engine built, and what decides its arithmetic
+           (`arithmetic`: device, attention impls, linear methods, GGUF plugin ops, Triton's f32 dot).
   explain  vLLM's own attention-backend selection for the model, dtype and this platform (dense or
            MLA; decode and prefill), under `set_current_vllm_config` as vLLM itself selects, and what
            each `attention_config.backend` setting would select instead.
@@ -191,6 +192,71 @@ def built_backends(runner) -> dict:
     return out
 
 
+def arithmetic(runner) -> dict:
+    """What the running engine built that decides its arithmetic (llmdoctor's noise budget reads it):
+    the device, torch's float32 matmul precision (vLLM's VLLM_FLOAT32_MATMUL_PRECISION, "highest" by
+    default), each attention layer's impl class, the linear methods in use, for GGUF models the
+    vllm-gguf-plugin's weight types and whether its CUDA ops loaded (else its Triton GEMMs run), and
+    Triton's float32 dot default (TRITON_F32_DEFAULT, else the NVIDIA backend's: tf32)."""
+    import torch
+
+    device = str(getattr(runner, "device", "") or "")
+    out: dict = {"device": device.split(":")[0] or None,
+                 "float32_matmul_precision": torch.get_float32_matmul_precision(),
+                 "attention_impls": {}, "linear_methods": {}, "gguf_weight_types": {}}
+    if out["device"] == "cuda" and torch.cuda.is_available():
+        out["compute_capability"] = ".".join(map(str, torch.cuda.get_device_capability()))
+    for name, module in runner.model.named_modules():
+        impl = getattr(module, "impl", None)
+        if impl is not None and hasattr(module, "layer_name"):
+            out["attention_impls"][name] = type(impl).__name__
+        method = getattr(module, "quant_method", None)
+        if method is not None:
+            key = type(method).__name__
+            out["linear_methods"][key] = out["linear_methods"].get(key, 0) + 1
+            wtype = getattr(getattr(module, "qweight_type", None), "weight_type", None)
+            if wtype is not None:
+                out["gguf_weight_types"][name] = int(wtype)
+    if any(k.startswith("GGUF") for k in out["linear_methods"]):
+        try:
+            from vllm_gguf_plugin import ops
+
+            out["gguf_plugin"] = {"version": _dist_version("vllm-gguf-plugin"),
+                                  "cuda_ops": bool(getattr(ops, "_CUDA_ENABLED", False)),
+                                  "cuda_ops_built": bool(getattr(ops, "_CUDA_AVAILABLE", False)),
+                                  "VLLM_GGUF_USE_CUDA": os.environ.get("VLLM_GGUF_USE_CUDA")}
+        except Exception as e:  # noqa: BLE001 - reported, not fatal: the budget then says it cannot tell
+            out["gguf_plugin"] = {"error": f"{type(e).__name__}: {e}"}
+    out["triton"] = _triton_f32_default()
+    return out
+
+
+def _triton_f32_default() -> dict:
+    """Triton's version and the input precision of a float32 `tl.dot` given none: TRITON_F32_DEFAULT
+    (its knob) or the NVIDIA backend's `default_dot_input_precision`."""
+    try:
+        import triton
+    except Exception as e:  # noqa: BLE001
+        return {"error": f"{type(e).__name__}: {e}"}
+    out = {"version": str(getattr(triton, "__version__", "?")),
+           "TRITON_F32_DEFAULT": os.environ.get("TRITON_F32_DEFAULT")}
+    try:
+        from triton import knobs
+
+        out["knob"] = knobs.language.fp32_default
+    except Exception:  # noqa: BLE001 - an older Triton reads the environment variable itself
+        out["knob"] = None
+    try:
+        from triton.backends.nvidia.compiler import CUDAOptions
+
+        out["nvidia_default"] = CUDAOptions.default_dot_input_precision
+    except Exception as e:  # noqa: BLE001
+        out["nvidia_default"] = None
+        out["nvidia_error"] = f"{type(e).__name__}: {e}"
+    out["f32_dot"] = out["knob"] or out["TRITON_F32_DEFAULT"] or out["nvidia_default"]
+    return out
+
+
 def _engine_kwargs(req: dict) -> dict:
     kw = {"model": req["model"], "dtype": req.get("dtype") or "auto", "skip_tokenizer_init": True,
           "enable_prefix_caching": False, "enforce_eager": True, "seed": req.get("seed", 0),
@@ -242,7 +308,8 @@ def cmd_run(req: dict) -> dict:
     return {"logprobs": lp, "captures": hooks.caps, "backends": built_backends(runner),
             "explained": explain_config(llm.llm_engine.vllm_config),
             "info": {**cmd_info(req), "model": req["model"], "dtype": str(runner.model_config.dtype).removeprefix("torch."),
-                     "vocab": vocab, "load_s": round(t_load, 2), "run_s": round(t_run, 3)}}
+                     "vocab": vocab, "load_s": round(t_load, 2), "run_s": round(t_run, 3),
+                     "arithmetic": arithmetic(runner)}}
 
 
 # ---- explain --------------------------------------------------------------------------------------
