@@ -269,6 +269,11 @@ def diagnose(
                                             "(llmdoctor manifest): every tensor and key that differs is named."),
     tokenizer: Optional[Path] = typer.Option(None, "--tokenizer", help="The tokenizer folder the deployment loads "
                                              "(vLLM's --tokenizer; default: the engine's own)."),
+    device: str = typer.Option("cpu", "--device", help="cpu or cuda[:N]: where the reference and an in-process "
+                               "engine run."),
+    max_gpu_memory: Optional[str] = typer.Option(None, "--max-gpu-memory", help="The most the reference's "
+                                                 "dequantized weights hold on --device at once, e.g. 8GB (layers "
+                                                 "streamed, the rest not cached; captures kept on the CPU)."),
     seed: int = typer.Option(0, "--seed"),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object on stdout."),
     json_path: Optional[Path] = json_path_option(),
@@ -303,7 +308,7 @@ def diagnose(
                                     engine_dtype=engine_dtype, engine_python=engine_python,
                                     dequant_kernel=dequant_kernel, attention_impl=attention_impl,
                                     attention_contract=attention_contract, seed=seed, threads=threads, manifest=manifest,
-                                    tokenizer=tokenizer)
+                                    tokenizer=tokenizer, device=device, max_gpu_memory=max_gpu_memory)
     with tempfile.TemporaryDirectory(prefix="llmdoctor-demo-") as tmp:
         if demo_fault:
             demo_faults.apply(demo_fault, inputs, Path(tmp))
@@ -312,6 +317,8 @@ def diagnose(
             result = dg.run(inputs, progress=lambda msg: status.update(msg))
     doc = envelope("diagnose", argv=sys.argv[1:], verdict=result.verdict, exit_code=result.exit_code,
                    findings=result.findings, file=inputs.gguf, seed=seed, **result.to_dict())
+    terminal.stderr.print("stages: " + ", ".join(f"{k} {v:.2f} s" for k, v in sorted(
+        result.stages.items(), key=lambda kv: -kv[1])))
     emit(doc, json_out, json_path, sarif_path)
     if html_path:
         write_atomic(html_path, html_report.render(doc))

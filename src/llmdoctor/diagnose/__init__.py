@@ -15,6 +15,7 @@ from typing import Callable
 
 from ..checks.base import Finding
 from ..errors import GGUFError
+from ..reference.stages import Stages, stage
 from .inputs import DEFAULT_PROMPT, Inputs
 from .plan import PLAN, Hypothesis
 from .session import NO_GGUF, Session, Skip
@@ -33,16 +34,35 @@ def run(inputs: Inputs, progress: Callable[[str], None] = lambda s: None) -> Dia
     try:
         findings: list[Finding] = []
         timings: dict[str, float] = {}
-        for hyp in PLAN:
-            progress(hyp.question)
-            t0 = time.perf_counter()
-            findings.extend(_findings(hyp, s))
-            timings[hyp.key] = round(time.perf_counter() - t0, 2)
-        suspects, ruled_out, verdict, code = judge(findings, inputs)
+        with Stages() as stages:
+            for hyp in PLAN:
+                progress(hyp.question)
+                t0 = time.perf_counter()
+                with stage("read" if hyp.key in READING else "judging"):
+                    findings.extend(_findings(hyp, s))
+                timings[hyp.key] = round(time.perf_counter() - t0, 2)
+            with stage("judging"):
+                suspects, ruled_out, verdict, code = judge(findings, inputs)
         return Diagnosis(findings, suspects, ruled_out, verdict, code, s.curve, timings, s.threads,
-                         engine_run=s.engine_info())
+                         engine_run=s.engine_info(), stages={k: round(v, 3) for k, v in stages.seconds.items()},
+                         device=_device_report(s))
     finally:
         s.close()
+
+
+# The hypotheses that only read the file (parse, hash, forensics); the decoding, reference and engine work they
+# start is counted to those stages (reference/stages.py), the rest of every other hypothesis is judging.
+READING = ("file-integrity", "engine-file", "metadata")
+
+
+def _device_report(s: Session) -> dict:
+    """Where the reference ran, its device budget's counts, and CUDA's own peak where CUDA ran."""
+    import torch
+
+    out = {"device": s.inputs.device, **s.device_budget.as_dict()}
+    if s.inputs.device.startswith("cuda"):
+        out["cuda_max_allocated_bytes"] = torch.cuda.max_memory_allocated(torch.device(s.inputs.device))
+    return out
 
 
 def _findings(hyp: Hypothesis, s: Session) -> list[Finding]:

@@ -38,9 +38,11 @@ def h_file_integrity(s: Session) -> list[Finding]:
                          metrics={"problem": e.problem, "offset": e.offset},
                          explanation=f"the model file is broken: {e.problem}{at} (no engine can load it correctly)")]
     s.progress(f"decoding all {len(g.tensors)} tensors (finite values, block-scale forensics)")
-    # decoded once, reused by the reference runs (a model whose metadata is inconsistent is not built)
+    # decoded once, reused by the reference runs (a model whose metadata is inconsistent is not built); a
+    # tensor too large for the device budget whole (--max-gpu-memory) is decoded chunk by chunk on the CPU
     weights = s.model().weights if s.inconsistency() is None else None
-    stats = [forensics.tensor_stats(t, weights.get(t.name) if weights is not None and weights.has(t.name) else None)
+    held = lambda name: weights is not None and weights.has(name) and getattr(weights, "fits", bool)(name)  # noqa: E731
+    stats = [forensics.tensor_stats(t, weights.get(t.name) if held(t.name) else None)
              for t in g.tensors if t.supported]
     found = forensics.compare(stats, file=s.inputs.gguf)
     # a sub-block finding (codes a quantizer never writes) or a sibling outlier is not a non-finite weight
@@ -463,8 +465,8 @@ def _held_weights(s: Session, point) -> dict[str, Any]:
     differ = []
     for name, w in want.items():
         proj = name.split(".")[-2]
-        rel = relate(held[name], w.numpy(), tol=tol, n_head=n_head.get(proj) if cfg.arch == "llama" else None,
-                     others={o: v.numpy() for o, v in want.items() if o != name and v.shape == w.shape})
+        rel = relate(held[name], w.cpu().numpy(), tol=tol, n_head=n_head.get(proj) if cfg.arch == "llama" else None,
+                     others={o: v.cpu().numpy() for o, v in want.items() if o != name and v.shape == w.shape})
         if rel is not None:
             differ.append({"tensor": name, **rel})
     name = f"{point.point}-{point.layer}"
@@ -597,8 +599,13 @@ def h_front_end(s: Session) -> list[Finding]:
     report can tell a front-end fault from a layer's."""
     from ..checks import frontend_engine as fe
 
+    from ..errors import InputError
+
     engine = s.engine()
-    ref = s.once("reference-front-end", lambda: fe.ReferenceFrontEnd(s.reference_path()))
+    try:
+        ref = s.once("reference-front-end", lambda: fe.ReferenceFrontEnd(s.reference_path()))
+    except InputError as e:  # a model file without a tokenizer (diagnosed from --token-ids)
+        raise Skip(f"no front end to compare against: {e}") from None
     try:
         rows = fe.compare(engine, ref, s.inputs.prompt, s.progress)
     except EngineError as e:

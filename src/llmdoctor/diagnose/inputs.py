@@ -36,10 +36,13 @@ class Inputs:
     token_ids: list[int] | None = None  # instead of the prompt (models without a tokenizer)
     seed: int = 0
     threads: int | None = None
+    device: str = "cpu"  # where the reference and an in-process engine run: cpu or cuda[:N] (--device)
+    max_gpu_memory: int | None = None  # bytes the reference's weights may hold on that device (--max-gpu-memory)
 
     @classmethod
     def from_options(cls, *, gguf: Path | None, hf: Path | None, endpoint: str | None, engine: str | None,
-                     prompt: str | None, token_ids: str | None, default_gguf: Callable[[], Path], **rest) -> "Inputs":
+                     prompt: str | None, token_ids: str | None, default_gguf: Callable[[], Path],
+                     device: str = "cpu", max_gpu_memory: str | int | None = None, **rest) -> "Inputs":
         """The command line's options as a diagnosis. Paths are taken relative to the caller's directory
         and made absolute (an engine in a child process runs elsewhere). The rules:
         - `--prompt` or `--token-ids`, not both; neither: the built-in prompt.
@@ -50,8 +53,13 @@ class Inputs:
         - `--tokenizer DIR`: the tokenizer folder the deployment loads, for every engine (vLLM's option of that
           name; transformers' AutoTokenizer; llama-cpp-python's hf_pretrained_model_name_or_path). The
           reference's tokenizer stays the model file's.
+        - `--device cpu|cuda[:N]`: where the reference's forward passes and an in-process engine run; CUDA
+          asked for where there is none is bad input. `--max-gpu-memory 8GB`: the most the reference's
+          dequantized weights hold on that device at once (reference/device_cache.py; on the CPU it bounds
+          the same counts, which is how CI tests it).
         """
         from ..reference.checkpoint import is_checkpoint
+        from ..reference.device_cache import parse_bytes
         from ..reference.hf_tokenizer import parse_token_ids
         from ..subjects.engines import DEFAULT_FOR_CHECKPOINT, DEFAULT_FOR_GGUF, engine_class
 
@@ -65,7 +73,8 @@ class Inputs:
         if gguf is None and hf is not None and hf.is_dir() and not is_checkpoint(hf):
             raise InputError(f"{hf}: no config.json with *.safetensors: without --gguf, the reference runs from an "
                              "HF checkpoint's safetensors")
-        inputs = cls(gguf=gguf, hf=hf, endpoint=endpoint, engine=engine, **rest)
+        inputs = cls(gguf=gguf, hf=hf, endpoint=endpoint, engine=engine, device=_device(device),
+                     max_gpu_memory=None if max_gpu_memory is None else parse_bytes(str(max_gpu_memory)), **rest)
         for name in ("manifest", "engine_gguf", "engine_hf", "tokenizer"):
             setattr(inputs, name, resolve(getattr(inputs, name)))
         if prompt:
@@ -74,9 +83,40 @@ class Inputs:
             inputs.token_ids = parse_token_ids(token_ids)
         if inputs.gguf is None and not (hf is not None and is_checkpoint(hf)):
             inputs.gguf = default_gguf()
+        if inputs.max_gpu_memory is not None and inputs.gguf is not None:
+            _check_cap(inputs.gguf, inputs.max_gpu_memory)
         examined = (engine, endpoint, inputs.dequant_kernel, inputs.attention_impl)
         if not any((*examined, hf)):
             inputs.engine = DEFAULT_FOR_GGUF  # the demo deployment: the file in the built-in engine
         elif not any((*examined, gguf)):
             inputs.engine = DEFAULT_FOR_CHECKPOINT  # a checkpoint alone: the engine that runs safetensors
         return inputs
+
+
+def _device(device: str) -> str:
+    """--device as given, checked: cpu, or cuda[:N] where CUDA is available."""
+    import torch
+
+    kind, _, index = device.partition(":")
+    if kind not in ("cpu", "cuda") or (index and (kind == "cpu" or not index.isdigit())):
+        raise InputError(f"--device {device!r}: expected cpu or cuda[:N]")
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise InputError(f"--device {device}: CUDA is not available here")
+    if index and int(index) >= torch.cuda.device_count():
+        raise InputError(f"--device {device}: only {torch.cuda.device_count()} CUDA devices here")
+    return device
+
+
+def _check_cap(path: Path, cap: int) -> None:
+    """An InputError before any work when --max-gpu-memory cannot hold one layer of the float32 reference (a
+    later run in float64 checks its own minimum when its model is built)."""
+    from ..errors import GGUFError
+    from ..gguf import open_gguf
+    from ..reference.device_cache import DeviceBudget, minimum_bytes
+
+    try:
+        g = open_gguf(path)
+    except GGUFError:
+        return  # a broken file is the diagnosis's first finding, not bad input
+    with g:
+        DeviceBudget(cap).require(minimum_bytes(g, 4), f"{path.name} in float32")

@@ -11,7 +11,9 @@ from typing import Any, Callable, Iterator
 import numpy as np
 import torch
 
+from ..reference.device_cache import DeviceBudget
 from ..reference.points import REFERENCE_POINTS
+from ..reference.stages import stage
 from ..subjects.engines import create, engine_class
 from ..subjects.engines.base import Budget, Deployment, Engine, EngineError, EngineRun
 from .inputs import Inputs
@@ -37,6 +39,8 @@ class Session:
         # on), which the emulated run's Q8 rounding would turn into another noise budget: pinned, so that
         # the same command gives the same budgets (issue 18).
         self.threads = inputs.threads or torch.get_num_threads()
+        # every reference model's dequantized weights on --device, together, within --max-gpu-memory
+        self.device_budget = DeviceBudget(inputs.max_gpu_memory)
 
     @contextlib.contextmanager
     def pinned_threads(self) -> Iterator[None]:
@@ -134,7 +138,9 @@ class Session:
         def make():
             from ..reference import load
 
-            return load(self.reference_path(), dtype=getattr(torch, dtype), cache=True)
+            device = self.inputs.device
+            return load(self.reference_path(), dtype=getattr(torch, dtype), cache=True, device=device,
+                        budget=self.device_budget, capture_to=None if device == "cpu" else "cpu")
 
         return self.once(f"model-{dtype}-{self.reference_path()}", make)
 
@@ -146,10 +152,10 @@ class Session:
             extra = self.reference_extra()
             self.progress(f"reference forward pass ({dtype}{', ' + emulate.name + ' arithmetic' if emulate else ''})")
             model = self.model(dtype)
-            with self.pinned_threads():
+            with stage("reference"), self.pinned_threads():
                 logits, caps = model.forward(self.tokens(), capture=set(REFERENCE_POINTS), emulate=emulate,
                                              extra=extra)
-            return logits, caps, [st.as_dict() for st in model.stats]
+            return logits.cpu(), caps, [st.as_dict() for st in model.stats]
 
         return self.once(f"reference-{dtype}-{emulate.name if emulate else None}-{self.reference_path()}", make)
 
@@ -185,7 +191,8 @@ class Session:
             i = self.inputs
             return create(name, Deployment(model=self.engine_model(), hf=i.hf if i.gguf is not None else None,
                                            dtype=i.engine_dtype, python=i.engine_python, threads=i.threads,
-                                           dequant_kernel=i.dequant_kernel, tokenizer=i.tokenizer))
+                                           dequant_kernel=i.dequant_kernel, tokenizer=i.tokenizer,
+                                             device=i.device))
 
         if self.inputs.gguf is None and "hf" not in engine_class(name).traits.formats:
             raise Skip(f"{name} runs GGUF files only: no --gguf given")
@@ -207,7 +214,8 @@ class Session:
         def make():
             self.progress(f"{engine.name} forward pass ({engine.traits.captures})")
             try:
-                return engine.run(self.tokens(), self.config())
+                with stage("engine"):
+                    return engine.run(self.tokens(), self.config())
             except EngineError as e:
                 return Skip(f"the engine could not run the model: {e}")
 
@@ -227,7 +235,8 @@ class Session:
         def make():
             self.progress(f"{engine.name} forward pass on its own tokens ({len(tokens)})")
             try:
-                return engine.run(list(tokens), self.config())
+                with stage("engine"):
+                    return engine.run(list(tokens), self.config())
             except EngineError as e:
                 return Skip(f"the engine could not run its own tokens: {e}")
 
@@ -243,9 +252,9 @@ class Session:
 
         def make():
             self.progress(f"reference forward pass ({len(tokens)} other tokens)")
-            with self.pinned_threads():
+            with stage("reference"), self.pinned_threads():
                 logits, _ = self.model().forward(list(tokens), capture=set())
-            return logits
+            return logits.cpu()
 
         return self.once(f"reference-on-{tuple(tokens)}", make)
 
@@ -276,10 +285,10 @@ class Session:
         for il in range(cfg.n_layer):
             sel = caps.get(f"top_k-{il} (view)", caps.get(f"top_k-{il}"))
             if sel is not None and cfg.mla is not None and cfg.mla.indexer is not None:
-                dsa[il] = torch.as_tensor(np.asarray(sel, dtype=np.int64))
+                dsa[il] = torch.as_tensor(np.asarray(sel, dtype=np.int64), device=self.inputs.device)
             experts = caps.get(f"ffn_moe_topk-{il}")
             if experts is not None and cfg.moe is not None and np.shape(experts) == (len(self.tokens()), cfg.moe.n_used):
-                moe[il] = torch.as_tensor(np.asarray(experts, dtype=np.int64))
+                moe[il] = torch.as_tensor(np.asarray(experts, dtype=np.int64), device=self.inputs.device)
         extra = {k: v for k, v in ((DSA_OVERRIDE, dsa), (MOE_OVERRIDE, moe)) if v}
         return extra or None
 

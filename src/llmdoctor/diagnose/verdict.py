@@ -26,6 +26,9 @@ class Diagnosis:
     # what the engine said of itself when it ran: its versions as its own environment has them (vLLM's
     # driver reports the deployment's vLLM, torch and transformers; env.engines is llmdoctor's environment)
     engine_run: dict[str, Any] | None = None
+    # seconds by stage (read, decode, reference, engine, judging: reference/stages.py), each exclusive of the others
+    stages: dict[str, float] = field(default_factory=dict)
+    device: dict[str, Any] | None = None  # where the reference ran and what its weights held there (device_cache.py)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -35,6 +38,8 @@ class Diagnosis:
             "engine_run": self.engine_run,
             "reference_threads": self.reference_threads,
             "timings_s": self.timings,
+            "stages_s": self.stages,
+            "device": self.device,
         }
 
 

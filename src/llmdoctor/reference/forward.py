@@ -55,7 +55,9 @@ from ..gguf import open_gguf
 from . import attention as attn
 from .checkpoint import Checkpoint, CheckpointWeights
 from .config import ModelConfig, from_gguf
+from .device_cache import DeviceBudget, DeviceCache, minimum_bytes
 from .emulate import EnginePrecision, half_dequant, quantize_activations, tf32
+from .stages import stage
 
 
 # ---- weights ------------------------------------------------------------------------------------
@@ -86,15 +88,30 @@ class Weights:
     """
 
     def __init__(self, g, *, dtype: torch.dtype, device: torch.device, cache: bool,
-                 dequantizer: Callable[..., torch.Tensor] | None = None):
+                 dequantizer: Callable[..., torch.Tensor] | None = None, budget: DeviceBudget | None = None):
         self.g, self.dtype, self.device, self.cache = g, dtype, device, cache
         # (raw, qtype, shape, device=) -> float tensor: ours by default; op substitution swaps in a
         # suspect kernel (subjects/kernels.py KernelDequantizer)
-        self.dequantize = dequantizer or dequantize_raw
+        self.dequantize = self._decoding(dequantizer or dequantize_raw)
         self.qtypes: dict[int, int] = {}  # data_ptr -> GGML type
         self.raws: dict[int, np.ndarray] = {}  # data_ptr -> the tensor's bytes (an emulated engine may read its blocks)
         self._names = {t.name for t in g.tensors}
-        self._cached: dict[str, torch.Tensor] = {}
+        self._cached = DeviceCache(budget)  # within the device budget (reference/device_cache.py)
+        self.budget = self._cached.budget
+
+    def _decoding(self, dequantize: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+        """`dequantize` into the run's dtype, timed as the "decode" stage, each tensor it makes counted
+        against the device budget while it lives."""
+        def run(raw, qtype, shape, *, device):
+            with stage("decode"):
+                return self.budget.track(dequantize(raw, qtype, shape, device=device).to(self.dtype))
+
+        return run
+
+    def fits(self, name: str) -> bool:
+        """Whether tensor `name` may be dequantized whole within the device budget."""
+        t = self.g.tensor(name)
+        return self.budget.fits_transient(int(np.prod(t.shape, dtype=np.int64)) * self.dtype.itemsize)
 
     def _remember(self, w: torch.Tensor, qtype: int, raw: np.ndarray | None = None) -> torch.Tensor:
         self.qtypes[w.data_ptr()] = int(qtype)
@@ -111,7 +128,7 @@ class Weights:
         """Op substitution: from now on `name` is `value` (an engine's version of that tensor, in the file's
         layout), as if the file held it; its GGML type stays the file's (for an emulated run's rounding)."""
         w = value.to(device=self.device, dtype=self.dtype)
-        self._cached[name] = self._remember(w, self.g.tensor(name).type)
+        self._cached.pin(name, self._remember(w, self.g.tensor(name).type))
 
     def get(self, name: str) -> torch.Tensor:
         w = self._cached.get(name)
@@ -148,7 +165,7 @@ class Weights:
         t = self.g.tensor(name)
         n_rows, row_len = t.shape
         raw = t.data.reshape(n_rows, -1)
-        if self.cache:
+        if name in self._cached or self.cache and self.budget.admits(n_rows * row_len * self.dtype.itemsize):
             for r, part in zip(range(0, n_rows, chunk), self.get(name).split(chunk)):
                 yield self._remember(part, t.type, raw[r:r + chunk])
             return
@@ -181,8 +198,9 @@ class LayerStats:
 class Recorder:
     """Keeps the requested activations and always updates the per-layer stats."""
 
-    def __init__(self, capture: Iterable[str] | None):
+    def __init__(self, capture: Iterable[str] | None, to: torch.device | None = None):
         self.patterns = set(capture or ())
+        self.to = to  # where captures are kept (None: where they were computed)
         self.captured: dict[str, torch.Tensor] = {}
         self.stats: dict[int, LayerStats] = {}
 
@@ -206,7 +224,7 @@ class Recorder:
         if m > st.max_abs:
             st.max_abs, st.max_at = m, full
         if self.wants(full):
-            self.captured[full] = x.detach()
+            self.captured[full] = x.detach() if self.to is None else x.detach().to(self.to)
 
 
 # ---- the step a block sees ----------------------------------------------------------------------
@@ -424,7 +442,8 @@ class ReferenceModel:
 
     def __init__(self, path, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
                  cache: bool = False, vocab_chunk: int = 2048, kv_chunk: int | None = 4096,
-                 emulate: EnginePrecision | None = None, dequantizer: Callable[..., torch.Tensor] | None = None):
+                 emulate: EnginePrecision | None = None, dequantizer: Callable[..., torch.Tensor] | None = None,
+                 budget: DeviceBudget | None = None, capture_to: str | torch.device | None = None):
         if dtype not in (torch.float64, torch.float32, torch.bfloat16, torch.float16):
             raise InputError(f"dtype {dtype} not supported (float64, float32, bfloat16, float16)")
         self.path = path
@@ -432,18 +451,25 @@ class ReferenceModel:
         if Path(path).is_dir():  # an HF checkpoint: no GGUF (`g` is None), no dequantizer to swap
             if dequantizer is not None:
                 raise InputError(f"{path}: a dequant kernel applies to GGUF weights, not to an HF checkpoint")
+            if budget is not None and budget.cap is not None:
+                raise InputError(f"{path}: --max-gpu-memory bounds a GGUF's dequantized weights, not an HF checkpoint's")
             self.g, self.source = None, Checkpoint(path)
             self.config = self.source.config
             self.weights = CheckpointWeights(self.source, dtype=dtype, device=self.device, cache=cache)
         else:
             self.g = self.source = open_gguf(path)
             self.config = from_gguf(self.g)
-            self.weights = Weights(self.g, dtype=dtype, device=self.device, cache=cache, dequantizer=dequantizer)
+            if budget is not None:  # one layer must fit (reference/device_cache.py)
+                budget.require(minimum_bytes(self.g, dtype.itemsize, vocab_chunk=vocab_chunk), f"{path} in {dtype}")
+            self.weights = Weights(self.g, dtype=dtype, device=self.device, cache=cache, dequantizer=dequantizer,
+                                   budget=budget)
         self.block = _BLOCKS.get(self.config.arch)
         if self.block is None:
             raise InputError(f"{path}: no reference block for architecture {self.config.arch!r}")
         self.emulate = emulate
         self.vocab_chunk, self.kv_chunk = vocab_chunk, kv_chunk
+        # captures kept on another device as they are made (a GPU run under a memory cap keeps them on the CPU)
+        self.capture_to = None if capture_to is None else torch.device(capture_to)
         self.stats: list[LayerStats] = []
 
     def close(self) -> None:
@@ -487,7 +513,7 @@ class ReferenceModel:
             raise InputError("empty token sequence")
         if int(ids.min()) < 0 or int(ids.max()) >= cfg.n_vocab:
             raise InputError(f"token id out of range [0, {cfg.n_vocab})")
-        rec = Recorder(capture)
+        rec = Recorder(capture, to=self.capture_to)
         x = engine_rows(self.weights.rows(tensor_name(MODEL_TENSOR.TOKEN_EMBD), ids))  # [T, n_embd]
         if cfg.embed_scale != 1.0:
             x = x * cfg.embed_scale

@@ -65,6 +65,7 @@ class Deployment:
     threads: int | None = None
     dequant_kernel: str | None = None  # the GGUF dequant kernel the deployment loads weights with
     tokenizer: Path | None = None  # the tokenizer folder the deployment loads (vLLM's --tokenizer); None: the engine's own
+    device: str = "cpu"  # where an in-process engine runs: cpu or cuda[:N] (diagnose --device)
 
     @property
     def is_gguf(self) -> bool:

@@ -25,8 +25,9 @@ from gguf import MODEL_TENSOR
 from ...errors import InputError
 from .base import Engine, EngineError, EngineRun, NotOffered, Traits
 
-def build(path: str | os.PathLike, dtype: torch.dtype = torch.float32, dequantizer=None):
-    """(model, config) with the GGUF's weights in transformers' layout, in `dtype`, on the CPU.
+def build(path: str | os.PathLike, dtype: torch.dtype = torch.float32, dequantizer=None, device: str = "cpu"):
+    """(model, config) with the GGUF's weights in transformers' layout, in `dtype`, on `device` (dequantized
+    there, one layout rule at a time, so float32 copies of only one rule's tensors exist at once).
     `dequantizer` is the deployment's GGUF dequant kernel (default: ours, bit-exact)."""
     import transformers
     from transformers.initialization import no_init_weights
@@ -46,7 +47,7 @@ def build(path: str | os.PathLike, dtype: torch.dtype = torch.float32, dequantiz
         except InputError as e:
             raise EngineError(f"the transformers engine cannot build this model: {e}") from None
         hf_cfg = transformers.AutoConfig.for_model(**config)
-        with no_init_weights():
+        with no_init_weights(), torch.device(device):
             model = transformers.AutoModelForCausalLM.from_config(hf_cfg, dtype=dtype)
         names = list(model.state_dict())
         # HF parameter names as in a checkpoint: strip nothing (CausalLM keys are "model.layers...").
@@ -60,10 +61,12 @@ def build(path: str | os.PathLike, dtype: torch.dtype = torch.float32, dequantiz
 
         def tensor(name: str) -> torch.Tensor:
             t = g.tensor(name)
-            return dequantize(t.data, t.type, t.shape, device="cpu")
+            return dequantize(t.data, t.type, t.shape, device=device)
 
-        gg = {t_name: tensor(t_name) for r in plan.rules for t_name in r.targets}
-        state = {k: v.to(dtype) for k, v in layout.to_hf(plan, gg).items()}
+        state = {}
+        for r in plan.rules:
+            one = layout.Plan(plan.arch, [r], [], {})
+            state.update({k: v.to(dtype) for k, v in layout.to_hf(one, {n: tensor(n) for n in r.targets}).items()})
         for name in fused:
             state[name] = _fused_experts(name, tensor).to(dtype)
     missing, unexpected = model.load_state_dict(state, strict=False)
@@ -122,9 +125,9 @@ def _routing_hook(into: dict[str, np.ndarray], il: int):
     `ffn_norm-{il}`)."""
 
     def hook(module, inputs, output):
-        into[f"ffn_moe_topk-{il}"] = output[2].reshape(-1, output[2].shape[-1]).to(torch.int64).numpy()
+        into[f"ffn_moe_topk-{il}"] = output[2].reshape(-1, output[2].shape[-1]).to(torch.int64).cpu().numpy()
         x = inputs[0]
-        into[f"ffn_norm-{il}"] = x.reshape(-1, x.shape[-1]).float().numpy()
+        into[f"ffn_norm-{il}"] = x.reshape(-1, x.shape[-1]).float().cpu().numpy()
 
     return hook
 
@@ -143,17 +146,18 @@ def _selection_hook(into: dict[str, np.ndarray], il: int):
     (diagnose's Session.reference_extra; the dsa-selection check judges the choice)."""
 
     def hook(module, inputs, output):
-        into[f"top_k-{il}"] = output.reshape(-1, output.shape[-1]).to(torch.int64).numpy()
+        into[f"top_k-{il}"] = output.reshape(-1, output.shape[-1]).to(torch.int64).cpu().numpy()
 
     return hook
 
 
 @torch.inference_mode()
 def run(path: str | os.PathLike, tokens: list[int], *, dtype: str = "float32",
-        n_threads: int | None = None, dequant_kernel: str | None = None) -> EngineRun:
+        n_threads: int | None = None, dequant_kernel: str | None = None, device: str = "cpu") -> EngineRun:
     """One forward pass of `tokens` through transformers in `dtype`: logits [T, V] and l_out-{i}.
     `path`: a GGUF (built with our dequantized weights) or an HF checkpoint directory (from_pretrained).
-    `dequant_kernel`: a kernel spec the deployment loads the GGUF with (run isolated)."""
+    `dequant_kernel`: a kernel spec the deployment loads the GGUF with (run isolated). `device`: where the
+    model is built and run (cpu, cuda[:N])."""
     torch_dtype = getattr(torch, dtype, None)
     if not isinstance(torch_dtype, torch.dtype):
         raise InputError(f"unknown dtype {dtype!r}")
@@ -163,29 +167,30 @@ def run(path: str | os.PathLike, tokens: list[int], *, dtype: str = "float32",
         if dequant_kernel:
             raise EngineError("a dequant kernel applies to GGUF weights: the engine runs an HF checkpoint")
         model, cfg = from_checkpoint(path, torch_dtype)
+        model = model.to(device)
     elif dequant_kernel:
         from ..substitution import KernelDequantizer
 
         with KernelDequantizer(dequant_kernel) as kd:
-            model, cfg = build(path, torch_dtype, kd)
+            model, cfg = build(path, torch_dtype, kd, device=device)
     else:
-        model, cfg = build(path, torch_dtype)
+        model, cfg = build(path, torch_dtype, device=device)
     routing: dict[str, np.ndarray] = {}
     hooks = [module.register_forward_hook(_routing_hook(routing, il)) for il, module in _routers(model)]
     hooks += [module.register_forward_hook(_selection_hook(routing, il)) for il, module in _indexers(model)]
     try:
-        out = model(torch.tensor([tokens]), output_hidden_states=True, use_cache=False)
+        out = model(torch.tensor([tokens], device=device), output_hidden_states=True, use_cache=False)
     finally:
         for h in hooks:
             h.remove()
-    logits = out.logits[0].float().numpy()  # [T, V]
+    logits = out.logits[0].float().cpu().numpy()  # [T, V]
     # hidden_states[0] is the (scaled) embedding; hidden_states[i + 1] the output of layer i, except
     # that the last entry has the final norm applied (transformers' convention): drop it.
-    caps = {f"l_out-{i}": h[0].float().numpy() for i, h in enumerate(out.hidden_states[1:-1])}
+    caps = {f"l_out-{i}": h[0].float().cpu().numpy() for i, h in enumerate(out.hidden_states[1:-1])}
     caps.update(routing)
     caps["result_output"] = logits
     info = {"engine": "transformers", "transformers": __import__("transformers").__version__, "dtype": dtype,
-            "dequant_kernel": dequant_kernel or "llmdoctor"}
+            "dequant_kernel": dequant_kernel or "llmdoctor", "device": device}
     return EngineRun(np.ascontiguousarray(logits), caps, list(caps), info)
 
 
@@ -203,7 +208,8 @@ class TransformersEngine(Engine):
 
     def run(self, tokens: list[int], config: Any = None) -> EngineRun:
         d = self.deployment
-        return run(d.model, tokens, dtype=d.dtype or "float32", n_threads=d.threads, dequant_kernel=d.dequant_kernel)
+        return run(d.model, tokens, dtype=d.dtype or "float32", n_threads=d.threads, dequant_kernel=d.dequant_kernel,
+                   device=d.device)
 
     def weights(self, layer: int) -> tuple[dict[str, Any], dict[str, Any]]:
         """Layer `layer`'s parameters as the model built from the GGUF holds them (transformers 5's fused
@@ -226,7 +232,7 @@ class TransformersEngine(Engine):
     def describe(self) -> dict[str, Any]:
         import transformers
 
-        return {**super().describe(), "transformers": transformers.__version__, "device": "cpu"}
+        return {**super().describe(), "transformers": transformers.__version__, "device": self.deployment.device}
 
     # ---- the front end: the tokenizer folder the deployment loads (hf_front.py) ----------------------
     def _front(self):
