@@ -359,6 +359,37 @@ def test_vllm_for_cpu_reports_its_arithmetic_and_keeps_its_budget(vllm_python, t
     assert budget.dtype == "float64" and budget.emulate is None
 
 
+def test_the_driver_reports_the_gguf_plugins_ops(vllm_python, tmp_path):
+    """The driver's `arithmetic` on a runner holding GGUF layers, in the deployment's interpreter (vLLM for
+    CPU with vllm-gguf-plugin 0.0.5, whose CUDA extension cannot load here): the methods, the weight types,
+    the plugin's version, cuda_ops false and the extension's import error (what decides Q8_1 vs Triton)."""
+    import json
+    import shutil
+    import subprocess
+
+    from llmdoctor.subjects.engines.vllm import DRIVER
+
+    shutil.copyfile(DRIVER, tmp_path / DRIVER.name)  # alone: our vllm.py beside it would shadow vLLM
+    script = (
+        "import json, torch, vllm_driver as d\n"
+        "GGUFLinearMethod = type('GGUFLinearMethod', (), {})\n"
+        "GGUFEmbeddingMethod = type('GGUFEmbeddingMethod', (), {})\n"
+        "m, lin, emb = torch.nn.Module(), torch.nn.Module(), torch.nn.Module()\n"
+        "lin.quant_method, lin.qweight_type = GGUFLinearMethod(), type('T', (), {'weight_type': 8})()\n"
+        "emb.quant_method = GGUFEmbeddingMethod()\n"
+        "m.add_module('q_proj', lin); m.add_module('embed_tokens', emb)\n"
+        "print(json.dumps(d.arithmetic(type('R', (), {'device': torch.device('cpu'), 'model': m})())))\n")
+    p = subprocess.run([vllm_python, "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    arith = json.loads(p.stdout.strip().splitlines()[-1])
+    assert arith["linear_methods"] == {"GGUFLinearMethod": 1, "GGUFEmbeddingMethod": 1}, arith
+    assert arith["gguf_weight_types"] == {"q_proj": 8} and arith["device"] == "cpu", arith
+    plugin = arith["gguf_plugin"]
+    assert plugin["version"] == "0.0.5" and plugin["cuda_ops"] is False and plugin["cuda_ops_error"], plugin
+    assert _engine_budget({"dtype": "float32", "backends": {"decode": {"l0": "TRITON_ATTN"}},
+                           "arithmetic": {**arith, "device": "cuda"}}).emulate.gguf_products == "tf32"
+
+
 # ---- on a GPU (`pytest -m gpu`, bench/h200_vllm.sh): what only the hardware can say ------------------------
 
 @pytest.mark.gpu

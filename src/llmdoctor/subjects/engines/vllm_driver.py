@@ -225,6 +225,11 @@ def arithmetic(runner) -> dict:
                                   "cuda_ops": bool(getattr(ops, "_CUDA_ENABLED", False)),
                                   "cuda_ops_built": bool(getattr(ops, "_CUDA_AVAILABLE", False)),
                                   "VLLM_GGUF_USE_CUDA": os.environ.get("VLLM_GGUF_USE_CUDA")}
+            if not out["gguf_plugin"]["cuda_ops_built"]:  # why its CUDA extension did not load
+                try:
+                    import vllm_gguf_plugin._C_gguf  # noqa: F401
+                except Exception as e:  # noqa: BLE001
+                    out["gguf_plugin"]["cuda_ops_error"] = f"{type(e).__name__}: {e}"[:500]
         except Exception as e:  # noqa: BLE001 - reported, not fatal: the budget then says it cannot tell
             out["gguf_plugin"] = {"error": f"{type(e).__name__}: {e}"}
     out["triton"] = _triton_f32_default()
