@@ -289,13 +289,13 @@ def test_budget_on_the_cpu_or_from_an_older_driver_is_unchanged():
     assert _engine_budget({"dtype": "float32"}).dtype == "float64"  # no `arithmetic`: a driver before issue 22
 
 
-def _simulated_engine(gguf, ids, fault: str | None):
+def _simulated_engine(model, ids, fault: str | None):
     """A float32 vLLM on CUDA with TRITON_ATTN as its run reports it, computing what such an engine
     computes: the reference with TF32 attention (and `fault`'s weight scaled by 1.02: a planted fault)."""
     from llmdoctor.reference import load
     from llmdoctor.subjects.engines.base import EngineRun
 
-    with load(gguf, cache=True) as m:
+    with load(model, cache=True) as m:
         if fault:
             m.weights.replace(fault, m.weights.get(fault) * 1.02)
         logits, caps = m.forward(ids, capture={"*"}, emulate=vllm_cuda(attention_tf32="rz"))
@@ -303,21 +303,23 @@ def _simulated_engine(gguf, ids, fault: str | None):
                      _cuda_info())
 
 
-@pytest.mark.parametrize("fault", [None, "blk.0.attn_v.weight"])
-def test_a_tf32_engine_is_judged_by_its_own_noise(fault, tmp_path, monkeypatch):
+@pytest.mark.parametrize("source,fault", [("gguf", None), ("hf", None), ("gguf", "blk.0.attn_v.weight")])
+def test_a_tf32_engine_is_judged_by_its_own_noise(source, fault, tmp_path, monkeypatch):
     """The issue's false alarm, on the CPU: a healthy TF32 engine fails against the float64 budget (the
-    budget vLLM had) and passes against the budget its run's info derives; a planted fault of 2% in a
-    weight is still found, at its layer, under the wider budget."""
+    budget vLLM had) and passes against the budget its run's info derives, the reference reading the GGUF
+    or (the issue's row) the HF checkpoint; a planted fault of 2% in a weight is still found, at its
+    layer, under the wider budget."""
     import fixtures_hf
     from llmdoctor.diagnose import Inputs, Session
     from llmdoctor.diagnose.hypotheses import h_engine_vs_reference, h_layer_localization
 
-    _, gguf = fixtures_hf.checkpoint("llama", tmp_path)
+    ckpt, gguf = fixtures_hf.checkpoint("llama", tmp_path)
     ids = [3, 17, 42, 5, 77, 8, 23, 61, 9, 30, 55, 14]
-    ran = _simulated_engine(gguf, ids, fault)
+    model = {"gguf": gguf, "hf": ckpt}[source]
+    ran = _simulated_engine(model, ids, fault)
 
     def verdicts(info: dict) -> dict[str, tuple[str, str]]:
-        s = Session(Inputs(gguf=gguf, engine="vllm", engine_dtype="float32", token_ids=ids))
+        s = Session(Inputs(**{source: model}, engine="vllm", engine_dtype="float32", token_ids=ids))
         monkeypatch.setattr(s, "engine_run", lambda: ran)
         ran.info = info
         return {f.check: (f.status, f) for h in (h_engine_vs_reference, h_layer_localization) for f in h(s)}
