@@ -98,17 +98,17 @@ def test_planted_front_end_fault_is_found_with_the_first_differing_token(fault, 
 
 
 def test_the_front_end_ranks_first_with_both_compute_runs(demo_path, healthy, tmp_path):
-    """The demo in transformers with a tokenizer folder that adds no BOS, through diagnose's own plan entry:
-    the front end fails, with the engine's next token on its own tokens and on the reference's, and the
-    verdict says the front end is the cause; the plan puts it after the file-level steps and before every
-    compute step, so it ranks first."""
+    """The demo in llama.cpp (llama-cpp-python with an HF tokenizer folder) whose folder adds no BOS, through
+    diagnose's own plan entry: the front end fails, with the engine's next token on its own tokens and on the
+    reference's, and the verdict says the front end is the cause; the plan puts it after the file-level steps
+    and before every compute step, so it ranks first."""
     from llmdoctor.diagnose import PLAN, Inputs, Session
     from llmdoctor.diagnose import _findings
     from llmdoctor.diagnose.plan import order
     from llmdoctor.diagnose.verdict import judge
 
     folder = get("tokenizer-no-bos").build(healthy, tmp_path)
-    inputs = Inputs.from_options(gguf=None, hf=None, endpoint=None, engine="transformers", prompt=None, token_ids=None,
+    inputs = Inputs.from_options(gguf=None, hf=None, endpoint=None, engine="llama.cpp", prompt=None, token_ids=None,
                                  default_gguf=lambda: demo_path, tokenizer=folder)
     assert inputs.tokenizer == folder.absolute()
     s = Session(inputs)
@@ -122,8 +122,9 @@ def test_the_front_end_ranks_first_with_both_compute_runs(demo_path, healthy, tm
     runs = top.metrics["compute_runs"]
     assert runs["prompt_label"] == "diagnosis prompt"
     assert runs["engine_tokens"]["tokens"] == runs["reference_tokens"]["tokens"] - 1
-    assert runs["reference_tokens"]["top1_agrees"] and runs["reference_tokens"]["kl"] < 1e-6
-    assert not runs["engine_tokens"]["top1_agrees"]  # the demo prompt's next token changes without BOS
+    own, alone = runs["engine_tokens"], runs["reference_tokens"]
+    assert alone["top1_agrees"] and alone["kl"] < 1e-2 * own["kl"]
+    assert not own["top1_agrees"]  # the demo prompt's next token changes without BOS
     assert verdict.startswith("fault found: the deployment's front end") and "the front end is the cause" in verdict
     rank = order()
     assert rank["mapping"] < rank["front-end"] < min(rank[k] for k in ("dequant", "fp16-overflow", "engine-finite",

@@ -116,6 +116,8 @@ def test_healthy_real_server_with_reference(server: str) -> None:
         "colliding pieces (each stands for more than one token id: their reference probabilities are summed, " \
         "the server lists one of them)"
     assert next(f for f in rep.findings if f.target == "echo/tokens").status == "pass"
+    fe = next(f for f in rep.findings if f.target == "front-end")  # diagnose's front-end check, through the route
+    assert fe.status == "pass" and fe.metrics["engine_front_end"]["route"] == "/extras/tokenize", fe.explanation
     print(f"\nhealthy probe: {rep.wall_s:.0f} s, {rep.n_requests} requests, reference KL max "
           f"{ref.metrics['kl_max']:.2e} mean {ref.metrics['kl_mean']:.2e}, by text: "
           f"{ref.metrics['colliding_pieces']} colliding pieces")
@@ -347,3 +349,30 @@ def test_comparisons_use_ids_where_both_answers_have_them() -> None:
     lp = torch.tensor([0.1, 0.6, 0.3]).log()  # the reference's [V] log-probs
     assert _id_lookup(lp, {0: -1.0, 5: -2.0}) == {0: pytest.approx(float(lp[0])), 5: -math.inf,
                                                   1: pytest.approx(float(lp[1]))}
+
+
+# ---------------------------------------------------------------------------- the front end (issue 25)
+
+@pytest.mark.slow
+def test_the_front_end_check_serves_the_endpoint_and_a_mistokenizing_server_is_garbage(server: str) -> None:
+    """diagnose's front-end check through the server's tokenize route (healthy as served: the healthy probe
+    above); behind a proxy whose tokenize route drops BOS, every prompt differs (BOS missing, the route named)
+    and the verdict is garbage."""
+    with get("endpoint-tokenize-no-bos").build(server) as proxy:
+        rep = probe(proxy.url, gguf=model_path(), steps=["front_end"])
+    fe = next(f for f in rep.findings if f.target == "front-end")
+    assert fe.status == "fail" and "BOS missing" in fe.explanation, fe.explanation
+    assert fe.metrics["differ"] == fe.metrics["compared"] and "tokenizer-mismatch" in rep.symptoms
+    assert fe.metrics["engine_front_end"]["route"] == "/extras/tokenize"
+    assert rep.verdict == "garbage", _symptoms(rep)
+
+
+@pytest.mark.slow
+def test_a_chat_refused_for_want_of_a_template_is_not_a_server_error(server: str) -> None:
+    fault = get("endpoint-chat-no-template")
+    with fault.build(server) as proxy:
+        rep = probe(proxy.url, gguf=model_path(), steps=["front_end"])
+    chat = next(f for f in rep.findings if f.target == "chat")
+    assert chat.status == "skip" and chat.reason.startswith(fault.expect), chat.reason
+    assert "server-errors" not in rep.symptoms and not any(f.target.startswith("transport/") and f.status == "fail"
+                                                           for f in rep.findings), _symptoms(rep)

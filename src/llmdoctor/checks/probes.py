@@ -613,6 +613,7 @@ class Prober:
 
     def front_end(self) -> None:
         self.tokenization()
+        self.front_end_check()
         self.stop_sequence()
         self.chat()
 
@@ -691,6 +692,30 @@ class Prober:
                    evidence=mism or rows,
                    hypothesis="the server's token ids equal the GGUF tokenizer's for every probe text")
 
+    def front_end_check(self) -> None:
+        """diagnose's front-end check (checks/frontend_engine.py) with the endpoint as the engine: its
+        tokenize route (which one, and the add-special asked for, in the finding) on the same prompts, held to
+        the GGUF's tokenizer."""
+        from ..subjects.engines.base import Deployment
+        from ..subjects.engines.endpoint import EndpointEngine
+        from . import frontend_engine as fe
+
+        if self.gguf is None:
+            self._find("front-end", "skip", reason="needs --gguf (the reference's tokenizer)")
+            return
+        engine = EndpointEngine(Deployment(url=self.ep.url))
+        engine._client = self.ep  # the probe's own client: one connection, one event log
+        ref = fe.ReferenceFrontEnd(self.gguf, tokenizer=self._vocab())
+        try:
+            rows = fe.compare(engine, ref, COUNT_PROMPT)
+        except EndpointError as e:
+            self._find("front-end", "skip", reason=f"tokenize request failed: {e.kind}: {e.detail}")
+            return
+        f = fe.finding(engine, ref, rows)
+        self._find("front-end", f.status, "tokenizer-mismatch" if f.status == "fail" else None,
+                   metrics=f.metrics, evidence=f.evidence, hypothesis=f.hypothesis, explanation=f.explanation,
+                   **({"reason": f.reason} if f.status == "skip" else {}))
+
     def stop_sequence(self) -> None:
         """A counting prompt with stop=["7"]: the text must end before it, finish_reason "stop"."""
         c = self._complete("stop", "1 2 3 4", max_tokens=12, stop=["7"])
@@ -706,14 +731,26 @@ class Prober:
                        hypothesis="generation stops before a stop sequence and says finish_reason=stop")
 
     def _chat(self, msgs: list[dict[str, str]]) -> Completion | None:
-        """The chat turn with top log-probs; without them where the server rejects them (HTTP 400/422)."""
+        """The chat turn with top log-probs; without them where the server rejects them (HTTP 400/422). A 400
+        for a model without a chat template (the server says so, or the GGUF carries none) is the server
+        refusing a chat it cannot format, not a server error: "no chat template: chat refused"."""
         try:
             return self.ep.chat(msgs, max_tokens=CHAT_MAX_TOKENS, logprobs=self.k)
         except EndpointError as e:
             if not (e.kind == "http" and e.status in (400, 422)):
                 return self._failed("chat", e)
             self.ep.events.pop()  # feature detection, not a server error
-        return self._req("chat", self.ep.chat, msgs, max_tokens=CHAT_MAX_TOKENS)
+        try:
+            out = self.ep.chat(msgs, max_tokens=CHAT_MAX_TOKENS)
+        except EndpointError as e:
+            if e.kind == "http" and e.status == 400 and ("chat template" in e.detail.lower() or (
+                    self.gguf is not None and _gguf_chat_template(self.gguf) is None)):
+                self.ep.events.pop()
+                self._find("chat", "skip", reason=f"no chat template: chat refused ({e.detail})")
+                return None
+            return self._failed("chat", e)
+        self._fails_in_row = 0
+        return out
 
     def chat(self) -> None:
         """One short greedy chat turn: EOS handling and, where the GGUF has a chat template, its
@@ -874,7 +911,10 @@ class Prober:
         ref_top1 = [f.metrics.get("top1_agreement") for f in self.findings if f.target == "reference"]
         if aborted or len(know) < 3 or "missing-logprobs" in symptoms:
             return "inconclusive", symptoms
-        if len(wrong) / len(know) > _t("garbage_fraction") or "flat-distribution" in symptoms or \
+        # a deployment that tokenizes every text differently from the model is garbage to its users
+        mistokenizes = any(f.target == "front-end" and f.status == "fail"
+                           and f.metrics["differ"] == f.metrics["compared"] for f in self.findings)
+        if len(wrong) / len(know) > _t("garbage_fraction") or "flat-distribution" in symptoms or mistokenizes or \
                 (ref_top1 and ref_top1[0] is not None and ref_top1[0] < 0.5):
             return "garbage", symptoms
         if any(f.status == "fail" for f in self.findings):

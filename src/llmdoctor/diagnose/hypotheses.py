@@ -601,9 +601,17 @@ def h_front_end(s: Session) -> list[Finding]:
 
     from ..errors import InputError
 
+    def reference_front_end() -> fe.ReferenceFrontEnd:
+        if s.checkpoint() is not None or s.inputs.gguf is None:
+            return fe.ReferenceFrontEnd(s.reference_path())
+        from ..reference.tokenizer import Tokenizer
+
+        tok = s.once("gguf-tokenizer", lambda: Tokenizer.from_gguf(s.gguf()))  # the one Session.tokens() uses
+        return fe.ReferenceFrontEnd(s.gguf_path(), tokenizer=tok)
+
     engine = s.engine()
     try:
-        ref = s.once("reference-front-end", lambda: fe.ReferenceFrontEnd(s.reference_path()))
+        ref = s.once("reference-front-end", reference_front_end)
     except InputError as e:  # a model file without a tokenizer (diagnosed from --token-ids)
         raise Skip(f"no front end to compare against: {e}") from None
     try:

@@ -4,6 +4,7 @@ Each builder takes a healthy HF tokenizer folder of the model (tokenizer.json + 
 transformers saves it; the tests convert the demo GGUF's with transformers) and writes a broken copy under
 `tmp`, returning its path: the deployment then loads it (`diagnose --tokenizer DIR`). The diagnosis must
 rank the `front-end` finding first and name the first differing token (`expect`: a substring of it).
+Two endpoint faults (a proxy before a healthy server) plant the same in `probe`'s view.
 """
 
 from __future__ import annotations
@@ -11,8 +12,10 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
+from typing import Any
 
 from . import register
+from .endpoint import _endpoint_fault, _Fault
 
 # A Gemma-style chat template (the turn markers of Gemma's published template) writing BOS `{bos}` times.
 CHAT_TEMPLATE = ("{bos}{{% for message in messages %}}<start_of_turn>{{{{ 'model' if message['role'] == 'assistant' "
@@ -94,3 +97,40 @@ def double_bos_template(folder: Path, tmp: Path) -> Path:
     out = _copy(folder, tmp, "chat-template-double-bos")
     with_chat_template(out, chat_template(bos_times=2))
     return out
+
+
+# ---- the same faults behind an endpoint (a proxy in front of a healthy server: faults/endpoint.py) -------
+
+class _TokenizeNoBos(_Fault):
+    """The tokenize routes answer without the leading BOS, as a server whose tokenizer adds none."""
+
+    def __init__(self, bos_id: int = 2) -> None:
+        self.bos_id = bos_id
+
+    def response(self, path: str, body: Any, status: int, data: bytes) -> tuple[int, bytes]:
+        if status != 200 or not path.rstrip("/").endswith("tokenize"):
+            return status, data
+        out = json.loads(data)
+        toks = out.get("tokens")
+        if isinstance(toks, list) and toks and (toks[0] == self.bos_id or isinstance(toks[0], dict)
+                                                and toks[0].get("id") == self.bos_id):
+            out["tokens"] = toks[1:]
+        return status, json.dumps(out).encode()
+
+
+class _ChatNoTemplate(_Fault):
+    """The chat route refuses as vLLM does for a model without a chat template (HTTP 400, its message)."""
+
+    def request(self, path: str, body: Any) -> tuple[int, bytes, str] | None:
+        if not path.startswith("/v1/chat/completions"):
+            return None
+        message = ("As of transformers v4.44, default chat template is no longer allowed, so you must provide a "
+                   "chat template if the tokenizer does not define one.")
+        return 400, json.dumps({"error": {"message": message, "type": "BadRequestError", "code": 400}}).encode(), \
+            "application/json"
+
+
+_endpoint_fault("endpoint-tokenize-no-bos", "the server's tokenize route gives every text without its BOS",
+                "tokenizer-mismatch", _TokenizeNoBos)
+_endpoint_fault("endpoint-chat-no-template", "the chat route refuses with HTTP 400: the model has no chat template",
+                "no chat template: chat refused", _ChatNoTemplate)

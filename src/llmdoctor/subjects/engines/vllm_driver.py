@@ -498,8 +498,10 @@ def cmd_tokenize(req: dict) -> dict:
     chats = []
     for conv in req.get("conversations") or []:
         try:
-            _, prompt = renderer.render_messages(conv, ChatParams())
-            _, engine_prompts = renderer.render_chat([conv], ChatParams())
+            # the OpenAI server's defaults: add_generation_prompt true (ChatCompletionRequest)
+            served = {"add_generation_prompt": True}
+            _, prompt = renderer.render_messages(conv, ChatParams(chat_template_kwargs={**served, "tokenize": False}))
+            _, engine_prompts = renderer.render_chat([conv], ChatParams(chat_template_kwargs=served))
             chats.append({"text": prompt.get("prompt"), "ids": [int(t) for t in engine_prompts[0]["prompt_token_ids"]]})
         except Exception as e:  # noqa: BLE001 - vLLM's refusal (no chat template) is the answer, quoted
             chats.append({"error": f"{type(e).__name__}: {str(e).strip()[:500]}"})
