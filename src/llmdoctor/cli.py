@@ -267,6 +267,8 @@ def diagnose(
     threads: Optional[int] = typer.Option(None, "--threads", help="CPU threads for the engines."),
     manifest: Optional[Path] = typer.Option(None, "--manifest", help="A manifest of a known-good copy "
                                             "(llmdoctor manifest): every tensor and key that differs is named."),
+    generate: int = typer.Option(16, "--generate", help="New tokens each engine generates greedily for the decode "
+                                 "path (judged against the reference; 0: not examined)."),
     tokenizer: Optional[Path] = typer.Option(None, "--tokenizer", help="The tokenizer folder the deployment loads "
                                              "(vLLM's --tokenizer; default: the engine's own)."),
     device: str = typer.Option("cpu", "--device", help="cpu or cuda[:N]: where the reference and an in-process "
@@ -303,12 +305,14 @@ def diagnose(
         from .checks.manifest import load
 
         load(manifest)  # a bad manifest is bad input, found before the diagnosis
+    if generate < 0:
+        raise InputError("--generate: a number of new tokens, 0 or more")
     inputs = dg.Inputs.from_options(gguf=gguf, hf=hf, endpoint=endpoint, engine=engine, prompt=prompt,
                                     token_ids=token_ids, default_gguf=lambda: model_file(None),
                                     engine_dtype=engine_dtype, engine_python=engine_python,
                                     dequant_kernel=dequant_kernel, attention_impl=attention_impl,
                                     attention_contract=attention_contract, seed=seed, threads=threads, manifest=manifest,
-                                    tokenizer=tokenizer, device=device, max_gpu_memory=max_gpu_memory)
+                                    tokenizer=tokenizer, generate=generate, device=device, max_gpu_memory=max_gpu_memory)
     with tempfile.TemporaryDirectory(prefix="llmdoctor-demo-") as tmp:
         if demo_fault:
             demo_faults.apply(demo_fault, inputs, Path(tmp))

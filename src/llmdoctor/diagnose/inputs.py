@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 from ..errors import InputError
 from ..subjects.engines.base import resolve
@@ -36,6 +36,9 @@ class Inputs:
     token_ids: list[int] | None = None  # instead of the prompt (models without a tokenizer)
     seed: int = 0
     threads: int | None = None
+    generate: int = 16  # new tokens each engine generates greedily for the decode path (--generate; 0: not examined)
+    # a planted engine fault (faults/decode.py; tests and --demo-fault only): applied to the engine instance
+    engine_plant: Callable[[Any], Any] | None = None
     device: str = "cpu"  # where the reference and an in-process engine run: cpu or cuda[:N] (--device)
     max_gpu_memory: int | None = None  # bytes the reference's weights may hold on that device (--max-gpu-memory)
 

@@ -13,6 +13,7 @@ from typing import Callable
 
 from ..checks.base import Finding
 from . import hypotheses as h
+from .decode import h_decode_path
 from .session import Session, Skip
 
 
@@ -138,6 +139,14 @@ PLAN: tuple[Hypothesis, ...] = (
                "reference's margin between the two tokens exceeds 3x the emulated run's RMS error on a logit "
                "difference at that position (a near tie flipped by rounding is no disagreement); the failing "
                "criterion is named"),
+    Hypothesis("decode-path", "decode path", "Does the engine's generation (KV cache, decode kernels) match its prefill?",
+               ("engine", "consistent"), h_decode_path,
+               "the engine generates `--generate N` tokens greedily (default 16; llama.cpp: `llama_decode` one token at "
+               "a time over its KV cache; transformers: `generate` with its cache; vLLM: its scheduler with every "
+               "step's logprobs); the reference teacher-forces prompt + that continuation and judges the decode steps "
+               "with engine-vs-reference's criteria; the engine's own prefill of the same tokens is the control (a "
+               "fault it shows too is the prefill's); the first generated step beyond its noise, and the decode steps' "
+               "first divergent layer and op where the engine exposes them"),
     Hypothesis("symptom-bisection", "symptom bisection", "Which symptom class does the endpoint show?", ("endpoint",),
                h.h_symptom_bisection, "`probe` of `--endpoint`"),
     Hypothesis("layer-localization", "layer localization", "Where does the engine leave the reference?",

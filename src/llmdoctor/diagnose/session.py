@@ -15,7 +15,7 @@ from ..reference.device_cache import DeviceBudget
 from ..reference.points import REFERENCE_POINTS
 from ..reference.stages import stage
 from ..subjects.engines import create, engine_class
-from ..subjects.engines.base import Budget, Deployment, Engine, EngineError, EngineRun
+from ..subjects.engines.base import Budget, Deployment, Engine, EngineError, EngineRun, Generation, NotOffered
 from .inputs import Inputs
 
 NO_GGUF = "no GGUF file (the reference reads the HF checkpoint)"
@@ -144,20 +144,24 @@ class Session:
 
         return self.once(f"model-{dtype}-{self.reference_path()}", make)
 
-    def reference(self, dtype: str = "float32", emulate=None):
+    def reference(self, dtype: str = "float32", emulate=None, tokens: list[int] | None = None):
         """(logits [T, V], captures, per-layer stats) of the reference run in `dtype`, optionally with
-        an engine's arithmetic emulated (`emulate`: a reference/emulate.py EnginePrecision)."""
+        an engine's arithmetic emulated (`emulate`: a reference/emulate.py EnginePrecision), of the prompt's
+        tokens or of other `tokens` (the decode path's prompt + the engine's continuation)."""
+        ids = self.tokens() if tokens is None else list(tokens)
+        other = ids != self.tokens()
 
         def make():
-            extra = self.reference_extra()
-            self.progress(f"reference forward pass ({dtype}{', ' + emulate.name + ' arithmetic' if emulate else ''})")
+            extra = self.reference_extra(ids if other else None)
+            self.progress(f"reference forward pass ({dtype}{', ' + emulate.name + ' arithmetic' if emulate else ''}"
+                          f"{f', {len(ids)} tokens' if other else ''})")
             model = self.model(dtype)
             with stage("reference"), self.pinned_threads():
-                logits, caps = model.forward(self.tokens(), capture=set(REFERENCE_POINTS), emulate=emulate,
-                                             extra=extra)
+                logits, caps = model.forward(ids, capture=set(REFERENCE_POINTS), emulate=emulate, extra=extra)
             return logits.cpu(), caps, [st.as_dict() for st in model.stats]
 
-        return self.once(f"reference-{dtype}-{emulate.name if emulate else None}-{self.reference_path()}", make)
+        key = f"reference-{dtype}-{emulate.name if emulate else None}-{self.reference_path()}"
+        return self.once(key + (f"-on-{tuple(ids)}" if other else ""), make)
 
     def budget(self) -> Budget:
         """Which reference run emulates the engine's arithmetic (the engine's answer, from its run)."""
@@ -189,10 +193,11 @@ class Session:
 
         def make() -> Engine:
             i = self.inputs
-            return create(name, Deployment(model=self.engine_model(), hf=i.hf if i.gguf is not None else None,
-                                           dtype=i.engine_dtype, python=i.engine_python, threads=i.threads,
-                                           dequant_kernel=i.dequant_kernel, tokenizer=i.tokenizer,
+            engine = create(name, Deployment(model=self.engine_model(), hf=i.hf if i.gguf is not None else None,
+                                             dtype=i.engine_dtype, python=i.engine_python, threads=i.threads,
+                                             dequant_kernel=i.dequant_kernel, tokenizer=i.tokenizer,
                                              device=i.device))
+            return i.engine_plant(engine) if i.engine_plant is not None else engine
 
         if self.inputs.gguf is None and "hf" not in engine_class(name).traits.formats:
             raise Skip(f"{name} runs GGUF files only: no --gguf given")
@@ -258,36 +263,61 @@ class Session:
 
         return self.once(f"reference-on-{tuple(tokens)}", make)
 
+    def generation(self, captures: bool = False) -> Generation:
+        """The engine's greedy generation of `inputs.generate` new tokens after the prompt (Engine.generate),
+        once. With `captures`, a second generation that also copies the decode steps' activations: capturing
+        slows every step, so it runs only to localize a decode-path fault (the caller checks that it took
+        the same tokens). A skip says why the engine cannot generate."""
+        engine = self.engine()
+        self.require_consistent()
+
+        def make():
+            self.progress(f"{engine.name} generating {self.inputs.generate} tokens"
+                          f"{' (capturing the decode steps)' if captures else ''}")
+            try:
+                return engine.generate(self.tokens(), self.inputs.generate, captures=captures)
+            except NotOffered as e:
+                return Skip(str(e))
+            except EngineError as e:
+                return Skip(f"the engine could not generate: {e}")
+
+        result = self.once(f"generation-{captures}", make)
+        if isinstance(result, Skip):
+            raise result
+        return result
+
     def engine_info(self) -> dict[str, Any] | None:
         """What the engine reported of itself (versions, dtype, backends) if it ran in this session; never
         runs it."""
         ran = self._cache.get("engine")
         return ran.info if isinstance(ran, EngineRun) else None
 
-    def reference_extra(self) -> dict | None:
+    def reference_extra(self, tokens: list[int] | None = None) -> dict | None:
         """Per-run state for every reference forward pass of this diagnosis: the engine's discrete choices
         (DSA key selections, MoE experts) where the model has them and the engine exposes them. The model
         does not say which of the keys or experts tied (or within rounding of a tie) at the k-th score to
         take: ReLU index scores are often exactly 0, and a router's near-tie flips under any other
         arithmetic, which moves the output far more than the arithmetic itself. So every reference run
         takes the engine's choices, and whether each is one the scores allow is the dsa-selection and
-        moe-routing checks' business."""
+        moe-routing checks' business. `tokens`: other token ids than the prompt's, whose choices come from
+        the engine's run of those (`engine_run_on`)."""
         from ..reference.arch_deepseek import DSA_OVERRIDE, MOE_OVERRIDE
 
         cfg = self.config()
         if self.inputs.engine is None or (cfg.moe is None and (cfg.mla is None or cfg.mla.indexer is None)):
             return None
         try:
-            caps = self.engine_run().captures
+            caps = (self.engine_run() if tokens is None else self.engine_run_on(tokens)).captures
         except Skip:
             return None
+        n_tokens = len(self.tokens() if tokens is None else tokens)
         dsa, moe = {}, {}
         for il in range(cfg.n_layer):
             sel = caps.get(f"top_k-{il} (view)", caps.get(f"top_k-{il}"))
             if sel is not None and cfg.mla is not None and cfg.mla.indexer is not None:
                 dsa[il] = torch.as_tensor(np.asarray(sel, dtype=np.int64), device=self.inputs.device)
             experts = caps.get(f"ffn_moe_topk-{il}")
-            if experts is not None and cfg.moe is not None and np.shape(experts) == (len(self.tokens()), cfg.moe.n_used):
+            if experts is not None and cfg.moe is not None and np.shape(experts) == (n_tokens, cfg.moe.n_used):
                 moe[il] = torch.as_tensor(np.asarray(experts, dtype=np.int64), device=self.inputs.device)
         extra = {k: v for k, v in ((DSA_OVERRIDE, dsa), (MOE_OVERRIDE, moe)) if v}
         return extra or None

@@ -14,7 +14,7 @@ from typing import Any, Callable
 _MODULES = ("llmdoctor.faults.hostile_files", "llmdoctor.faults.reference", "llmdoctor.faults.reference_mla",
             "llmdoctor.faults.endpoint", "llmdoctor.faults.kernels", "llmdoctor.faults.demo",
             "llmdoctor.faults.attention", "llmdoctor.faults.mapping", "llmdoctor.faults.checkpoint",
-            "llmdoctor.faults.file_corruptions",
+            "llmdoctor.faults.file_corruptions", "llmdoctor.faults.decode",
             "llmdoctor.faults.sharding", "llmdoctor.faults.frontend")
 
 

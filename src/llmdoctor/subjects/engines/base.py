@@ -11,7 +11,9 @@ names an engine: diagnose and the checks ask the registry for the class and the 
     run(tokens, config)     teacher-forced: every position's full next-token distribution [T, V] and
                             the captures, already under the reference's point names and layout
                             (`config` is the reference's ModelConfig: what the layout follows)
-    generate(tokens, n)     greedy decoding through the engine's own decode path
+    generate(tokens, n)     greedy decoding through the engine's own decode path: a Generation (the n
+                            ids, each step's full next-token distribution [n, V], the decode steps'
+                            captures where the engine exposes them and they are asked for)
     describe()              versions, device, dtype, backends: the engine's account of itself
     noise_budget(ran)       which reference run emulates this engine's arithmetic (its noise)
 
@@ -50,6 +52,23 @@ class EngineRun:
     captures: dict[str, np.ndarray] = field(default_factory=dict)
     node_names: list[str] = field(default_factory=list)  # every node name the engine showed, in order
     info: dict = field(default_factory=dict)  # the engine's account of this run (describe() + run details)
+
+
+@dataclass
+class Generation:
+    """Greedy decoding of n tokens after a prompt of P tokens, as the engine serves (its KV cache, its decode
+    kernels). Step i (0-based) chose ids[i] from logits[i]: row 0 comes out of the prompt's prefill, rows
+    1..n-1 out of the decode steps, which fed ids[i-1] at position P+i-1. Every step is taken: an end-of-
+    sequence token does not stop it (the number of judged steps is fixed).
+
+    logits: [n, V] (log-probabilities where the engine gives only those); None where the engine shows only
+    the ids (an endpoint). captures: the decode steps' activations under the reference's point names,
+    [n-1, ...] (row i-1: step i, position P+i-1); empty where the engine exposes none or none were asked."""
+
+    ids: list[int]
+    logits: np.ndarray | None
+    captures: dict[str, np.ndarray] = field(default_factory=dict)
+    info: dict = field(default_factory=dict)  # the engine's account of this generation (cache type, step times)
 
 
 @dataclass(frozen=True)
@@ -142,7 +161,9 @@ class Engine:
         """Which tokenizer and chat template the deployment uses and its add-special rule, for the report."""
         return {"tokenizer": None if self.deployment.tokenizer is None else os.fspath(self.deployment.tokenizer)}
 
-    def generate(self, tokens: list[int], n: int) -> list[int]:
+    def generate(self, tokens: list[int], n: int, *, captures: bool = False) -> Generation:
+        """Greedy decoding of n tokens after `tokens` (see Generation). `captures`: the decode steps'
+        activations too (asked only to localize a fault: capturing slows an engine's every step)."""
         raise NotOffered(f"{self.name}: greedy generation through the decode path is not offered yet")
 
     def describe(self) -> dict[str, Any]:

@@ -14,16 +14,19 @@ value is trusted: a layout mismatch raises EngineError instead of returning garb
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import fnmatch
 import os
 import pickle
+import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
 import numpy as np
 
-from .base import Budget, Engine, EngineError, EngineRun, Traits
+from .base import Budget, Engine, EngineError, EngineRun, Generation, Traits
 
 GGML_MAX_DIMS = 4
 GGML_MAX_OP_PARAMS = 64  # bytes
@@ -69,6 +72,12 @@ def _ggml_base() -> ctypes.CDLL:
     lib.ggml_nbytes.argtypes = [ctypes.c_void_p]
     lib.ggml_backend_tensor_get.restype = None
     lib.ggml_backend_tensor_get.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t]
+    lib.ggml_backend_tensor_set.restype = None
+    lib.ggml_backend_tensor_set.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t]
+    lib.ggml_type_name.restype = ctypes.c_char_p
+    lib.ggml_type_name.argtypes = [ctypes.c_int]
+    lib.ggml_op_name.restype = ctypes.c_char_p
+    lib.ggml_op_name.argtypes = [ctypes.c_int]
     return lib
 
 
@@ -80,6 +89,7 @@ class _Capture:
         self.captures: dict[str, np.ndarray] = {}
         self.names: list[str] = []
         self.error: str | None = None
+        self.tamper: Callable[[int, bool], None] | None = None  # a planted fault's view of every node (generate)
         self.fn = _eval_callback_type()(self._callback)
 
     def _wanted(self, name: str) -> bool:
@@ -87,6 +97,8 @@ class _Capture:
 
     def _callback(self, t_ptr: int, ask: bool, _user: int) -> bool:
         try:
+            if self.tamper is not None:
+                self.tamper(t_ptr, ask)
             name = (self.lib.ggml_get_name(t_ptr) or b"").decode("utf-8", "replace")
             if ask:
                 self.names.append(name)
@@ -124,18 +136,14 @@ def _eval_callback_type():
     return llama_cpp.ggml_backend_sched_eval_callback
 
 
-def run(model_path: str | os.PathLike, tokens: list[int], *, capture: tuple[str, ...] = (),
-        n_threads: int | None = None, flash_attn: bool = False) -> EngineRun:
-    """Decode `tokens` in one batch on llama.cpp's CPU backend; logits for every position.
-
-    `capture`: fnmatch patterns of node names to copy out (empty: none, "*": all).
-    """
+@contextlib.contextmanager
+def _context(model_path: str | os.PathLike, n_ctx: int, n_batch: int, *, n_threads: int | None, flash_attn: bool,
+             cap: "_Capture | None"):
+    """(llama_cpp module, context, n_vocab, info) of the model on llama.cpp's CPU backend, its KV cache of the
+    context's default type (F16), `cap` as the eval callback; everything freed on exit."""
     import llama_cpp as L
 
-    if not tokens:
-        raise EngineError("no tokens")
     L.llama_backend_init()
-    lib = _ggml_base()
     L.llama_log_set(_silent_log(), ctypes.c_void_p())
     mparams = L.llama_model_default_params()
     mparams.n_gpu_layers = 0
@@ -145,59 +153,162 @@ def run(model_path: str | os.PathLike, tokens: list[int], *, capture: tuple[str,
     model = L.llama_model_load_from_file(os.fsencode(first_shard(model_path)), mparams)
     if not model:
         raise EngineError(f"llama.cpp could not load {model_path}")
-    cap = _Capture(lib, tuple(capture))
     ctx = None
-    batch = None
     try:
-        n = len(tokens)
         cparams = L.llama_context_default_params()
-        cparams.n_ctx = max(n, 8)
-        cparams.n_batch = cparams.n_ubatch = n
+        cparams.n_ctx = max(n_ctx, 8)
+        cparams.n_batch = cparams.n_ubatch = n_batch
         threads = n_threads or max(1, os.cpu_count() or 1)
         cparams.n_threads = cparams.n_threads_batch = threads
         cparams.flash_attn_type = 1 if flash_attn else 0  # LLAMA_FLASH_ATTN_TYPE_ENABLED / _DISABLED
         cparams.no_perf = True
-        if capture:
+        if cap is not None:
             cparams.cb_eval = cap.fn
         ctx = L.llama_init_from_model(model, cparams)
         if not ctx:
             raise EngineError("llama.cpp could not create a context")
         n_vocab = L.llama_vocab_n_tokens(L.llama_model_get_vocab(model))
-        batch = L.llama_batch_init(n, 0, 1)
-        for i, tok in enumerate(tokens):
-            batch.token[i] = tok
-            batch.pos[i] = i
-            batch.n_seq_id[i] = 1
-            batch.seq_id[i][0] = 0
-            batch.logits[i] = 1
-        batch.n_tokens = n
-        rc = L.llama_decode(ctx, batch)
-        if rc != 0:
-            raise EngineError(f"llama_decode returned {rc}")
-        if cap.error:
-            raise EngineError(cap.error)
-        ptr = L.llama_get_logits(ctx)
-        logits = np.ctypeslib.as_array(ptr, shape=(n, n_vocab)).copy()  # [T, n_vocab]
-        info = {"engine": "llama.cpp", "llama_cpp_python": L.__version__, "n_threads": threads,
-                "flash_attn": flash_attn}
-        return EngineRun(logits, cap.captures, cap.names, info)
+        kv = cap.lib if cap is not None else _ggml_base()
+        info = {"engine": "llama.cpp", "llama_cpp_python": L.__version__, "n_threads": threads, "flash_attn": flash_attn,
+                "kv_cache_type": f"{kv.ggml_type_name(cparams.type_k).decode()}/{kv.ggml_type_name(cparams.type_v).decode()}"}
+        yield L, ctx, n_vocab, info
     finally:
-        if batch is not None:
-            L.llama_batch_free(batch)
         if ctx:
             L.llama_free(ctx)
         L.llama_model_free(model)
 
 
+class _Batch:
+    """A llama_batch of up to `size` tokens of sequence 0, freed on close."""
+
+    def __init__(self, L, size: int):
+        self.L, self.size, self.batch = L, size, L.llama_batch_init(size, 0, 1)
+
+    def decode(self, ctx, tokens: list[int], pos0: int, *, logits: str = "last") -> None:
+        """llama_decode of `tokens` at positions pos0, pos0 + 1, ...; logits for every token ("all") or the last."""
+        b = self.batch
+        for i, tok in enumerate(tokens):
+            b.token[i] = tok
+            b.pos[i] = pos0 + i
+            b.n_seq_id[i] = 1
+            b.seq_id[i][0] = 0
+            b.logits[i] = 1 if logits == "all" or i == len(tokens) - 1 else 0
+        b.n_tokens = len(tokens)
+        rc = self.L.llama_decode(ctx, b)
+        if rc != 0:
+            raise EngineError(f"llama_decode returned {rc} at position {pos0}")
+
+    def close(self) -> None:
+        self.L.llama_batch_free(self.batch)
+
+
+def run(model_path: str | os.PathLike, tokens: list[int], *, capture: tuple[str, ...] = (),
+        n_threads: int | None = None, flash_attn: bool = False) -> EngineRun:
+    """Decode `tokens` in one batch on llama.cpp's CPU backend; logits for every position.
+
+    `capture`: fnmatch patterns of node names to copy out (empty: none, "*": all).
+    """
+    if not tokens:
+        raise EngineError("no tokens")
+    n = len(tokens)
+    cap = _Capture(_ggml_base(), tuple(capture)) if capture else None
+    with _context(model_path, n, n, n_threads=n_threads, flash_attn=flash_attn, cap=cap) as (L, ctx, n_vocab, info):
+        batch = _Batch(L, n)
+        try:
+            batch.decode(ctx, tokens, 0, logits="all")
+        finally:
+            batch.close()
+        if cap is not None and cap.error:
+            raise EngineError(cap.error)
+        logits = np.ctypeslib.as_array(L.llama_get_logits(ctx), shape=(n, n_vocab)).copy()  # [T, n_vocab]
+        return EngineRun(logits, cap.captures if cap else {}, cap.names if cap else [], info)
+
+
+@dataclass
+class DecodeStep:
+    """What a planted decode fault (faults/decode.py; tests and --demo-fault only) sees of the decode loop: the
+    step about to run (1..n-1: the decode steps; the prompt's batch is step 0 and is not shown), the position
+    it feeds, the prompt's length, llama.cpp's API (`L`, `lib`: libggml-base) and the context, and `decode`
+    (tokens, pos0) to put other tokens into the KV cache."""
+
+    index: int
+    position: int
+    prompt_len: int
+    L: Any
+    lib: ctypes.CDLL
+    ctx: Any
+    decode: Callable[[list[int], int], None]
+
+
+def generate(model_path: str | os.PathLike, tokens: list[int], n: int, *, capture: tuple[str, ...] = (),
+             n_threads: int | None = None, flash_attn: bool = False, plant: str | None = None) -> Generation:
+    """Greedy decoding as llama.cpp serves (its server's slot loop): the prompt in one batch, then one
+    llama_decode per generated token over the context's KV cache, the next token the argmax of the last
+    logits (llama.cpp's greedy sampler: the first of equal maxima, as numpy's argmax). `capture`: fnmatch
+    patterns of the nodes copied out of every decode step (not the prompt's batch). `plant`: a planted
+    decode fault, "module:factory" of an object with `before(step)` and/or `node(step, tensor, ask)`
+    (faults/decode.py), resolved here, in the engine's process."""
+    if not tokens or n < 1:
+        raise EngineError("generate needs a prompt and at least one new token")
+    p = len(tokens)
+    fault = _resolve_plant(plant) if plant else None
+    cap = _Capture(_ggml_base(), ()) if capture or fault is not None else None
+    with _context(model_path, p + n, p, n_threads=n_threads, flash_attn=flash_attn, cap=cap) as (L, ctx, n_vocab, info):
+        batch = _Batch(L, p)
+        rows: list[np.ndarray] = []  # [V] per step
+        steps: list[dict[str, np.ndarray]] = []  # the captures of each decode step
+        ids: list[int] = []
+        t0 = time.perf_counter()
+        try:
+            batch.decode(ctx, tokens, 0)
+            t_prefill = time.perf_counter() - t0
+            for i in range(n):
+                if i:
+                    step = DecodeStep(i, p + i - 1, p, L, cap.lib if cap else None, ctx,
+                                      lambda toks, pos0: batch.decode(ctx, toks, pos0))
+                    if cap is not None:
+                        cap.patterns, cap.captures = tuple(capture), {}
+                        cap.tamper = (lambda t, ask, st=step: fault.node(st, t, ask)) \
+                            if hasattr(fault, "node") else None
+                    if hasattr(fault, "before"):
+                        fault.before(step)
+                    batch.decode(ctx, [ids[-1]], p + i - 1)
+                    if cap is not None:
+                        if cap.error:
+                            raise EngineError(cap.error)
+                        steps.append(cap.captures)
+                row = np.ctypeslib.as_array(L.llama_get_logits_ith(ctx, -1), shape=(n_vocab,)).copy()  # [V]
+                rows.append(row)
+                ids.append(int(row.argmax()))
+        finally:
+            batch.close()
+        captures = {name: np.stack([st[name] for st in steps]) for name in (steps[0] if steps else {})
+                    if all(name in st for st in steps)}  # [n-1, ...]: a decode step's row dim (1) was dropped
+        info.update(prefill_s=round(t_prefill, 3), decode_s=round(time.perf_counter() - t0 - t_prefill, 3),
+                    planted=plant)
+        return Generation(ids, np.stack(rows), captures, info)
+
+
+def _resolve_plant(spec: str):
+    import importlib
+
+    module, _, name = spec.partition(":")
+    return getattr(importlib.import_module(module), name)()
+
+
 def serve() -> Callable:
-    """Handler factory for `subjects.isolation.Isolated`: each request is one `run` (arguments in the
-    header); the reply's payload is the pickled EngineRun, or the header says the engine's error."""
+    """Handler factory for `subjects.isolation.Isolated`: each request is one `run` or `generate` (the header's
+    "command" and arguments); the reply's payload is the pickled EngineRun or Generation, or the header
+    says the engine's error."""
     os.environ["GGML_NO_BACKTRACE"] = "1"  # an abort is reported by the parent, without a gdb dump
 
     def handle(header: dict, payload: bytearray) -> tuple[dict, bytes]:
+        common = dict(capture=tuple(header["capture"]), n_threads=header["n_threads"], flash_attn=header["flash_attn"])
         try:
-            result = run(header["model_path"], header["tokens"], capture=tuple(header["capture"]),
-                         n_threads=header["n_threads"], flash_attn=header["flash_attn"])
+            if header["command"] == "generate":
+                result = generate(header["model_path"], header["tokens"], header["n"], plant=header["plant"], **common)
+            else:
+                result = run(header["model_path"], header["tokens"], **common)
         except EngineError as e:
             return {"status": "engine-error", "message": str(e)}, b""
         return {"status": "ok"}, pickle.dumps(result, protocol=pickle.HIGHEST_PROTOCOL)
@@ -208,15 +319,11 @@ def serve() -> Callable:
 _SERVE = "llmdoctor.subjects.engines.llama_cpp:serve"  # the child's handler factory
 
 
-def run_isolated(model_path: str | os.PathLike, tokens: list[int], *, capture: tuple[str, ...] = (),
-                 n_threads: int | None = None, flash_attn: bool = False, timeout: float = 3600.0) -> EngineRun:
-    """`run` in a child process: an abort inside llama.cpp (a GGML_ASSERT on a file it cannot run),
-    a crash or a hang becomes an EngineError naming what happened, not the end of this process.
-    `timeout` covers loading and the whole prefill (an hour: a large model mapped from a cold disk)."""
+def _isolated(header: dict[str, Any], timeout: float) -> Any:
+    """One request to `serve` in a child process: an abort inside llama.cpp (a GGML_ASSERT on a file it
+    cannot run), a crash or a hang becomes an EngineError naming what happened, not the end of this process."""
     from ..isolation import Isolated, LoadFailed
 
-    header = {"model_path": os.fspath(model_path), "tokens": [int(t) for t in tokens], "capture": list(capture),
-              "n_threads": n_threads, "flash_attn": flash_attn}
     try:
         with Isolated(_SERVE, (), call_timeout=timeout) as iso:
             out = iso.call(header, b"")
@@ -227,7 +334,24 @@ def run_isolated(model_path: str | os.PathLike, tokens: list[int], *, capture: t
     if out.status == "engine-error":
         raise EngineError(out.message)
     what = {"crashed": "llama.cpp crashed", "timeout": "llama.cpp did not finish"}.get(out.status, "llama.cpp failed")
-    raise EngineError(f"{what} on {Path(model_path).name}: {out.message}")
+    raise EngineError(f"{what} on {Path(header['model_path']).name}: {out.message}")
+
+
+def run_isolated(model_path: str | os.PathLike, tokens: list[int], *, capture: tuple[str, ...] = (),
+                 n_threads: int | None = None, flash_attn: bool = False, timeout: float = 3600.0) -> EngineRun:
+    """`run` in a child process. `timeout` covers loading and the whole prefill (an hour: a large model
+    mapped from a cold disk)."""
+    return _isolated({"command": "run", "model_path": os.fspath(model_path), "tokens": [int(t) for t in tokens],
+                      "capture": list(capture), "n_threads": n_threads, "flash_attn": flash_attn}, timeout)
+
+
+def generate_isolated(model_path: str | os.PathLike, tokens: list[int], n: int, *, capture: tuple[str, ...] = (),
+                      n_threads: int | None = None, flash_attn: bool = False, plant: str | None = None,
+                      timeout: float = 3600.0) -> Generation:
+    """`generate` in a child process (as `run_isolated`)."""
+    return _isolated({"command": "generate", "model_path": os.fspath(model_path), "tokens": [int(t) for t in tokens],
+                      "n": int(n), "capture": list(capture), "n_threads": n_threads, "flash_attn": flash_attn,
+                      "plant": plant}, timeout)
 
 
 _LOG_CB = None
@@ -321,8 +445,16 @@ class LlamaCppEngine(Engine):
                     captures="every graph node, through the context's eval callback",
                     noise="the reference with llama.cpp's CPU arithmetic emulated (Q8 activations, F16 KV cache)")
 
+    plant: str | None = None  # a planted decode fault, "module:factory" (faults/decode.py: tests, --demo-fault)
+
     def run(self, tokens: list[int], config: Any = None) -> EngineRun:
         out = run_isolated(self.deployment.model, tokens, n_threads=self.deployment.threads, capture=CAPTURE)
+        out.captures = to_reference_names(out.captures)
+        return out
+
+    def generate(self, tokens: list[int], n: int, *, captures: bool = False) -> Generation:
+        out = generate_isolated(self.deployment.model, tokens, n, n_threads=self.deployment.threads,
+                                capture=CAPTURE if captures else (), plant=self.plant)
         out.captures = to_reference_names(out.captures)
         return out
 

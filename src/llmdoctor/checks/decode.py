@@ -1,0 +1,66 @@
+"""The decode path: does an engine generate what its own prefill computes?
+
+An engine generates n tokens greedily after a prompt of P tokens (Engine.generate): step 0's distribution
+comes out of the prompt's prefill, steps 1..n-1 out of decode steps over its KV cache (other kernels, other
+shapes: one row). The reference teacher-forces prompt + the engine's continuation; the engine's own prefill
+of that same sequence is the control. Three distributions of the same positions P..P+n-2 (the decode
+steps' rows), each judged against the reference with prefill's criteria (layers.py `distribution_criteria`,
+noise = the emulated run's):
+
+    decode    the engine's decode steps          a fault only here is the decode path's
+    control   the engine's prefill, same tokens   a fault here is the prefill's (not reported as decode)
+
+Which generated step goes wrong first (for the report, not the verdict): the first decode step whose KL
+exceeds K times the larger of two healthy draws at that position, the emulated run's and the engine's own
+prefill's (K and FLOOR as layers.py), or whose top-1 flip is beyond the noise. One position's KL is a
+noisy measure (on the demo in llama.cpp, healthy, a decode step's KL reaches 3.2x the emulated run's at
+its position and the control's 5.4x): the larger of the two draws absorbs that, and a fault stays far
+beyond it (a KV entry of another token: 38x at the first decode step; RoPE at p-1: 6x from the second).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from . import metrics
+from .layers import FLOOR, K, Criterion, distribution_criteria
+
+
+@dataclass
+class DecodeJudgement:
+    decode: list[Criterion]  # the decode steps against the reference
+    control: list[Criterion]  # the engine's prefill of the same tokens against the reference
+    steps: list[dict]  # per generated step (0: from the prompt's prefill): KL, its bound, top-1s
+    first_wrong: int | None  # the first decode step (0-based) beyond its bound, or None
+
+    @property
+    def decode_ok(self) -> bool:
+        return all(c.ok for c in self.decode)
+
+    @property
+    def control_ok(self) -> bool:
+        return all(c.ok for c in self.control)
+
+
+def judge(generated: Any, control: Any, ref: Any, budget: Any, ids: list[int]) -> DecodeJudgement:
+    """generated, control, ref, budget: logits [n, V] of the n generated steps (row i: the distribution
+    that chose ids[i]); row 0 comes from the prompt's prefill and is shown, not judged."""
+    got, ctl, want, emu = (torch.as_tensor(x).to(torch.float64) for x in (generated, control, ref, budget))
+    tokens = list(ids)
+    decode = distribution_criteria(got[1:], want[1:], emu[1:], tokens[:-1])
+    control_crit = distribution_criteria(ctl[1:], want[1:], emu[1:], tokens[:-1])
+    kl, kl_noise, kl_ctl = (metrics.kl_divergence(x, want) for x in (got, emu, ctl))  # [n]
+    bound = K * torch.maximum(kl_noise, kl_ctl) + FLOOR  # [n]
+    beyond_top1 = {r["position"] + 1 for c in decode if c.name == "top1" for r in c.evidence if r["beyond_noise"]}
+    steps, first = [], None
+    for i in range(got.shape[0]):
+        wrong = i > 0 and (not bool(kl[i] <= bound[i]) or i in beyond_top1)
+        if wrong and first is None:
+            first = i
+        steps.append({"step": i + 1, "token": tokens[i], "source": "prefill" if i == 0 else "decode",
+                      "kl": float(kl[i]), "kl_noise": float(kl_noise[i]), "kl_control": float(kl_ctl[i]),
+                      "bound": float(bound[i]), "reference_top1": int(want[i].argmax()), "beyond": wrong})
+    return DecodeJudgement(decode, control_crit, steps, first)

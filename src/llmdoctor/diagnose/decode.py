@@ -1,0 +1,103 @@
+"""The decode-path hypothesis: the engine generates greedily from the prompt through its KV cache, the
+reference teacher-forces prompt + that continuation, and the engine's own prefill of the same tokens is the
+control (checks/decode.py judges). A divergence only in the decode steps is the decode path's, named with
+the first generated step that goes wrong and, where the engine exposes the decode steps' activations, the
+layer and op; a divergence the prefill shows too is the prefill's (engine-vs-reference), not reported twice."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..checks.base import Finding
+from .session import Session, Skip
+
+HYPOTHESIS = "the engine's decode path (KV cache, decode kernels) computes what its prefill computes"
+
+
+def h_decode_path(s: Session) -> list[Finding]:
+    from ..checks import decode
+    from ..checks.layers import distribution_criteria
+
+    n = s.inputs.generate
+    if n < 2:
+        raise Skip(f"--generate {n}: no decode step to judge (the first generated token comes out of the prefill)")
+    prompt_ok = all(c.ok for c in distribution_criteria(torch.as_tensor(s.engine_run().logits), s.reference()[0],
+                                                        s.budget_reference()[0]))
+    if not prompt_ok:
+        raise Skip("the engine's prefill of the prompt already disagrees with the reference (engine-vs-reference): "
+                   "the decode path is not judged apart from it")
+    gen = s.generation()
+    if gen.logits is None:
+        raise Skip("the engine shows the generated ids only, not their distributions")
+    prompt = s.tokens()
+    p = len(prompt)
+    full = prompt + gen.ids[:-1]  # the last generated token is chosen, never fed
+    rows = slice(p - 1, p - 1 + len(gen.ids))  # the positions whose next token was generated
+    b = s.budget()
+    ref, ref_caps, _ = s.reference("float32", tokens=full)
+    emu, emu_caps, _ = s.reference(b.dtype, b.emulate, tokens=full)
+    control = s.engine_run_on(full)
+    j = decode.judge(gen.logits, control.logits[rows], ref[rows], emu[rows], gen.ids)
+    metrics: dict[str, Any] = {"generated": len(gen.ids), "generated_ids": gen.ids, "prompt_tokens": p,
+                               "first_wrong_step": None if j.first_wrong is None else j.first_wrong + 1,
+                               **{f"decode_{c.name}": c.value for c in j.decode if c.name != "finite"},
+                               **{f"control_{c.name}": c.value for c in j.control if c.name != "finite"},
+                               "engine": {k: v for k, v in gen.info.items() if k != "engine"}}
+    budget = {f"{c.name}_limit": c.limit for c in j.decode if c.name != "finite"}
+    evidence = [{"decode": [c.as_dict() for c in j.decode], "control": [c.as_dict() for c in j.control]}, *j.steps]
+
+    def finding(status: str, explanation: str, **more: Any) -> list[Finding]:
+        return [Finding(check="decode-path", subject=s.inputs.engine, target=f"{len(gen.ids)} generated steps",
+                        status=status, confidence="high", hypothesis=HYPOTHESIS, metrics={**metrics, **more},
+                        budget=budget, evidence=evidence, explanation=explanation)]
+
+    if not j.control_ok:
+        failed = "; ".join(c.reason for c in j.control if not c.ok)
+        return finding("fail", "the engine's prefill of the prompt and its own continuation disagrees with the "
+                               f"reference at the generated positions ({failed}): a prefill fault beyond the prompt, "
+                               "not the decode path's")
+    kl = next(c for c in j.decode if c.name == "kl")
+    if j.decode_ok:
+        return finding("pass", f"{len(gen.ids) - 1} decode steps within the engine's noise (KL {kl.value:.3g}, noise "
+                               f"{kl.noise:.3g}); its prefill of the same tokens agrees")
+    failed = [c for c in j.decode if not c.ok]
+    first = j.first_wrong if j.first_wrong is not None else max(range(1, len(j.steps)),
+                                                               key=lambda i: j.steps[i]["kl"] / j.steps[i]["bound"])
+    where = _localize(s, first, p, ref_caps, emu_caps, gen.ids)
+    at = (f"first wrong at generated step {first + 1} (position {p + first - 1})" if j.first_wrong is not None else
+          f"no single step beyond its own bound, the worst generated step {first + 1} (position {p + first - 1})")
+    return finding("fail", f"decode path: {at}, prefill of the same tokens agrees; "
+                           + "; ".join(f"the {c.name} criterion fails: {c.reason}" for c in failed)
+                           + (f"; {where['words']}" if where.get("words") else ""),
+                   localization=where)
+
+
+def _localize(s: Session, first: int, p: int, ref_caps: dict, emu_caps: dict, ids: list[int]) -> dict[str, Any]:
+    """The first divergent layer and op of the decode steps from `first` on: the engine generates once more
+    with its decode steps' activations captured (the same tokens, or it says so), compared row by row with
+    the reference's and the emulated run's activations at the same positions (layers.py's noise model)."""
+    from ..checks.layers import CURVE_POINTS, error_curve, first_divergent_layer, off_by
+
+    try:
+        again = s.generation(captures=True)
+    except Skip as e:
+        return {"skipped": str(e)}
+    if again.ids != ids:
+        return {"skipped": "the engine generated other tokens when its decode steps were captured"}
+    if not again.captures:
+        return {"skipped": "the engine exposes no activations of its decode steps"}
+    rows = slice(p + first - 1, p + len(ids) - 1)  # positions of decode steps first .. n-1
+    eng = {k: v[first - 1:] for k, v in again.captures.items()}  # row i-1: step i
+    ref = {k: v[rows] for k, v in ref_caps.items() if getattr(v, "ndim", 0) and v.shape[0] == p + len(ids) - 1}
+    emu = {k: v[rows] for k, v in emu_caps.items() if getattr(v, "ndim", 0) and v.shape[0] == p + len(ids) - 1}
+    curve = error_curve(ref, emu, eng, s.config().n_layer, points=CURVE_POINTS)
+    if not curve:
+        return {"skipped": "no decode-step activation maps onto the reference's capture points"}
+    layer, point = first_divergent_layer(curve)
+    if layer is None:
+        return {"layer": None, "points": len(curve), "words": "every decode-step activation within the noise"}
+    return {"layer": layer, "point": point.point, "error": point.error, "noise": point.noise, "limit": point.limit,
+            "words": f"first divergent layer {layer}: {point.point}-{layer} {off_by(point)} in the decode steps",
+            "curve": [q.as_dict() for q in curve if q.layer in (layer - 1, layer, layer + 1)]}

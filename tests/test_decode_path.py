@@ -1,0 +1,90 @@
+"""The decode path (issue 25 part 2): every engine generates greedily through its own decode path, the reference
+teacher-forces prompt + that continuation and the engine's prefill of the same tokens is the control. The healthy
+demo passes; planted decode faults (faults/decode.py) are found as "decode path" with the first generated step;
+a prefill fault is not reported twice. Real engines on CPU: llama.cpp, transformers, vLLM for CPU (one test)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from llmdoctor import diagnose as dg
+from llmdoctor.diagnose.decode import h_decode_path
+from llmdoctor.faults import get
+
+PROMPT = "Paris is the capital of France, and Berlin is the capital of"  # 14 tokens: short keeps the tests cheap
+N = 8
+
+
+def decode_finding(gguf, engine: str = "llama.cpp", plant: str | None = None, **kw):
+    s = dg.Session(dg.Inputs(gguf=gguf, engine=engine, threads=2, prompt=PROMPT, generate=N,
+                             engine_plant=None if plant is None else get(plant).build, **kw))
+    try:
+        return h_decode_path(s)[0], s.tokens()
+    finally:
+        s.close()
+
+
+def test_llama_cpp_generates_greedily_what_its_prefill_computes(demo_path):
+    """llama.cpp's generation: N ids, each the argmax of its step's logits [N, V]; its own prefill of prompt +
+    continuation picks the same tokens; the decode steps' captures come back one row per step, only when
+    asked (capturing slows every step)."""
+    from llmdoctor.subjects.engines import create
+    from llmdoctor.subjects.engines.base import Deployment
+
+    tokens = [2, 9079, 563, 506, 5279, 529]
+    engine = create("llama.cpp", Deployment(model=demo_path, threads=2))
+    gen = engine.generate(tokens, 4)
+    assert len(gen.ids) == 4 and gen.logits.shape[0] == 4 and not gen.captures
+    assert gen.ids == [int(r.argmax()) for r in gen.logits]
+    assert gen.info["kv_cache_type"] == "f16/f16"
+    ran = engine.run(tokens + gen.ids[:-1])
+    assert [int(r.argmax()) for r in ran.logits[len(tokens) - 1:]] == gen.ids
+    again = engine.generate(tokens, 4, captures=True)
+    assert again.ids == gen.ids and np.array_equal(again.logits, gen.logits)  # capturing changes no number
+    assert again.captures["l_out-0"].shape == (3, 640) and again.captures["kqv_out-17"].shape[0] == 3
+
+
+def test_healthy_demo_decode_path_passes(demo_path):
+    f, tokens = decode_finding(demo_path)
+    assert f.status == "pass", f.explanation
+    assert f.metrics["generated"] == N and f.metrics["first_wrong_step"] is None
+    assert "decode steps within the engine's noise" in f.explanation and "prefill of the same tokens" in f.explanation
+    assert f.metrics["engine"]["kv_cache_type"] == "f16/f16"
+
+
+@pytest.mark.parametrize("fault,first", [("decode-kv-overwritten", 2), ("decode-rope-previous-position", None)])
+def test_planted_llama_cpp_decode_fault_is_the_decode_path(demo_path, fault, first):
+    """A KV cache entry holding another token's K/V, or decode steps rotated at p-1: the prefill control agrees,
+    the decode steps do not; the finding names the first generated step and the decode steps' first divergent
+    layer and op (captured from a second generation of the same tokens)."""
+    f, tokens = decode_finding(demo_path, plant=fault)
+    assert f.status == "fail", f.explanation
+    assert f.explanation.startswith("decode path: first wrong at generated step")
+    assert "prefill of the same tokens agrees" in f.explanation
+    step = f.metrics["first_wrong_step"]
+    assert step is not None and step >= 2  # step 1 comes out of the prompt's prefill
+    if first is not None:
+        assert step == first
+    assert f"position {len(tokens) + step - 2}" in f.explanation
+    loc = f.metrics["localization"]
+    assert loc.get("layer") is not None and loc["point"] in ("kqv_out", "ffn_inp", "l_out", "ffn_out"), loc
+    assert f"first divergent layer {loc['layer']}" in f.explanation
+
+
+def test_a_prefill_fault_is_not_reported_as_the_decode_path(demo_path, tmp_path):
+    """The engine's copy of the file has blk.7.attn_output's scales perturbed: the prefill already disagrees
+    (engine-vs-reference says so); the decode path is a skip with that reason, never a second suspect."""
+    from llmdoctor.diagnose.session import Skip
+
+    bad = get("attn-block-scales").build(demo_path, tmp_path, layers="blk.7.attn_output")
+    with pytest.raises(Skip, match="prefill of the prompt already disagrees"):
+        decode_finding(demo_path, engine_gguf=bad)
+
+
+def test_generate_zero_turns_it_off(demo_path):
+    from llmdoctor.diagnose.session import Skip
+
+    s = dg.Session(dg.Inputs(gguf=demo_path, engine="llama.cpp", generate=0))
+    with pytest.raises(Skip, match="--generate 0"):
+        h_decode_path(s)
