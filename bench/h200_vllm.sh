@@ -56,6 +56,16 @@ setup)
         > "$W/setup/pip.log" 2>&1 || { step "pip install into /tmp/vsite FAILED"; pack; exit 1; }
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site "$C"/gguf-*.whl \
         >> "$W/setup/pip.log" 2>&1
+    # llguidance (structured output) is not on this registry, yet vLLM 0.24 imports it when its engine starts
+    # (vllm/v1/structured_output/backend_guidance.py): inert placeholders let it start; llmdoctor never asks
+    # for structured output (measured 2026-12-02: without them every engine run was "No module named 'llguidance'")
+    if [ ! -d /tmp/vsite/llguidance ]; then
+        mkdir -p /tmp/vsite/llguidance
+        for sub in __init__ hf torch numpy; do
+            printf '"""placeholder: llguidance is absent; structured output is never used"""\ndef __getattr__(name):\n    return type(name, (), {"__init__": lambda self, *a, **k: None})\n' \
+                > /tmp/vsite/llguidance/$sub.py
+        done
+    fi
     printf '#!/bin/sh\nexport PYTHONPATH=/tmp/vsite VLLM_USE_FLASHINFER_SAMPLER=0\nexec python3 "$@"\n' > /tmp/vpy
     chmod +x /tmp/vpy
     { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
