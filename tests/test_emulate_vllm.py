@@ -129,6 +129,7 @@ def test_block_constants_are_what_a_zero_quant_dequantizes_to(qtype):
     got = block_constants(blocks.reshape(rows, -1), qtype, rows).numpy()
     assert np.array_equal(np.broadcast_to(got[..., None], want.shape), want)
     assert block_constants(_gguf_raw(Q.Q8_0, 2, 64, 0), Q.Q8_0, 2) is None
+    assert block_constants(blocks.reshape(rows, -1)[:2], qtype, rows) is None  # bytes of another shape
 
 
 def test_plugin_paths_follow_fused_mul_mat_gguf():

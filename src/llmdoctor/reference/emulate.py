@@ -236,10 +236,11 @@ def block_constants(raw: np.ndarray, qtype: int, rows: int) -> torch.Tensor | No
     Q4_K / Q5_K -dmin x m_j (sub-block j's 6-bit min, gguf-py's `Q4_K.get_scale_min`); None for a type
     without one. `raw`: the weight's bytes, [rows, row bytes] or flat."""
     q = Q(qtype)
-    if q not in _SUM_TERM | _SUM_TERM_MMQ:
-        return None
+    raw = np.asarray(raw, dtype=np.uint8)
     _, type_size = GGML_QUANT_SIZES[q]
-    b = np.ascontiguousarray(np.asarray(raw, dtype=np.uint8).reshape(rows, -1, type_size))  # [rows, blocks, bytes]
+    if q not in _SUM_TERM | _SUM_TERM_MMQ or raw.size % (rows * type_size):
+        return None  # no block constant, or bytes that are not this weight's (a slice aliasing a larger one)
+    b = np.ascontiguousarray(raw.reshape(rows, -1, type_size))  # [rows, blocks, bytes]
 
     def f16(offset: int) -> np.ndarray:  # [rows, blocks]
         return b[..., offset:offset + 2].copy().view(np.float16)[..., 0].astype(np.float32)
@@ -265,8 +266,9 @@ def q8_1_product(x: torch.Tensor, w: torch.Tensor, qtype: int, raw=None) -> torc
     xq, sums = q8_1(x)  # [T, K], [T, K / 32]
     y = xq.to(w.dtype) @ w.t()
     q = Q(qtype)
-    if raw is not None and (q in _SUM_TERM or (path == "mmq" and q in _SUM_TERM_MMQ)) and x.shape[-1] % 32 == 0:
-        c = block_constants(raw, qtype, w.shape[0])  # [N, K / 32]
+    sum_term = q in _SUM_TERM or (path == "mmq" and q in _SUM_TERM_MMQ)
+    c = block_constants(raw, qtype, w.shape[0]) if raw is not None and sum_term else None  # [N, K / 32]
+    if c is not None and c.shape[1] * 32 == x.shape[-1]:
         own = xq.reshape(*xq.shape[:-1], -1, 32).sum(-1)  # [T, K / 32]
         y = y + (sums - own).to(w.dtype) @ c.to(device=w.device, dtype=w.dtype).t()
     return y
