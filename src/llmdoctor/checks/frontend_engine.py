@@ -237,7 +237,10 @@ def finding(engine: Any, ref: ReferenceFrontEnd, rows: list[Row]) -> Finding:
     metrics.update(first={k: d[k] for k in ("prompt_label", "first_difference", "engine", "reference",
                                             "engine_tokens", "reference_tokens", "token_count_ratio", "bos")
                           if k in d})
-    return Finding(target=f"prompt: {first.label}", status="fail", **common, explanation=describe(first, ref))
+    engine_tok = metrics["engine_front_end"].get("tokenizer") or metrics["engine_front_end"].get("loaded_by", "?")
+    return Finding(target=f"prompt: {first.label}", status="fail", **common,
+                   explanation=f"{describe(first, ref)}; tokenizers: the engine's {engine_tok}, the reference's "
+                               f"{ref.name}")
 
 
 def describe(row: Row, ref: ReferenceFrontEnd) -> str:
