@@ -117,6 +117,11 @@ def qtype_of(name: str, shape: tuple[int, ...]) -> QT:
     return QT.Q4_K if shape[-1] % 256 == 0 else QT.Q8_0
 
 
+# d is spread log-normally across blocks, exp(0.25 N(0,1) - SPREAD): E[exp(0.5 N)] = exp(0.125), so SPREAD = 0.0625
+# keeps d's mean square, and the RMS the caller asks for
+SPREAD = 0.25 ** 2
+
+
 def q4_k_blocks(n: int, rms: float, gen: torch.Generator, device: str) -> torch.Tensor:
     """n Q4_K blocks (uint8 [n, 144], ggml's block_q4_K: d, dmin, 12 bytes of packed 6-bit scale/min codes,
     128 bytes of 4-bit quants) whose values have RMS ~ `rms` and mean 0 (module docstring)."""
@@ -125,7 +130,7 @@ def q4_k_blocks(n: int, rms: float, gen: torch.Generator, device: str) -> torch.
     m = sc  # min codes = scale codes: with dmin = 7.5 d each sub-block's values d sc (q - 7.5) are centered
     # RMS of d sc (q - 7.5), q uniform in 0..15: d sqrt(E[sc^2]) sqrt(85/4)
     d = rms / (math.sqrt(float((sc.float() ** 2).mean())) * math.sqrt(85 / 4))
-    d = (d * torch.exp(0.25 * torch.randn(n, generator=gen, device=device))).to(torch.float16)
+    d = (d * torch.exp(0.25 * torch.randn(n, generator=gen, device=device) - SPREAD)).to(torch.float16)
     head = torch.stack([d, (d.float() * 7.5).to(torch.float16)], 1).view(torch.uint8)  # [n, 4]
     lo, hi = sc[:, :4], sc[:, 4:]
     ml, mh = m[:, :4], m[:, 4:]
@@ -140,7 +145,7 @@ def q6_k_blocks(n: int, rms: float, gen: torch.Generator, device: str) -> torch.
     sc[torch.arange(n, device=device), torch.randint(0, 16, (n,), generator=gen, device=device)] = -128
     # RMS of d sc (q - 32), q uniform in 0..63: d sqrt(E[sc^2]) sqrt((64^2 - 1)/12 + 0.25)
     d = rms / (math.sqrt(float((sc.float() ** 2).mean())) * math.sqrt((64 ** 2 - 1) / 12 + 0.25))
-    d = (d * torch.exp(0.25 * torch.randn(n, generator=gen, device=device))).to(torch.float16)
+    d = (d * torch.exp(0.25 * torch.randn(n, generator=gen, device=device) - SPREAD)).to(torch.float16)
     q = torch.randint(0, 256, (n, 192), generator=gen, device=device, dtype=torch.uint8)
     return torch.cat([q, sc.to(torch.int8).view(torch.uint8), d[:, None].view(torch.uint8)], 1)
 

@@ -12,6 +12,8 @@ mkdir -p "$OUT"
 WHL=$(ls .whl/dl/gguf-*.whl .whl/*/gguf-*.whl .whl/gguf-*.whl 2>/dev/null | head -1)
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$WHL" || exit 1
 export PYTHONPATH="/tmp/site:$PWD/src:$PWD/tests" HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
+# the native CPU kernels (dequant, forensics moments) for the device's Python; without them the torch kernels run
+python3 setup.py -q build_ext --inplace > "$OUT/build_ext.txt" 2>&1 || echo "native build failed: torch kernels" >> "$OUT/build_ext.txt"
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
   python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
   nproc; free -g | head -2; df -h /tmp | tail -1

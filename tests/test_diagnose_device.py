@@ -59,6 +59,8 @@ def test_cache_admits_while_room_lasts_and_pins_displace():
     assert list(c) == ["t0", "t1", "t2", "t3"] and b.held == 800 and not b.admits(1)
     c.pin("sub", torch.zeros(100, dtype=torch.float32))  # 400 bytes: two unpinned ones go, oldest first
     assert "sub" in c and "t0" not in c and "t1" not in c and b.held == 800
+    b.require(600, "a larger model")  # a larger working set: the unpinned entries give way, oldest first
+    assert list(c) == ["sub"] and b.held == 400 and b.room == 0
     c.clear()
     assert b.held == 0 and len(c) == 0
     with pytest.raises(InputError, match="at least 2 KiB"):
@@ -148,6 +150,31 @@ def test_a_planted_fault_is_named_at_its_layer(glm, tmp_path, tensor, named):
     hit = next(f for f in res.findings if f.check == named and f.status == "fail")
     key = "first_divergent_layer" if named == "layer-localization" else "first_layer"
     assert hit.metrics[key] == layer, hit
+
+
+def test_the_benchs_synthetic_blocks_are_what_a_quantizer_writes():
+    """bench_glm5.py draws K-quant blocks instead of quantizing floats: decoded they have the RMS asked for and
+    mean ~0, and their sub-block codes end where llama.cpp's quantizer puts them (checks/forensics.py SUBBLOCKS)."""
+    import sys
+    from pathlib import Path
+
+    from gguf import GGMLQuantizationType as QT
+    from gguf.quants import dequantize
+
+    from llmdoctor.checks.forensics import SUBBLOCKS, subblock_codes
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    import bench_glm5
+
+    gen = torch.Generator().manual_seed(0)
+    for qt, make in ((QT.Q4_K, bench_glm5.q4_k_blocks), (QT.Q6_K, bench_glm5.q6_k_blocks)):
+        blocks = make(4096, 0.05, gen, "cpu").numpy()
+        v = dequantize(blocks, qt).astype(np.float64)
+        assert abs(np.sqrt((v ** 2).mean()) / 0.05 - 1) < 0.03 and abs(v.mean()) < 0.05 * 0.03, qt
+        for fam in SUBBLOCKS[qt].families:
+            codes = subblock_codes(blocks, qt)[fam.name]
+            ends = codes.max(1) if fam.reduce == "max" else codes.min(1)
+            assert set(ends.tolist()) <= set(fam.pinned), (qt, fam.name)
 
 
 @pytest.mark.gpu

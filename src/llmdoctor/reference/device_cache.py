@@ -101,6 +101,12 @@ class DeviceBudget:
             raise InputError(f"--max-gpu-memory {human(self.cap)} is below one layer's weights of {what}: "
                              f"give at least {human(need)} ({need} bytes)")
         self.reserve = max(self.reserve, need)
+        while self.cap is not None and self.room < 0 and self._lru:  # a larger working set: the caches give way
+            self._evict_oldest()
+
+    def _evict_oldest(self) -> None:
+        (cid, name), _ = next(iter(self._lru.items()))
+        self._caches[cid]._drop(name)
 
     @property
     def room(self) -> int | None:
@@ -131,8 +137,7 @@ class DeviceBudget:
     def _admit(self, cache: "DeviceCache", name: str, nbytes: int, pinned: bool) -> bool:
         if self.cap is not None:
             while pinned and self.room < nbytes and self._lru:
-                (cid, victim), _ = next(iter(self._lru.items()))
-                self._caches[cid]._drop(victim)
+                self._evict_oldest()
             if not pinned and self.room < nbytes:
                 return False
         self.held += nbytes
