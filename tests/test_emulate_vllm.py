@@ -18,7 +18,7 @@ from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
 
 from llmdoctor.reference.emulate import (block_constants, half_dequant, plugin_path, q8_1, q8_1_product, tf32,
-                                         vllm_cuda)
+                                         tf32_weights, vllm_cuda)
 
 # ---- TF32 -----------------------------------------------------------------------------------------
 
@@ -56,6 +56,42 @@ def test_tf32_matches_the_bit_oracle(mode):
     # ties round away from zero under rna; rz never increases the magnitude
     assert tf32(torch.tensor([1 + 2**-11, -(1 + 2**-11)]), "rna").tolist() == [1 + 2**-10, -(1 + 2**-10)]
     assert (tf32(torch.from_numpy(x[np.isfinite(x)]), "rz").abs() <= torch.from_numpy(x[np.isfinite(x)]).abs()).all()
+
+
+def test_tf32_weights_round_p_as_the_online_softmax_holds_it():
+    """The kernel rounds P = exp(S - row max) (largest exactly 1) and normalizes after: rounding the
+    normalized p relative to its row max is that, up to float32's own rounding of the scaling."""
+    g = torch.Generator().manual_seed(2)
+    s = torch.randn(3, 5, 40, generator=g, dtype=torch.float64) * 4
+    s[0, 0, 7:] = float("-inf")  # masked keys
+    e = torch.exp(s - s.amax(-1, keepdim=True))
+    want = tf32(e.float(), "rz").double() / e.sum(-1, keepdim=True)
+    got = tf32_weights((e / e.sum(-1, keepdim=True)).float(), "rz").double()
+    assert torch.allclose(got, want, rtol=3e-7, atol=0), (got - want).abs().max()
+    assert torch.equal(tf32_weights(torch.zeros(2, 4)), torch.zeros(2, 4))  # no visible key: stays 0
+
+
+def test_tf32_attention_reproduces_vllm_on_the_h200(tmp_path):
+    """Frozen measurement (notes/device-checks.md, session 5): vLLM 0.24 on the H200, tiny llama (the
+    fixture tests/test_engine_vllm.py and bench/h200_vllm.py build), float32, TRITON_ATTN, 16 token ids: the
+    engine's rel_l2 from the float32 reference at kqv_out-0, kqv_out-1, l_out-1 was 6.710e-4, 2.026e-3,
+    1.204e-3. The emulated run (truncated Q, K, V and max-relative P) gives the same to 1%; rounding to
+    nearest would give 5.1e-4, 1.2e-3, 1.0e-3, so the H200 truncates (`tf32(., "rz")`)."""
+    import fixtures_hf
+    from unittest import mock
+
+    from llmdoctor.checks.metrics import rel_l2
+    from llmdoctor.reference import load
+
+    with mock.patch.dict(fixtures_hf.DENSE, num_attention_heads=2, num_key_value_heads=1):  # heads of 32
+        ckpt, _ = fixtures_hf.checkpoint("llama", tmp_path)
+    tokens = [3, 17, 42, 5, 77, 8, 23, 61, 9, 30, 55, 14, 2, 88, 40, 19]
+    measured = {"kqv_out-0": 6.710e-4, "kqv_out-1": 2.026e-3, "l_out-1": 1.204e-3}
+    with load(ckpt, cache=True) as m:
+        _, ref = m.forward(tokens, capture=set(measured))
+        _, emu = m.forward(tokens, capture=set(measured), emulate=vllm_cuda(attention_tf32="rz"))
+    for point, engine in measured.items():
+        assert abs(rel_l2(emu[point], ref[point]) / engine - 1) < 0.03, (point, rel_l2(emu[point], ref[point]))
 
 
 # ---- Q8_1 -----------------------------------------------------------------------------------------

@@ -141,6 +141,18 @@ def tf32(x: torch.Tensor, mode: str = "rna") -> torch.Tensor:
     return torch.where(torch.isfinite(x), out, x.float()).to(x.dtype)
 
 
+def tf32_weights(p: torch.Tensor, mode: str = "rz") -> torch.Tensor:
+    """Attention weights p [..., S] (each row normalized) as a Triton flash-attention kernel feeds them to
+    its P·V dot: its online softmax holds P = exp(S - row max), largest exactly 1, rounds that to TF32,
+    and divides by the row sum after the dot (triton_unified_attention.py). Here: p scaled by its row max,
+    rounded, scaled back (a row without a visible key stays 0). Against vLLM 0.24 on the H200 (tiny llama,
+    float32, TRITON_ATTN) this reproduces the engine's kqv_out / l_out errors to 1% where rounding the
+    normalized p directly overstates them by 20-35%."""
+    mx = p.amax(dim=-1, keepdim=True)
+    mx = torch.where(mx > 0, mx, torch.ones_like(mx))
+    return tf32(p / mx, mode) * mx
+
+
 def vec_dot_type(qtype: int) -> str:
     """The activation format ggml-cpu uses for a matmul with a weight of `qtype`."""
     q = Q(qtype)

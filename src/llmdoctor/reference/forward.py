@@ -56,7 +56,7 @@ from . import attention as attn
 from .checkpoint import Checkpoint, CheckpointWeights
 from .config import ModelConfig, from_gguf
 from .device_cache import DeviceBudget, DeviceCache, minimum_bytes
-from .emulate import EnginePrecision, half_dequant, quantize_activations, tf32
+from .emulate import EnginePrecision, half_dequant, quantize_activations, tf32, tf32_weights
 from .stages import stage
 
 
@@ -321,12 +321,12 @@ def kv_cache_dtype() -> torch.dtype | None:
     return em[0].kv_dtype if em is not None else None
 
 
-def attention_rounding() -> "Callable[[torch.Tensor], torch.Tensor] | None":
-    """The emulated engine's rounding of attention's dot inputs (Q, K, P, V: TF32 in a float32 Triton
-    kernel), or None."""
+def attention_rounding() -> "tuple[Callable, Callable] | None":
+    """The emulated engine's rounding of attention's dot inputs, (of Q, K and V; of the weights P), TF32 in a
+    float32 Triton kernel (reference/emulate.py `tf32`, `tf32_weights`), or None."""
     em = _EMULATING.get()
     mode = em[0].attention_tf32 if em is not None else None
-    return None if mode is None else (lambda t: tf32(t, mode))
+    return None if mode is None else ((lambda t: tf32(t, mode)), (lambda p: tf32_weights(p, mode)))
 
 
 def engine_rows(x: torch.Tensor) -> torch.Tensor:
@@ -391,14 +391,14 @@ def dense_attention(st: Step, h: torch.Tensor) -> torch.Tensor:
         q, k, v = (t.to(kv_dtype).to(t.dtype) for t in (q, k, v))
     dot_round = attention_rounding()
     if dot_round is not None:  # the engine's attention dots read Q, K, V (and P) rounded
-        q, k, v = (dot_round(t) for t in (q, k, v))
+        q, k, v = (dot_round[0](t) for t in (q, k, v))
     swapped = _ATTENTION.get()
     if swapped is not None:  # op substitution: a suspect attention kernel in place of ours
         o = swapped(q, k, v, scale=cfg.attn_scale, window=cfg.layer_window(st.il), softcap=cfg.attn_softcap)
     else:
         o = attn.attention(q, k, v, scale=cfg.attn_scale, window=cfg.layer_window(st.il), q_chunk=st.kv_chunk,
                            softcap=cfg.attn_softcap, kv_chunk=st.kv_chunk,
-                           p_dtype=kv_dtype or dot_round)  # [T, H, Dv]
+                           p_dtype=kv_dtype or (dot_round[1] if dot_round else None))  # [T, H, Dv]
     o = st.cap("kqv_out", o.reshape(T, cfg.n_head * cfg.head_dim_v))
     return st.cap("attn_out", linear(o, st.w(MODEL_TENSOR.ATTN_OUT)))
 
