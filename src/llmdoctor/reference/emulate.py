@@ -30,8 +30,8 @@ is not a float32 engine either:
   registers straight to `mma.sync ... .tf32` / `wgmma ... .tf32` (DotOpToLLVM/MMAv2.cpp, WGMMA.cpp: no
   `cvt.rna.tf32.f32` for a plain "tf32" dot; only its tf32x3 split converts), so the tensor core reads the
   top 19 bits: the low 13 mantissa bits are dropped (`tf32(x, "rz")`). Code that converts first
-  (`cvt.rna.tf32.f32`: round to nearest, ties away from zero) gives `tf32(x, "rna")`. Which one Hopper's
-  wgmma applies to unconverted operands is confirmed on the GPU (tests/test_emulate_vllm.py).
+  (`cvt.rna.tf32.f32`: round to nearest, ties away from zero) gives `tf32(x, "rna")`. Measured on the H200
+  (vLLM 0.24, session 5): truncation, with P rounded as the online softmax holds it (`tf32_weights`).
 - The plugin's GGUF linear layers (quantization/linear.py `_fused_mul_mat_gguf`) multiply quantized weights
   with the activations quantized to Q8_1 by `quantize_q8_1` (csrc/gguf/gguf_kernel.cu, as llama.cpp's
   ggml-cuda/quantize.cu for MMVQ): blocks of 32, d = amax / 127 in float32, q = roundf(x / d), and the
