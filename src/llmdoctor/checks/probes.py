@@ -1016,11 +1016,12 @@ class _Reference:
                 for ids in sorted(missing, key=len, reverse=True):
                     if tuple(ids) in self.rows:
                         continue
-                    logits, _ = model.forward(ids)
-                    lp = log_softmax(logits)  # [T, V] float64
-                    for other in missing:
-                        if ids[:len(other)] == other:
-                            self.rows[tuple(other)] = lp[len(other) - 1].clone()
+                    logits, _ = model.forward(ids)  # [T, V]
+                    inside = [other for other in missing if ids[:len(other)] == other]
+                    # only the rows asked for (log_softmax is row by row: the same numbers as over all T rows)
+                    lp = log_softmax(logits[[len(other) - 1 for other in inside]])  # [len(inside), V] float64
+                    for other, row in zip(inside, lp):
+                        self.rows[tuple(other)] = row
         return {tuple(s): self.rows[tuple(s)] for s in seqs}
 
 
