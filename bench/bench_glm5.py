@@ -228,10 +228,11 @@ BOUNDS = {  # what each stage's time is made of, to name with its measured rate
 }
 
 
-def diagnose(path: Path, ids: list[int], device: str, cap: str, timeout: float) -> tuple[dict, float, int]:
+def diagnose(path: Path, ids: list[int], device: str, cap: str, timeout: float,
+             extra: list[str]) -> tuple[dict, float, int]:
     cmd = [sys.executable, "-m", "llmdoctor.cli", "diagnose", "--gguf", str(path), "--engine", "transformers",
            "--engine-dtype", "bfloat16", "--device", device, "--max-gpu-memory", cap,
-           "--token-ids", ",".join(map(str, ids)), "--json"]
+           "--token-ids", ",".join(map(str, ids)), "--json", *extra]
     t0 = time.perf_counter()
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     wall = time.perf_counter() - t0
@@ -281,6 +282,8 @@ def main() -> int:
                     "when what is left cannot hold another diagnosis")
     ap.add_argument("--no-faults", action="store_true")
     ap.add_argument("--save", type=Path, default=None, help="write each diagnosis's JSON there")
+    ap.add_argument("--generate", type=int, default=None, help="diagnose's --generate (the decode path's new "
+                    "tokens; 0: not examined; default: diagnose's own)")
     a = ap.parse_args()
     t_start = time.perf_counter()
     a.out.mkdir(parents=True, exist_ok=True)
@@ -301,8 +304,9 @@ def main() -> int:
     ids = [int(i) for i in np.random.default_rng(1).integers(0, c["vocab_size"], size=T)]
     print(f"diagnose: {T} tokens, --device {a.device} --max-gpu-memory {cap} (one float32 layer: "
           f"{human(one_layer)}; the file: {human(size)})")
+    extra = [] if a.generate is None else ["--generate", str(a.generate)]
     left = a.budget_s - (time.perf_counter() - t_start)
-    doc, wall, code = diagnose(path, ids, a.device, cap, timeout=max(left, 30))
+    doc, wall, code = diagnose(path, ids, a.device, cap, timeout=max(left, 30), extra=extra)
     save(a.save, "healthy", doc)
     print(f"healthy file: exit {code}, verdict: {doc['verdict']}")
     for f in doc["findings"]:
@@ -319,7 +323,7 @@ def main() -> int:
     moe = list(range(c["first_k_dense_replace"], a.layers))
     names = plant(path, expert_layer=moe[len(moe) // 2], indexer_layer=a.layers - 2)
     print(f"planted: {names[0]} expert 0's block scales x16; {names[1]} x16")
-    doc, wall, code = diagnose(path, ids, a.device, cap, timeout=max(left, 30))
+    doc, wall, code = diagnose(path, ids, a.device, cap, timeout=max(left, 30), extra=extra)
     save(a.save, "faulty", doc)
     print(f"faulty file: exit {code}, verdict: {doc['verdict']} ({wall:.1f} s)")
     for name in names:
