@@ -12,11 +12,12 @@ and what the caches keep (`DeviceCache`, one per reference model, all sharing on
 
 The cap splits into a working set (`reserve`: the largest one layer's weights need at once, set by
 `require`) and what caches may keep (cap - reserve). A cache keeps a tensor only while it fits there;
-otherwise the tensor is streamed (used once, freed). Admission while room lasts, never eviction: the
-reference visits layers in a loop, and under least-recently-used eviction a loop longer than the cache
-evicts every tensor just before its reuse (a hit rate of 0), where keeping the first layers resident
-gives cap / model. Pinned tensors (op substitution's replacements, which the file no longer describes)
-are kept whatever the room; they displace unpinned ones first.
+otherwise the tensor is streamed (used once, freed). Admission while room lasts, not least-recently-used
+eviction: the reference visits layers in a loop, and under LRU a loop longer than the cache evicts every
+tensor just before its reuse (a hit rate of 0), where keeping the first layers resident gives cap / model.
+Cached tensors give way (oldest first) only to a pinned tensor (op substitution's replacements, which the
+file no longer describes: kept whatever the room) or to a larger working set (a float64 model built after
+a float32 one).
 
 Nothing here is device-specific: on the CPU the same counts hold, which is how CI tests the cap.
 """
@@ -47,7 +48,7 @@ def parse_bytes(text: str, option: str = "--max-gpu-memory") -> int:
 
 
 def human(n: int) -> str:
-    """Bytes in binary units, 3 significant digits: 1.50 GiB, 49.3 KiB."""
+    """Bytes in binary units, 3 significant digits: 1.5 GiB, 49.3 KiB."""
     for unit, size in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
         if n >= size:
             return f"{n / size:.3g} {unit}"
