@@ -191,8 +191,6 @@ def write_file(path: Path, c: dict, *, device: str, seed: int = 0) -> int:
     for name, shape, rms, qt in plan:
         w.write_tensor_data(np.ascontiguousarray(tensor_bytes(name, shape, rms, qt, gen, device, rng)))
     w.close()
-    if device.startswith("cuda"):
-        torch.cuda.empty_cache()  # the diagnosis runs in a child process: give it the GPU memory back
     return path.stat().st_size
 
 

@@ -88,3 +88,40 @@ def test_generate_zero_turns_it_off(demo_path):
     s = dg.Session(dg.Inputs(gguf=demo_path, engine="llama.cpp", generate=0))
     with pytest.raises(Skip, match="--generate 0"):
         h_decode_path(s)
+
+
+@pytest.mark.parametrize("plant", [None, "decode-cache-position"])
+def test_transformers_decode_path(demo_path, plant):
+    """transformers generates with `generate` and its DynamicCache: healthy, it passes; with cache_position one
+    less on its decode steps (faults/decode.py) its prefill control still agrees and the decode path is named,
+    down to the first divergent layer of the decode steps' hidden states."""
+    f, tokens = decode_finding(demo_path, engine="transformers", plant=plant)
+    if plant is None:
+        assert f.status == "pass", f.explanation
+        assert f.metrics["engine"]["cache"] == "DynamicCache"
+        return
+    assert f.status == "fail", f.explanation
+    assert f.explanation.startswith("decode path: first wrong at generated step")
+    assert f.metrics["first_wrong_step"] >= 2 and "prefill of the same tokens agrees" in f.explanation
+    assert f.metrics["localization"].get("layer") is not None, f.metrics["localization"]
+
+
+def test_vllm_decode_path_through_its_scheduler(tmp_path, vllm_python):
+    """vLLM for CPU generates through its scheduler with every step's full-vocabulary logprobs (the driver's
+    `generate`); a tiny llama checkpoint on token ids: the decode path passes, the ids are the argmax of each
+    step's logprobs, and vLLM's own prefill of the same tokens is the control (one vLLM test: each engine call
+    starts vLLM)."""
+    from test_engine_vllm import TOKENS, vllm_checkpoint
+
+    ckpt, _ = vllm_checkpoint("llama", tmp_path / "llama")
+    s = dg.Session(dg.Inputs(hf=ckpt, engine="vllm", engine_python=vllm_python, threads=2, generate=N,
+                             token_ids=list(TOKENS)))
+    try:
+        f = h_decode_path(s)[0]
+        gen = s.generation()
+    finally:
+        s.close()
+    assert gen.ids == [int(r.argmax()) for r in gen.logits] and gen.logits.shape[0] == N
+    assert gen.info["scheduler"] == "vllm.LLM.generate"
+    assert f.status == "pass", f.explanation
+    assert f.metrics["generated"] == N and "prefill of the same tokens agrees" in f.explanation

@@ -158,7 +158,7 @@ def test_a_planted_fault_is_named_at_its_layer(glm, tmp_path, tensor, named):
 def test_the_benchs_synthetic_blocks_are_what_a_quantizer_writes():
     """bench_glm5.py draws K-quant blocks instead of quantizing floats: decoded they have the RMS asked for and
     mean ~0, and their sub-block codes end where llama.cpp's quantizer puts them (checks/forensics.py SUBBLOCKS)."""
-    import importlib.util
+    import sys
     from pathlib import Path
 
     from gguf import GGMLQuantizationType as QT
@@ -166,10 +166,8 @@ def test_the_benchs_synthetic_blocks_are_what_a_quantizer_writes():
 
     from llmdoctor.checks.forensics import SUBBLOCKS, subblock_codes
 
-    spec = importlib.util.spec_from_file_location("bench_glm5", Path(__file__).resolve().parents[1] / "bench" /
-                                                  "bench_glm5.py")  # a script, loaded from its path
-    bench_glm5 = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench_glm5)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    import bench_glm5
 
     gen = torch.Generator().manual_seed(0)
     for qt, make in ((QT.Q4_K, bench_glm5.q4_k_blocks), (QT.Q6_K, bench_glm5.q6_k_blocks)):

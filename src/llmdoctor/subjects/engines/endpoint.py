@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..endpoint import Endpoint
-from .base import Engine, EngineRun, NotOffered, Traits
+from .base import Engine, EngineRun, Generation, NotOffered, Traits
 
 
 class EndpointEngine(Engine):
@@ -51,11 +51,13 @@ class EndpointEngine(Engine):
         return {"tokenizer": f"the server's, through {route or 'its tokenize route'}", "route": route,
                 "add_special": ROUTE_ADD_SPECIAL.get(route, "unknown")}
 
-    def generate(self, tokens: list[int], n: int) -> list[int]:
+    def generate(self, tokens: list[int], n: int, *, captures: bool = False) -> Generation:
+        """Greedy completion of the token ids as `probe` asks it (temperature 0): the ids only; an endpoint
+        returns top log-probs, not every step's full distribution, and no activations."""
         out = self.client().complete(tokens, max_tokens=n, logprobs=1)  # a completion prompt may be token ids
         if out.token_ids is None:
             raise NotOffered(f"{self.deployment.url} names generated tokens by text only, not by id")
-        return list(out.token_ids)
+        return Generation(list(out.token_ids), None, {}, {"engine": self.name, "url": self.deployment.url})
 
     def describe(self) -> dict[str, Any]:
         return {"engine": self.name, "url": self.deployment.url, "model": self.client().model}

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import re
+import time
 from typing import Any
 
 import numpy as np
@@ -23,7 +24,7 @@ import torch
 from gguf import MODEL_TENSOR
 
 from ...errors import InputError
-from .base import Engine, EngineError, EngineRun, NotOffered, Traits
+from .base import Engine, EngineError, EngineRun, Generation, NotOffered, Traits
 
 def build(path: str | os.PathLike, dtype: torch.dtype = torch.float32, dequantizer=None, device: str = "cpu"):
     """(model, config) with the GGUF's weights in transformers' layout, in `dtype`, on `device` (dequantized
@@ -151,6 +152,23 @@ def _selection_hook(into: dict[str, np.ndarray], il: int):
     return hook
 
 
+def load(path: str | os.PathLike, dtype: torch.dtype, dequant_kernel: str | None = None, device: str = "cpu"):
+    """(model, config) as the deployment loads it, on `device`: an HF checkpoint directory through
+    `from_checkpoint`, a GGUF through `build` (dequantized by ours, or by the deployment's `dequant_kernel`,
+    run isolated)."""
+    if os.path.isdir(path):  # an HF checkpoint: transformers loads it itself
+        if dequant_kernel:
+            raise EngineError("a dequant kernel applies to GGUF weights: the engine runs an HF checkpoint")
+        model, cfg = from_checkpoint(path, dtype)
+        return model.to(device), cfg
+    if dequant_kernel:
+        from ..substitution import KernelDequantizer
+
+        with KernelDequantizer(dequant_kernel) as kd:
+            return build(path, dtype, kd, device=device)
+    return build(path, dtype, device=device)
+
+
 @torch.inference_mode()
 def run(path: str | os.PathLike, tokens: list[int], *, dtype: str = "float32",
         n_threads: int | None = None, dequant_kernel: str | None = None, device: str = "cpu") -> EngineRun:
@@ -163,18 +181,7 @@ def run(path: str | os.PathLike, tokens: list[int], *, dtype: str = "float32",
         raise InputError(f"unknown dtype {dtype!r}")
     if n_threads:
         torch.set_num_threads(n_threads)
-    if os.path.isdir(path):  # an HF checkpoint: transformers loads it itself
-        if dequant_kernel:
-            raise EngineError("a dequant kernel applies to GGUF weights: the engine runs an HF checkpoint")
-        model, cfg = from_checkpoint(path, torch_dtype)
-        model = model.to(device)
-    elif dequant_kernel:
-        from ..substitution import KernelDequantizer
-
-        with KernelDequantizer(dequant_kernel) as kd:
-            model, cfg = build(path, torch_dtype, kd, device=device)
-    else:
-        model, cfg = build(path, torch_dtype, device=device)
+    model, cfg = load(path, torch_dtype, dequant_kernel, device)
     routing: dict[str, np.ndarray] = {}
     hooks = [module.register_forward_hook(_routing_hook(routing, il)) for il, module in _routers(model)]
     hooks += [module.register_forward_hook(_selection_hook(routing, il)) for il, module in _indexers(model)]
@@ -192,6 +199,31 @@ def run(path: str | os.PathLike, tokens: list[int], *, dtype: str = "float32",
     info = {"engine": "transformers", "transformers": __import__("transformers").__version__, "dtype": dtype,
             "dequant_kernel": dequant_kernel or "llmdoctor", "device": device}
     return EngineRun(np.ascontiguousarray(logits), caps, list(caps), info)
+
+
+@torch.inference_mode()
+def generate(model, tokens: list[int], n: int, *, captures: bool = False) -> Generation:
+    """Greedy decoding as transformers serves it: `model.generate` with its cache (DynamicCache), do_sample off,
+    the raw logits of every step (`output_logits`; row 0 from the prompt's prefill). min_new_tokens=n keeps an
+    end-of-sequence token from stopping it (its logits processor takes EOS out of the choice; the logits shown
+    stay raw). `captures`: each decode step's layer outputs (`output_hidden_states`: entry i + 1 is layer i's
+    output, the last one normed, so dropped) as l_out-{i} [n-1, n_embd]."""
+    ids = torch.tensor([tokens], device=model.device)
+    t0 = time.perf_counter()
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                         do_sample=False, num_beams=1, use_cache=True, output_logits=True,
+                         output_hidden_states=captures, return_dict_in_generate=True, pad_token_id=0)
+    new = [int(t) for t in out.sequences[0, len(tokens):]]
+    logits = torch.stack([step[0] for step in out.logits]).float().cpu().numpy()  # [n, V]
+    caps = {}
+    if captures and len(out.hidden_states) > 1:
+        decode_steps = out.hidden_states[1:]  # step 0 is the prompt's prefill
+        for il in range(len(decode_steps[0]) - 2):
+            caps[f"l_out-{il}"] = torch.cat([st[il + 1][0, -1:] for st in decode_steps]).float().cpu().numpy()  # [n-1, D]
+    info = {"engine": "transformers", "transformers": __import__("transformers").__version__,
+            "dtype": str(model.dtype).removeprefix("torch."), "cache": "DynamicCache",
+            "generate_s": round(time.perf_counter() - t0, 3)}
+    return Generation(new, np.ascontiguousarray(logits), caps, info)
 
 
 class TransformersEngine(Engine):
@@ -228,6 +260,23 @@ class TransformersEngine(Engine):
         held = {name: t.detach().float().numpy() for name, t in model.state_dict().items()
                 if name.startswith(prefix) and not name.endswith(("experts.gate_up_proj", "experts.down_proj"))}
         return held, config
+
+    # a planted decode fault (faults/decode.py: tests, --demo-fault): `plant(model)` hooks the model and returns
+    # the handle to remove
+    plant: Any = None
+
+    def generate(self, tokens: list[int], n: int, *, captures: bool = False) -> Generation:
+        d = self.deployment
+        if d.threads:
+            torch.set_num_threads(d.threads)
+        if getattr(self, "_loaded", None) is None:  # one model for every generation of this deployment
+            self._loaded = load(d.model, getattr(torch, d.dtype or "float32"), d.dequant_kernel, d.device)[0]
+        handle = self.plant(self._loaded) if self.plant is not None else None
+        try:
+            return generate(self._loaded, tokens, n, captures=captures)
+        finally:
+            if handle is not None:
+                handle.remove()
 
     def describe(self) -> dict[str, Any]:
         import transformers

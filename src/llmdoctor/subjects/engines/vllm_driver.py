@@ -8,6 +8,8 @@ plain dicts, lists and tensors) or `error.json` ({"kind", "message"}: vLLM's own
 Commands:
 
   info     vLLM / torch / transformers versions and the platform class.
+  generate greedy decoding of n tokens after the token ids through vLLM's scheduler (temperature 0,
+           ignore_eos), every step's full-vocabulary logprobs.
   run      the token ids through `vllm.LLM` (in this process: VLLM_ENABLE_V1_MULTIPROCESSING=0;
            prefix caching off): every position's full next-token log-distribution (prompt_logprobs
            with max_logprobs = the vocabulary, the last position from the first sampled step's
@@ -278,7 +280,7 @@ def _engine_kwargs(req: dict) -> dict:
 
 def cmd_run(req: dict) -> dict:
     import torch
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
 
     try:
         from vllm.inputs import TokensPrompt
@@ -287,14 +289,7 @@ def cmd_run(req: dict) -> dict:
     tokens = [int(t) for t in req["tokens"]]
     if req.get("threads"):
         torch.set_num_threads(int(req["threads"]))
-    t0 = time.perf_counter()
-    kw = _engine_kwargs(req)
-    # the vocabulary size decides max_logprobs: read it as vLLM does, from the model's config
-    from vllm.engine.arg_utils import EngineArgs
-
-    vocab = EngineArgs(**kw).create_model_config().get_vocab_size()
-    llm = LLM(max_logprobs=vocab, **kw)
-    t_load = time.perf_counter() - t0
+    llm, vocab, t_load = _llm(req)
     runner = _runner(llm)
     hooks = _Hooks(runner.model, len(tokens))
     sp = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=vocab, logprobs=vocab, detokenize=False)
@@ -305,16 +300,56 @@ def cmd_run(req: dict) -> dict:
         hooks.remove()
     t_run = time.perf_counter() - t1
     # logprobs [T, V]: row p is the distribution of the token after position p
-    rows = list(out.prompt_logprobs[1:]) + [out.outputs[0].logprobs[0]]
-    lp = torch.full((len(tokens), vocab), float("-inf"), dtype=torch.float32)
-    for p, d in enumerate(rows):
-        ids = torch.tensor(list(d.keys()), dtype=torch.int64)
-        lp[p, ids] = torch.tensor([v.logprob for v in d.values()], dtype=torch.float32)
+    lp = _dense(list(out.prompt_logprobs[1:]) + [out.outputs[0].logprobs[0]], vocab)
     return {"logprobs": lp, "captures": hooks.caps, "backends": built_backends(runner),
             "explained": explain_config(llm.llm_engine.vllm_config),
             "info": {**cmd_info(req), "model": req["model"], "dtype": str(runner.model_config.dtype).removeprefix("torch."),
                      "vocab": vocab, "load_s": round(t_load, 2), "run_s": round(t_run, 3),
                      "arithmetic": arithmetic(runner)}}
+
+
+def cmd_generate(req: dict) -> dict:
+    """Greedy decoding of `n` tokens after the token ids through vLLM's scheduler, as it serves a request:
+    temperature 0, ignore_eos (every step taken), every step's full-vocabulary logprobs (logprobs = the
+    vocabulary, as `run`; the raw log-softmax of the model's logits, vLLM's default logprobs mode)."""
+    import torch
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    tokens, n = [int(t) for t in req["tokens"]], int(req["n"])
+    if req.get("threads"):
+        torch.set_num_threads(int(req["threads"]))
+    llm, vocab, t_load = _llm({**req, "max_model_len": len(tokens) + n + 8})
+    sp = SamplingParams(max_tokens=n, min_tokens=n, temperature=0.0, ignore_eos=True, logprobs=vocab, detokenize=False)
+    t1 = time.perf_counter()
+    out = llm.generate([TokensPrompt(prompt_token_ids=tokens)], sp, use_tqdm=False)[0].outputs[0]
+    return {"ids": list(out.token_ids), "logprobs": _dense(out.logprobs, vocab),
+            "info": {**cmd_info(req), "model": req["model"], "vocab": vocab, "load_s": round(t_load, 2),
+                     "generate_s": round(time.perf_counter() - t1, 3), "scheduler": "vllm.LLM.generate",
+                     "dtype": str(_runner(llm).model_config.dtype).removeprefix("torch.")}}
+
+
+def _llm(req: dict):
+    """(vllm.LLM for the request's model with max_logprobs = the vocabulary, the vocabulary size, seconds)."""
+    from vllm import LLM
+    from vllm.engine.arg_utils import EngineArgs
+
+    t0 = time.perf_counter()
+    kw = _engine_kwargs(req)
+    # the vocabulary size decides max_logprobs: read it as vLLM does, from the model's config
+    vocab = EngineArgs(**kw).create_model_config().get_vocab_size()
+    return LLM(max_logprobs=vocab, **kw), vocab, time.perf_counter() - t0
+
+
+def _dense(rows, vocab: int):
+    """vLLM's per-position logprob dicts {token id: Logprob} as a dense [len(rows), vocab] tensor (-inf: not given)."""
+    import torch
+
+    lp = torch.full((len(rows), vocab), float("-inf"), dtype=torch.float32)
+    for p, d in enumerate(rows):
+        ids = torch.tensor(list(d.keys()), dtype=torch.int64)
+        lp[p, ids] = torch.tensor([v.logprob for v in d.values()], dtype=torch.float32)
+    return lp
 
 
 # ---- explain --------------------------------------------------------------------------------------
@@ -521,6 +556,7 @@ def _dist_version(name: str) -> str:
 COMMANDS = {"info": cmd_info, "run": cmd_run, "explain": cmd_explain, "select": cmd_select, "namemap": cmd_namemap,
             "attention": cmd_attention}
 COMMANDS["tokenize"] = cmd_tokenize
+COMMANDS["generate"] = cmd_generate
 
 
 def main() -> int:
