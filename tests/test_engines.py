@@ -87,3 +87,25 @@ def test_llama_cpp_runs_and_names_its_captures_as_the_reference(demo_path):
     assert ran.captures["l_out-17"].shape == (len(ids), 640)
     assert engine.noise_budget(ran).emulate is not None  # its arithmetic is emulated, not assumed float32
     assert engine.describe()["llama_cpp_python"]
+
+
+def test_vllm_gets_a_config_beside_a_lone_gguf(demo_path):
+    """vLLM loads a GGUF only with a config.json beside it (issue 25 part 3): for a lone file the adapter
+    writes one from the GGUF's metadata into a private folder holding a link to the file (never beside the
+    model), removed with the engine; without a tokenizer beside it or --tokenizer, tokenizing is not offered."""
+    import gc
+    import json
+    import os
+
+    engine = create("vllm", Deployment(model=demo_path))
+    model = engine.model()
+    assert model.is_symlink() and os.readlink(model) == str(demo_path) and model.parent != demo_path.parent
+    config = json.loads((model.parent / "config.json").read_text())
+    assert config["model_type"] == "gemma3_text" and config["architectures"] == ["Gemma3ForCausalLM"]
+    assert config["num_hidden_layers"] == 18 and config["vocab_size"] == 262144
+    with pytest.raises(NotOffered, match="--tokenizer"):
+        engine.tokenize_all(["hi"], [])
+    folder = model.parent
+    del engine, model
+    gc.collect()
+    assert not folder.exists()

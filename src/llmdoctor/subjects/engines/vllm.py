@@ -575,13 +575,47 @@ class VLLMEngine(Engine):
     def python(self) -> str:
         return find_python(self.deployment.python)
 
+    def model(self) -> Path:
+        """What vLLM is given to load. vLLM loads a GGUF only with a config.json beside it ("Unrecognized
+        model ... Should have a model_type key"): a GGUF alone gets a private folder holding a link to it and
+        the config.json llmdoctor writes from its metadata (reference/config_hf.py, with the architecture
+        transformers names for that model type); a GGUF with its own config.json, or a checkpoint, as given."""
+        d = self.deployment
+        if not d.is_gguf or (d.model.parent / "config.json").exists():
+            return d.model
+        if getattr(self, "_folder", None) is None:
+            import weakref
+
+            import transformers
+
+            from ...gguf import open_gguf
+            from ...reference.config import from_gguf
+            from ...reference.config_hf import hf_config
+
+            with open_gguf(d.model) as g:
+                config = transformers.AutoConfig.for_model(**hf_config(from_gguf(g), g))
+            config.architectures = [transformers.models.auto.modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[
+                config.model_type]]
+            folder = Path(tempfile.mkdtemp(prefix="llmdoctor-vllm-gguf-"))
+            (folder / d.model.name).symlink_to(d.model)
+            config.save_pretrained(folder)
+            self._folder = folder
+            weakref.finalize(self, shutil.rmtree, folder, True)  # the folder lives as long as this engine
+        return self._folder / d.model.name
+
+    def _loaded(self, info: dict[str, Any]) -> None:
+        """Say in a run's info what vLLM loaded when llmdoctor wrote the config beside the GGUF."""
+        if getattr(self, "_folder", None) is not None:
+            info["model_folder"] = f"{self._folder} (config.json written by llmdoctor from the GGUF's metadata)"
+
     def _dtype(self) -> str | None:
         return torch_dtype_name(self.deployment.dtype) if self.deployment.dtype else None
 
     def run(self, tokens: list[int], config: Any) -> EngineRun:
         python, d = self.python(), self.deployment
         try:
-            out = run(python, d.model, tokens, dtype=self._dtype(), threads=d.threads)
+            out = run(python, self.model(), tokens, dtype=self._dtype(), threads=d.threads)
+            self._loaded(out.info)
         except EngineError as e:
             from ...reference.checkpoint import is_checkpoint
 
@@ -597,7 +631,8 @@ class VLLMEngine(Engine):
     def generate(self, tokens: list[int], n: int, *, captures: bool = False) -> Generation:
         python, d = self.python(), self.deployment
         try:
-            out = generate(python, d.model, tokens, n, dtype=self._dtype(), threads=d.threads)
+            out = generate(python, self.model(), tokens, n, dtype=self._dtype(), threads=d.threads)
+            self._loaded(out.info)
         except EngineError:
             from ...reference.checkpoint import is_checkpoint
 
@@ -654,7 +689,7 @@ class VLLMEngine(Engine):
         return Budget(dtype, emulate, f"{dtype} vLLM on CUDA: " + "; ".join(words))
 
     def explain_backends(self) -> dict[str, Any]:
-        return explain(self.python(), self.deployment.model, dtype=self._dtype())
+        return explain(self.python(), self.model(), dtype=self._dtype())
 
     def select_backend(self, head_size: int, dtype: str, *, use_mla: bool, use_sparse: bool) -> dict[str, Any]:
         return select(self.python(), head_size, dtype, use_mla=use_mla, use_sparse=use_sparse)
@@ -675,7 +710,11 @@ class VLLMEngine(Engine):
     def tokenize_all(self, texts: list[str], conversations: list[list[dict[str, str]]]
                      ) -> tuple[list[list[int]], list[tuple[str | None, list[int]] | NotOffered]]:
         d = self.deployment
-        model = d.hf if d.is_gguf and d.hf is not None else d.model  # what `run` falls back to for a GGUF
+        model = d.hf if d.is_gguf and d.hf is not None else self.model()  # what `run` falls back to for a GGUF
+        if d.is_gguf and d.hf is None and d.tokenizer is None and not any(
+                (d.model.parent / f).exists() for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")):
+            raise NotOffered("vLLM loads a GGUF's tokenizer only from files beside it or --tokenizer DIR, and there are "
+                             "none: give the tokenizer folder the deployment uses with --tokenizer")
         res = _call(self.python(), {"command": "tokenize", "model": os.fspath(model), "texts": list(texts),
                                     "conversations": list(conversations), "dtype": self._dtype(),
                                     "tokenizer": None if d.tokenizer is None else os.fspath(d.tokenizer)},
