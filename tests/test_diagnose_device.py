@@ -156,21 +156,17 @@ def test_a_planted_fault_is_named_at_its_layer(glm, tmp_path, tensor, named):
 
 
 def test_the_benchs_synthetic_blocks_are_what_a_quantizer_writes():
-    """bench_glm5.py draws K-quant blocks instead of quantizing floats: decoded they have the RMS asked for and
-    mean ~0, and their sub-block codes end where llama.cpp's quantizer puts them (checks/forensics.py SUBBLOCKS)."""
-    import sys
-    from pathlib import Path
-
+    """bench_glm5.py draws K-quant blocks instead of quantizing floats (tests/kquant_blocks.py): decoded they have
+    the RMS asked for and mean ~0, and their sub-block codes end where llama.cpp's quantizer puts them
+    (checks/forensics.py SUBBLOCKS)."""
     from gguf import GGMLQuantizationType as QT
     from gguf.quants import dequantize
 
+    import kquant_blocks
     from llmdoctor.checks.forensics import SUBBLOCKS, subblock_codes
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-    import bench_glm5
-
     gen = torch.Generator().manual_seed(0)
-    for qt, make in ((QT.Q4_K, bench_glm5.q4_k_blocks), (QT.Q6_K, bench_glm5.q6_k_blocks)):
+    for qt, make in ((QT.Q4_K, kquant_blocks.q4_k_blocks), (QT.Q6_K, kquant_blocks.q6_k_blocks)):
         blocks = make(4096, 0.05, gen, "cpu").numpy()
         v = dequantize(blocks, qt).astype(np.float64)
         assert abs(np.sqrt((v ** 2).mean()) / 0.05 - 1) < 0.03 and abs(v.mean()) < 0.05 * 0.03, qt
