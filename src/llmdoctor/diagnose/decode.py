@@ -8,8 +8,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-
 from ..checks.base import Finding
 from .session import Session, Skip
 
@@ -18,14 +16,11 @@ HYPOTHESIS = "the engine's decode path (KV cache, decode kernels) computes what 
 
 def h_decode_path(s: Session) -> list[Finding]:
     from ..checks import decode
-    from ..checks.layers import distribution_criteria
 
     n = s.inputs.generate
     if n < 2:
         raise Skip(f"--generate {n}: no decode step to judge (the first generated token comes out of the prefill)")
-    prompt_ok = all(c.ok for c in distribution_criteria(torch.as_tensor(s.engine_run().logits), s.reference()[0],
-                                                        s.budget_reference()[0]))
-    if not prompt_ok:
+    if not all(c.ok for c in s.prefill_criteria()):
         raise Skip("the engine's prefill of the prompt already disagrees with the reference (engine-vs-reference): "
                    "the decode path is not judged apart from it")
     gen = s.generation()
@@ -40,11 +35,11 @@ def h_decode_path(s: Session) -> list[Finding]:
     emu, emu_caps, _ = s.reference(b.dtype, b.emulate, tokens=full)
     control = s.engine_run_on(full)
     j = decode.judge(gen.logits, control.logits[rows], ref[rows], emu[rows], gen.ids)
-    metrics: dict[str, Any] = {"generated": len(gen.ids), "generated_ids": gen.ids, "prompt_tokens": p,
-                               "first_wrong_step": None if j.first_wrong is None else j.first_wrong + 1,
-                               **{f"decode_{c.name}": c.value for c in j.decode if c.name != "finite"},
-                               **{f"control_{c.name}": c.value for c in j.control if c.name != "finite"},
-                               "engine": {k: v for k, v in gen.info.items() if k != "engine"}}
+    metrics: dict[str, Any] = {  # the numbers first: the terminal shows the first few
+        **{f"decode_{c.name}": c.value for c in j.decode if c.name != "finite"},
+        **{f"control_{c.name}": c.value for c in j.control if c.name != "finite"},
+        "first_wrong_step": None if j.first_wrong is None else j.first_wrong + 1, "generated": len(gen.ids),
+        "prompt_tokens": p, "generated_ids": gen.ids, "engine": {k: v for k, v in gen.info.items() if k != "engine"}}
     budget = {f"{c.name}_limit": c.limit for c in j.decode if c.name != "finite"}
     evidence = [{"decode": [c.as_dict() for c in j.decode], "control": [c.as_dict() for c in j.control]}, *j.steps]
 

@@ -256,12 +256,10 @@ def h_engine_vs_reference(s: Session) -> list[Finding]:
     criterion (finite logits, KL, top-1) against what the emulated run's arithmetic explains
     (checks/layers.py `distribution_criteria`); the failing criteria are named."""
     from ..checks import metrics as M
-    from ..checks.layers import distribution_criteria
 
     ref, _, _ = s.reference("float32")
-    emu, _, _ = s.budget_reference()
     got = torch.as_tensor(s.engine_run().logits)
-    crit = distribution_criteria(got, ref, emu, s.tokens())
+    crit = s.prefill_criteria()
     failed = [c for c in crit if not c.ok]
     by = {c.name: c for c in crit}
     metrics: dict[str, Any] = {}  # the numbers first: the terminal shows the first few

@@ -263,6 +263,16 @@ class Session:
 
         return self.once(f"reference-on-{tuple(tokens)}", make)
 
+    def prefill_criteria(self) -> list:
+        """The engine's next-token distributions of the prompt against the reference's, each criterion against
+        the emulated run's noise (checks/layers.py `distribution_criteria`), computed once: engine-vs-reference
+        reports them, the decode path asks whether the prefill already disagrees (float64 over [T, V]: seconds)."""
+        from ..checks.layers import distribution_criteria
+
+        return self.once("prefill-criteria", lambda: distribution_criteria(
+            torch.as_tensor(self.engine_run().logits), self.reference("float32")[0], self.budget_reference()[0],
+            self.tokens()))
+
     def generation(self, captures: bool = False) -> Generation:
         """The engine's greedy generation of `inputs.generate` new tokens after the prompt (Engine.generate),
         once. With `captures`, a second generation that also copies the decode steps' activations: capturing
@@ -275,7 +285,8 @@ class Session:
             self.progress(f"{engine.name} generating {self.inputs.generate} tokens"
                           f"{' (capturing the decode steps)' if captures else ''}")
             try:
-                return engine.generate(self.tokens(), self.inputs.generate, captures=captures)
+                with stage("engine"):
+                    return engine.generate(self.tokens(), self.inputs.generate, captures=captures)
             except NotOffered as e:
                 return Skip(str(e))
             except EngineError as e:
