@@ -60,9 +60,17 @@ def h_decode_path(s: Session) -> list[Finding]:
     failed = [c for c in j.decode if not c.ok]
     first = j.first_wrong if j.first_wrong is not None else max(range(1, len(j.steps)),
                                                                key=lambda i: j.steps[i]["kl"] / j.steps[i]["bound"])
-    where = _localize(s, first, p, ref_caps, emu_caps, gen.ids)
     at = (f"first wrong at generated step {first + 1} (position {p + first - 1})" if j.first_wrong is not None else
           f"no single step beyond its own bound, the worst generated step {first + 1} (position {p + first - 1})")
+    m = s.config().mla
+    if m is not None and m.indexer is not None and not any(k.startswith("top_k-") for k in gen.captures):
+        # measured: transformers' GLM-DSA on a tiny random model, KL 0.1 from step 2 while its prefill of the same
+        # tokens agrees with the reference to 2e-13; its index scores are ReLU zeros for many keys
+        raise Skip(f"the decode steps differ from the engine's own prefill of the same tokens ({at}: KL {kl.value:.3g}, "
+                   f"noise {kl.noise:.3g}), but the keys its sparse-attention indexer picked in those steps are not "
+                   "exposed: exact ties of the index scores (ReLU zeros) may go either way in a decode and a prefill, "
+                   "so this cannot be told from a legitimate tie-break and is not judged a fault")
+    where = _localize(s, first, p, ref_caps, emu_caps, gen.ids)
     return finding("fail", f"decode path: {at}, prefill of the same tokens agrees; "
                            + "; ".join(f"the {c.name} criterion fails: {c.reason}" for c in failed)
                            + (f"; {where['words']}" if where.get("words") else ""),
