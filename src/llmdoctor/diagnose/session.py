@@ -57,6 +57,14 @@ class Session:
             self._cache[key] = make()
         return self._cache[key]
 
+    def once_or_skip(self, key: str, make: Callable[[], Any]) -> Any:
+        """`once`, where `make` may return a Skip (an engine that could not run): remembered, so later
+        hypotheses do not retry, and raised on every ask."""
+        result = self.once(key, make)
+        if isinstance(result, Skip):
+            raise result
+        return result
+
     # ---- the model ----------------------------------------------------------------------------
     def checkpoint(self) -> Path | None:
         """The HF checkpoint directory the reference reads (--hf DIR with safetensors and no --gguf, or the
@@ -224,10 +232,7 @@ class Session:
             except EngineError as e:
                 return Skip(f"the engine could not run the model: {e}")
 
-        result = self.once("engine", make)
-        if isinstance(result, Skip):
-            raise result
-        return result
+        return self.once_or_skip("engine", make)
 
     def engine_run_on(self, tokens: list[int]) -> EngineRun:
         """The engine's teacher-forced run of other token ids (its own tokenization of a prompt, where it
@@ -245,10 +250,7 @@ class Session:
             except EngineError as e:
                 return Skip(f"the engine could not run its own tokens: {e}")
 
-        result = self.once(f"engine-on-{tuple(tokens)}", make)
-        if isinstance(result, Skip):
-            raise result
-        return result
+        return self.once_or_skip(f"engine-on-{tuple(tokens)}", make)
 
     def reference_logits_on(self, tokens: list[int]) -> torch.Tensor:
         """The float32 reference's logits [T, V] of other token ids, keyed by the ids (no captures)."""
@@ -292,10 +294,7 @@ class Session:
             except EngineError as e:
                 return Skip(f"the engine could not generate: {e}")
 
-        result = self.once(f"generation-{captures}", make)
-        if isinstance(result, Skip):
-            raise result
-        return result
+        return self.once_or_skip(f"generation-{captures}", make)
 
     def engine_info(self) -> dict[str, Any] | None:
         """What the engine reported of itself (versions, dtype, backends) if it ran in this session; never
