@@ -64,10 +64,13 @@ def planted_copy(src: Path, dst: Path, tensor: str, rows: slice) -> Path:
 
 def diagnose(*args: str, token_ids: list[int] | None = TOKENS) -> tuple[int, dict, float]:
     """(exit code, JSON, seconds) of `llmdoctor diagnose *args` on `token_ids` (None: the default prompt
-    through the model's own tokenizer)."""
+    through the model's own tokenizer). Without the decode path unless asked (`--generate N` in args): these
+    tests are about the prefill's verdicts, and each vLLM generation starts the engine twice more (the
+    decode path under vLLM is tests/test_decode_path.py's)."""
     t0 = time.perf_counter()
     ids = ["--token-ids", ",".join(map(str, token_ids))] if token_ids else []
-    r = CliRunner().invoke(app, ["diagnose", *args, *ids, "--json"])
+    gen = [] if "--generate" in args else ["--generate", "0"]
+    r = CliRunner().invoke(app, ["diagnose", *args, *ids, *gen, "--json"])
     took = time.perf_counter() - t0
     assert r.stdout.strip(), r.output[-3000:]
     return r.exit_code, json.loads(r.stdout), took
