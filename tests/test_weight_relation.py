@@ -40,8 +40,9 @@ def test_rope_layout_rows_are_inverse():
 
 def test_a_loader_that_keeps_the_gguf_rope_layout_is_named(tmp_path, monkeypatch):
     """transformers serving a tiny llama GGUF with a loader that forgets to undo the Q/K permutation of
-    layer 0's q_proj (planted on the built model; the engine exposes l_out-0 only of its two layers): layer localization names layer 0, the engine's
-    q_proj as 'rows in the GGUF's adjacent-pair RoPE layout', and the swap reproduces the divergence."""
+    layer 0's q_proj (planted on the built model; the engine exposes l_out-0 only of its two layers): layer
+    localization names layer 0, the engine's q_proj as 'rows in the GGUF's adjacent-pair RoPE layout', and the
+    swap reproduces the divergence."""
     import fixtures_hf
 
     from llmdoctor import diagnose as dg
@@ -50,8 +51,8 @@ def test_a_loader_that_keeps_the_gguf_rope_layout_is_named(tmp_path, monkeypatch
     _, gguf_path = fixtures_hf.checkpoint("llama", tmp_path)
     real = hf_engine.build
 
-    def faulty_build(path, dtype=torch.float32, dequantizer=None):
-        model, cfg = real(path, dtype, dequantizer)
+    def faulty_build(path, dtype=torch.float32, dequantizer=None, **kw):
+        model, cfg = real(path, dtype, dequantizer, **kw)
         q = model.model.layers[0].self_attn.q_proj.weight
         with torch.no_grad():
             q.copy_(rope_permute(q.detach().clone(), cfg.n_head))  # the file's row order, kept
