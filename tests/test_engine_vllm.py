@@ -197,18 +197,18 @@ def test_glm_dsa_cannot_run_on_cpu_and_says_why(ckpts, vllm_python):
     assert "Sparse Attention is not supported on CPU" in f["engine-backends"]["reason"], f["engine-backends"]
 
 
-def test_gguf_is_skipped_quoting_vllm_then_the_checkpoint_runs(ckpts, vllm_python):
-    ckpt, gguf = ckpts["qwen2"]
+def test_a_lone_gguf_runs_with_the_config_llmdoctor_writes(ckpts, vllm_python):
+    """vLLM loads a GGUF only with a config.json beside it (issue 25 part 3): for a lone file llmdoctor writes
+    one from the GGUF's metadata into a private folder. vLLM for CPU then runs the qwen2 F32 GGUF itself (it
+    used to be skipped, quoting vLLM's 'Unrecognized model'), healthy, the reference reading that same file,
+    and the run says what vLLM loaded."""
+    _, gguf = ckpts["qwen2"]
     code, doc, _ = diagnose("--gguf", str(gguf), "--engine", "vllm", "--engine-python", vllm_python,
                             "--engine-dtype", "float32")
     f = by_check(doc)["engine-vs-reference"]
-    assert code == 2 and f["status"] == "skip" and "the engine could not run the model" in f["reason"], f
-    code, doc, _ = diagnose("--gguf", str(gguf), "--hf", str(ckpt), "--engine", "vllm", "--engine-python",
-                            vllm_python, "--engine-dtype", "float32")
-    f = by_check(doc)
-    assert f["engine-vs-reference"]["status"] == "pass", f["engine-vs-reference"]
-    # the reference reads what vLLM ran (the checkpoint), not the GGUF it could not run
-    assert f["engine-vs-reference"]["metrics"]["reference_reads"] == str(ckpt), f["engine-vs-reference"]
+    assert code == 0 and f["status"] == "pass", f
+    assert f["metrics"]["reference_reads"] == str(gguf), f
+    assert "config.json written by llmdoctor" in doc["engine_run"]["model_folder"], doc["engine_run"]
 
 
 def test_check_mapping_asks_the_gguf_plugins_own_map(ckpts, vllm_python, monkeypatch):
