@@ -594,8 +594,11 @@ class VLLMEngine(Engine):
 
             with open_gguf(d.model) as g:
                 config = transformers.AutoConfig.for_model(**hf_config(from_gguf(g), g))
-            config.architectures = [transformers.models.auto.modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[
-                config.model_type]]
+            names = transformers.models.auto.modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+            if config.model_type not in names:  # one clear reason (a skip), not a KeyError's traceback
+                raise EngineError(f"transformers names no causal-LM architecture for model type "
+                                  f"{config.model_type!r}: no config.json can be written for vLLM beside {d.model.name}")
+            config.architectures = [names[config.model_type]]
             folder = Path(tempfile.mkdtemp(prefix="llmdoctor-vllm-gguf-"))
             (folder / d.model.name).symlink_to(d.model)
             config.save_pretrained(folder)
