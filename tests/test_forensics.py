@@ -135,6 +135,35 @@ def test_streaming_equals_whole(demo_path):
     assert np.isclose(part.rms, whole.rms, rtol=1e-6) and np.isclose(part.kurtosis, whole.kurtosis, rtol=1e-5)
 
 
+@pytest.mark.parametrize("tensor", ["blk.3.ffn_down.weight", "blk.0.ffn_down.weight", "blk.2.attn_q.weight"])
+def test_merged_parts_equal_one_pass_to_the_bit(demo_path, tensor):
+    """verify's workers gather chunks of one tensor into accumulators of their own, joined in file order
+    by merge(): the statistics of one sequential pass over the same pieces, to the bit, with the first
+    non-finite block and the first off sub-block counted from the tensor's start."""
+    from llmdoctor.gguf import dequantize
+
+    with open_gguf(demo_path) as g:
+        t = g.tensor(tensor)
+        blocks = t.data.reshape(-1, t.type_size).copy()
+    blocks[-3, :] = 0xFF  # the last chunk's: a non-finite scale (f16 0xFFFF) and off sub-block codes
+    unit = 512
+    pieces = [blocks[b0:b0 + unit] for b0 in range(0, blocks.shape[0], unit)]
+    values = [dequantize(p.reshape(-1), int(t.type), (p.shape[0] * t.block_size,)) for p in pieces]
+    one = F.Accumulator(t.name, t.type)
+    for p, v in zip(pieces, values):
+        one.add(p if one.fields else None, v)
+    joined = F.Accumulator(t.name, t.type)
+    for lo in range(0, len(pieces), 3):  # chunks of three pieces, each in its own accumulator
+        part = F.Accumulator(t.name, t.type)
+        for p, v in zip(pieces[lo:lo + 3], values[lo:lo + 3]):
+            part.add(p if part.fields else None, v)
+        joined.merge(part)
+    a, b = one.finish(), joined.finish()
+    assert str(a.as_dict()) == str(b.as_dict())  # to the bit (repr: NaN-safe)
+    assert a.first_nonfinite_block is not None and a.first_nonfinite_block >= blocks.shape[0] - 3
+    assert a.n_values == t.n_elements
+
+
 @pytest.mark.parametrize("name", ["llama", "qwen3", "gemma3"])
 def test_tiny_hf_models_are_silent(tmp_path, name):
     """Tiny random models made with transformers (tests/test_reference_dense.py), F32 and quantized by

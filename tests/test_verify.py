@@ -158,10 +158,12 @@ def test_progress_counts_bytes_to_the_total(subset):
 
 def test_small_ring_gives_the_same_report(subset, monkeypatch):
     """Reads of one piece into a ring of 3 buffers (each tensor in many chunks, buffers reused many
-    times): the same per-tensor reports and statistics as the default ring, to the bit."""
+    times, the chunks of one tensor decoded by different workers): the same per-tensor reports and
+    statistics as the default ring, to the bit."""
     want = V.run(subset)
     monkeypatch.setattr(V, "READ_BYTES", {"cpu": 1, "cuda": 1})  # one CHUNK_VALUES piece per chunk
     monkeypatch.setattr(V, "RING_BYTES", 3)
+    monkeypatch.setattr(V, "_workers", lambda: 3)  # a tensor's chunks on different workers, joined in order
     got = V.run(subset)
     assert [t.__dict__ for t in got.tensors] == [t.__dict__ for t in want.tensors]
     assert [f.__dict__ for f in got.findings] == [f.__dict__ for f in want.findings]
@@ -200,8 +202,8 @@ def test_the_cuda_pass_split_on_a_cpu_stand_in(planted, monkeypatch):
                 if V._decoded(t):
                     v = V.dequantize(ring.bufs[i][: (b1 - b0) * t.type_size], t.type, ((b1 - b0) * t.block_size,))
                     V._check_chunk(tw.rep, v, b0, t.block_size, t.type_size)
-                    if tw.acc is not None:
-                        tw.acc.add_values(v)
+                    if tw.gpu_acc is not None:
+                        tw.gpu_acc.add_values(v)
             finally:
                 ring.release(i)
 

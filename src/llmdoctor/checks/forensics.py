@@ -160,35 +160,61 @@ class ScaleStats:
 
     encoding: str = "f16"
     counts: np.ndarray | None = None  # int64 [K]: blocks per code
-    jump_sum: float = 0.0  # sum over adjacent blocks (file order) of |log2 |s_i| - log2 |s_i+1||
-    jumps: int = 0
-    _last: float = math.nan  # log2 |s| of the previous chunk's last block (NaN: none, zero or non-finite)
+    # One entry per add (a piece of consecutive blocks), in file order: (log2 |s| of its first block, of
+    # its last, the sum of |log2 |s_i| - log2 |s_i+1|| over its adjacent blocks, how many; NaN: zero or
+    # non-finite). The jitter folds them in order at the end, adding the jumps across pieces, so that it
+    # is the same number however the pieces were grouped into chunks, and on whichever threads
+    # (verify's workers each gather a chunk's pieces; merge() joins them).
+    pieces: list[tuple[float, float, float, int]] = field(default_factory=list)
 
     def add_blocks(self, blocks: np.ndarray, f: ScaleField) -> None:
         """Field `f` of consecutive raw blocks (uint8 [n, type_size]): float16 fields in C where it is
-        built (no copy of the codes; the jumps then added in block order, not numpy's pairwise order:
-        the same sum to ~1e-16 relative), else add(scale_codes(...))."""
+        built (no copy of the codes; the jumps added in block order, not numpy's pairwise order: the
+        same sum to ~1e-16 relative), else add(scale_codes(...))."""
         if _NATIVE is None or f.encoding != "f16" or not blocks.flags.c_contiguous:
             self.add(scale_codes(blocks, f))
             return
+        if not blocks.shape[0]:
+            return
         if self.counts is None:
             self.counts = np.zeros(65536, np.int64)
-        state = (ctypes.c_double * 3)(self._last, self.jump_sum, self.jumps)
+        lg = _TABLES["f16"].lg
+        state = (ctypes.c_double * 3)(math.nan, 0.0, 0.0)
         _NATIVE.llmd_fx_codes16(blocks.ctypes.data + f.offset, blocks.shape[0], blocks.shape[1],
-                                _TABLES["f16"].lg.ctypes.data, self.counts.ctypes.data, state)
-        self._last, self.jump_sum, self.jumps = state[0], state[1], int(state[2])
+                                lg.ctypes.data, self.counts.ctypes.data, state)
+        first = float(lg[int(blocks[0, f.offset]) | int(blocks[0, f.offset + 1]) << 8])
+        self.pieces.append((first, state[0], state[1], int(state[2])))
 
     def add(self, codes: np.ndarray) -> None:
         """codes: the field's raw codes of consecutive blocks (scale_codes)."""
+        if not codes.size:
+            return
         tab = _TABLES[self.encoding]
         c = np.bincount(codes, minlength=tab.ok.size)
         self.counts = c if self.counts is None else self.counts + c
         lg = tab.lg[codes]  # float64 [n]
-        steps = np.abs(np.diff(np.concatenate(([self._last], lg))))
+        steps = np.abs(np.diff(lg))
         steps = steps[np.isfinite(steps)]
-        self.jump_sum += float(steps.sum())
-        self.jumps += steps.size
-        self._last = float(lg[-1]) if lg.size else self._last
+        self.pieces.append((float(lg[0]), float(lg[-1]), float(steps.sum()), int(steps.size)))
+
+    def merge(self, o: "ScaleStats") -> None:
+        """self := self followed by o (the blocks right after self's)."""
+        if o.counts is not None:
+            self.counts = o.counts.copy() if self.counts is None else self.counts + o.counts
+        self.pieces += o.pieces
+
+    def jitter(self) -> float | None:
+        """The mean |jump| of log2 |s| between adjacent blocks, folded over the pieces in file order."""
+        total, jumps, last = 0.0, 0, math.nan
+        for first, end, s, n in self.pieces:
+            step = abs(first - last)
+            if math.isfinite(step):
+                total += step
+                jumps += 1
+            total += s
+            jumps += n
+            last = end
+        return total / jumps if jumps else None
 
     def _binade(self, i: int) -> float:
         return _LO + (i + 0.5) * BIN  # the bin's center
@@ -212,8 +238,9 @@ class ScaleStats:
                        log2_p01=self._binade(q[0.01]), log2_median=self._binade(q[0.5]),
                        log2_p99=self._binade(q[0.99]),
                        huge=float(hist[q[0.5] + int(HUGE_BINADES / BIN) + 1:].sum()) / n)
-        if self.jumps:
-            out["jitter"] = self.jump_sum / self.jumps
+        jitter = self.jitter()
+        if jitter is not None:
+            out["jitter"] = jitter
         return out
 
 
@@ -351,6 +378,14 @@ class SubBlockStats:
                 code = int(_extreme(fam, subblock_codes(blocks[b:b + 1], self.qtype)[fam.name])[0])
                 self.first_off[fam.name] = (self.blocks + b, code)
         self.blocks += blocks.shape[0]
+
+    def merge(self, o: "SubBlockStats") -> None:
+        """self := self followed by o (the blocks right after self's)."""
+        self.hist += o.hist
+        self.zero += o.zero
+        for fam, (b, code) in o.first_off.items():
+            self.first_off.setdefault(fam, (self.blocks + b, code))
+        self.blocks += o.blocks
 
     def summary(self) -> dict[str, Any]:
         out: dict[str, Any] = {"blocks": self.blocks}
@@ -560,26 +595,30 @@ class Moments:
 
 
 class Accumulator:
-    """Gathers one tensor's statistics chunk by chunk, in file order (see the moments' notes above)."""
+    """Gathers one tensor's statistics chunk by chunk, in file order (see the moments' notes above);
+    merge() joins the accumulators of consecutive runs of blocks, as gathered on different threads."""
 
     def __init__(self, name: str, qtype: QT | int):
         self.name, self.qtype = name, QT(qtype)
         self.fields = SCALE_FIELDS.get(self.qtype, ())
         self.scales = {f.name: ScaleStats(f.encoding) for f in self.fields}
         self.subblocks = SubBlockStats(self.qtype) if self.qtype in SUBBLOCKS else None
-        self.moments = Moments()  # of the finite values
+        # of the finite values, one entry per add (a piece), folded in file order by finish(): the same
+        # numbers however the pieces were grouped into the accumulators that merge() joined
+        self.moments: list[Moments] = []
         self.n = self.nonfinite = 0
         self.max_abs = 0.0
         self._blocks_seen = 0
         self.first_nonfinite_block: int | None = None
 
-    def add(self, blocks: np.ndarray | None, values: torch.Tensor | np.ndarray) -> None:
+    def add(self, blocks: np.ndarray | None, values: torch.Tensor | np.ndarray) -> bool:
         """One chunk: its raw blocks (uint8 [n, type_size]; None for float types) and its dequantized
         values (float32, n * block_size of them, in block order; a torch tensor on any device, or numpy).
-        Its two halves (add_blocks, add_values) touch disjoint state: two threads may feed one each."""
+        Its two halves (add_blocks, add_values) touch disjoint state: two threads may feed one each.
+        Returns add_values's answer: whether every value is finite."""
         if blocks is not None:
             self.add_blocks(blocks)
-        self.add_values(values)
+        return self.add_values(values)
 
     def add_blocks(self, blocks: np.ndarray) -> None:
         """The raw blocks' half of add: block scales and sub-block codes."""
@@ -588,8 +627,9 @@ class Accumulator:
         if self.subblocks is not None:
             self.subblocks.add(blocks)
 
-    def add_values(self, values: torch.Tensor | np.ndarray) -> None:
-        """The decoded values' half of add: finiteness, max |w|, moments."""
+    def add_values(self, values: torch.Tensor | np.ndarray) -> bool:
+        """The decoded values' half of add: finiteness, max |w|, moments. Returns whether every value
+        is finite (from the scan the moments need anyway: verify's check of the piece reuses it)."""
         v = torch.as_tensor(values).detach().reshape(-1)  # [n]
         if v.dtype != torch.float32 or not v.is_contiguous():
             v = v.to(torch.float32).contiguous()
@@ -597,12 +637,12 @@ class Accumulator:
         if threads > 1 and v.device.type == "cpu":
             torch.set_num_threads(1)
         try:
-            self._values(v)
+            return self._values(v)
         finally:
             if threads > 1 and v.device.type == "cpu":
                 torch.set_num_threads(threads)
 
-    def _values(self, v: torch.Tensor) -> None:
+    def _values(self, v: torch.Tensor) -> bool:
         bs = GGML_QUANT_SIZES[self.qtype][0]
         bad, w = 0, v
         if v.numel():
@@ -615,13 +655,31 @@ class Accumulator:
                 w = v[finite]
                 lo, hi, total, _ = _scan(w) if w.numel() else (0.0, 0.0, 0.0, True)
             self.max_abs = max(self.max_abs, -lo, hi)
-            self.moments.merge(Moments.of(w, max(-lo, hi), total))
+            self.moments.append(Moments.of(w, max(-lo, hi), total))
         self._blocks_seen += v.numel() // bs
         self.n += v.numel()
         self.nonfinite += bad
+        return bad == 0
+
+    def merge(self, o: "Accumulator") -> None:
+        """self := self followed by o, an accumulator of the same tensor's next blocks (both halves: a
+        half o was not fed is empty and changes nothing)."""
+        for name, st in o.scales.items():
+            self.scales[name].merge(st)
+        if self.subblocks is not None and o.subblocks is not None:
+            self.subblocks.merge(o.subblocks)
+        if self.first_nonfinite_block is None and o.first_nonfinite_block is not None:
+            self.first_nonfinite_block = self._blocks_seen + o.first_nonfinite_block
+        self.moments += o.moments
+        self.max_abs = max(self.max_abs, o.max_abs)
+        self.n += o.n
+        self.nonfinite += o.nonfinite
+        self._blocks_seen += o._blocks_seen
 
     def finish(self) -> TensorStats:
-        m = self.moments
+        m = Moments()
+        for piece in self.moments:
+            m.merge(piece)
         k = max(m.n, 1)
         var = m.m2 / k
         summaries = {n: s.summary() for n, s in self.scales.items()}

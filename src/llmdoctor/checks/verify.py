@@ -7,14 +7,15 @@ parts that run at once:
   the ring and nothing of the file however large it is (a mapped page, once touched, stays in the
   process's resident set until unmapped: 31.9 GB max RSS for a 32 GB file, issue 23); the page cache
   is the kernel's and is not the process's memory.
-- per-tensor work on worker threads (one per core): every chunk of one tensor goes to the same
-  worker, in file order, so its statistics and sha256 are those of one sequential pass while
-  different tensors are worked on at once. CPU: the worker decodes the chunk (the native kernels, one
-  thread each) CHUNK_VALUES values at a time into its own buffer, checks each piece while it is in the
-  cache and feeds it to the forensics accumulator; CUDA: the worker gathers the raw blocks'
-  statistics (block scales, sub-block codes) on the host. With a manifest asked for, the worker also
-  feeds the chunk to the tensor's sha256 (hashlib releases the GIL), so that one read gives
-  integrity, forensics and a manifest.
+- work on worker threads (one per core), chunk by chunk: any worker takes any chunk (the least busy
+  one), so that one large tensor is spread over every core. CPU: the worker decodes the chunk (the
+  native kernels, one thread each) CHUNK_VALUES values at a time into its own buffer, checks each
+  piece while it is in the cache and feeds it to the chunk's own forensics accumulator; CUDA: the
+  worker gathers the raw blocks' statistics (block scales, sub-block codes) on the host. The chunks'
+  statistics are joined in file order (forensics' Accumulator.merge keeps one entry per piece and
+  folds them in order), so the numbers are those of one sequential pass whichever worker did which
+  chunk. With a manifest asked for, the tensor's own worker feeds its chunks to its sha256 in file
+  order (hashlib releases the GIL), so that one read gives integrity, forensics and a manifest.
 - CUDA: this thread copies each chunk to the GPU (its own stream), decodes it with the Triton kernels,
   checks it and gathers the decoded values' statistics there.
 
@@ -28,8 +29,8 @@ statistics (rms, mean, max |w|, kurtosis, block scales) are verify's per-tensor 
 Threads: torch runs single-threaded during the pass (each worker is one core's worth of work):
 torch's intra-op threads, each op waiting for all of them, were 20-60x slower on a 2-core machine
 when other processes kept it busy (1M-value sum: 18 ms on 2 threads at load average 10, 0.12 ms on 1).
-What bounds the pass where the reading does not: one tensor's statistics and sha256 are sequential,
-so a single tensor larger than the ring is worked on by one core at a time.
+What bounds the pass where the reading does not: the cores' decoding, and with a manifest one
+tensor's sha256, which is sequential (one core's hashing rate per tensor, ~1-2 GB/s).
 Integer tensors (I8..I64) have no non-finite values by type: reported as such, not decoded. Tensors
 of a big-endian file are skipped with that reason (the decoders read little-endian blocks).
 """
@@ -44,6 +45,7 @@ import queue
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Collection, Iterator
@@ -136,28 +138,63 @@ def _forensics() -> Any:
     return forensics
 
 
-class _Tensor:
-    """One tensor's pass: its report, its forensic accumulator (without the module: none) and its
-    sha256 (where asked), each fed in file order by the one worker that owns the tensor."""
+class _Part:
+    """The statistics of one chunk of a tensor, gathered by whichever worker decoded it: its report's
+    counts (None where the dispatching thread checks the values: CUDA) and a forensic accumulator."""
 
-    def __init__(self, t: TensorInfo, fx: Any, hashing: bool):
+    def __init__(self, tw: "_Tensor", checks: bool):
+        self.rep = _report(tw.t) if checks else None
+        self.acc = tw.fx.Accumulator(tw.t.name, tw.t.type) if tw.fx is not None else None
+
+
+class _Tensor:
+    """One tensor's pass. Its chunks are decoded on any worker, each into a _Part of its own; the parts
+    are joined into the tensor's report and accumulator in file order as they complete, so that the
+    statistics are those of one sequential pass over the pieces whichever threads did the work. Its
+    sha256 (where asked) is fed in file order by the one worker that owns the tensor. CUDA: the
+    dispatching thread checks the decoded values into the report and feeds `gpu_acc` (the values'
+    half); the parts then carry the raw blocks' half. finish() runs when the last of the tensor's
+    `tasks` is done, on the thread that did it."""
+
+    def __init__(self, t: TensorInfo, fx: Any, hashing: bool, tasks: int, gpu: bool):
         self.t, self.rep = t, _report(t)
-        self.acc = fx.Accumulator(t.name, t.type) if fx is not None and _decoded(t) else None
+        self.fx = fx if _decoded(t) else None
+        self.acc = fx.Accumulator(t.name, t.type) if self.fx is not None else None  # the parts joined so far
+        self.gpu_acc = fx.Accumulator(t.name, t.type) if self.fx is not None and gpu else None
         self.sha = hashlib.sha256() if hashing else None
         self.stats: Any = None  # forensics.TensorStats once finished
+        self.lock = threading.Lock()
+        self.left, self.skipped = tasks, False
+        self.parts: dict[int, _Part] = {}  # done, waiting for the parts before them
+        self.joined = 0  # parts joined: chunks 0 .. joined - 1
 
-    def add(self, raw: np.ndarray, v: torch.Tensor | None) -> None:
-        """raw: uint8 [n * type_size] blocks; v: their decoded values (None: the blocks alone)."""
-        if self.acc is not None:
-            blocks = raw.reshape(-1, self.t.type_size) if self.acc.fields else None
-            if v is None:  # the values' half comes from the GPU thread (_Gpu.chunk)
-                if blocks is not None:
-                    self.acc.add_blocks(blocks)
-            else:
-                self.acc.add(blocks, v)
+    def done(self, j: int | None, part: _Part | None, skip: bool) -> None:
+        """One task finished: chunk j's part (None: a task without one); the last one finishes the tensor."""
+        with self.lock:
+            self.skipped = self.skipped or skip
+            if part is not None:
+                self.parts[j] = part  # type: ignore[index]
+                while self.joined in self.parts:
+                    self._join(self.parts.pop(self.joined))
+                    self.joined += 1
+            self.left -= 1
+            last = self.left == 0
+        if last and not self.skipped:
+            self.finish()
+
+    def _join(self, p: _Part) -> None:
+        if p.rep is not None:
+            self.rep.values += p.rep.values
+            self.rep.non_finite += p.rep.non_finite
+            if self.rep.first_bad_block is None and p.rep.first_bad_block is not None:
+                self.rep.first_bad_block, self.rep.first_bad_offset = p.rep.first_bad_block, p.rep.first_bad_offset
+        if p.acc is not None and self.acc is not None:
+            self.acc.merge(p.acc)
 
     def finish(self) -> None:
         if self.acc is not None:
+            if self.gpu_acc is not None:
+                self.acc.merge(self.gpu_acc)
             self.stats = self.acc.finish()
             keep = ("rms", "mean", "max_abs", "kurtosis", "scales")
             self.rep.stats = {k: v for k, v in self.stats.as_dict().items() if k in keep}
@@ -167,13 +204,17 @@ class _Tensor:
 
 # ---- the checks on one decoded piece (any device) ---------------------------------------------------
 
-def _check_chunk(rep: TensorReport, v: torch.Tensor, first_block: int, block_size: int, type_size: int) -> None:
-    """v: float32 [n_blocks * block_size] decoded values of the blocks from `first_block` on.
+def _check_chunk(rep: TensorReport, v: torch.Tensor, first_block: int, block_size: int, type_size: int,
+                 finite: bool | None = None) -> None:
+    """v: float32 [n_blocks * block_size] decoded values of the blocks from `first_block` on; `finite`:
+    whether every value is, where the forensics scan of the same values has said so already.
 
-    The sum is finite exactly when every value is, except when finite values overflow it (|values|
-    near 1e38 / n): only a non-finite sum pays for the elementwise test, which decides.
+    Without it, the sum: finite exactly when every value is, except when finite values overflow it
+    (|values| near 1e38 / n). Only a piece that is not finite pays for the elementwise test, which decides.
     """
-    if not math.isfinite(float(v.sum())):
+    if finite is None:
+        finite = math.isfinite(float(v.sum()))
+    if not finite:
         ok = torch.isfinite(v)
         bad = int(ok.numel() - ok.sum())
         if bad and rep.first_bad_block is None:
@@ -356,45 +397,58 @@ def _values_buffer() -> torch.Tensor:
     return _scratch.out
 
 
-def _decode_cpu(tw: _Tensor, ring: _Ring, i: int, b0: int, b1: int, *, skip: bool) -> None:
-    """A worker's task: decode the chunk in buffer i piece by piece into this worker's buffer,
-    checking each piece while it is in cache and feeding it to the statistics; hash it."""
-    try:
-        if skip:
-            return
-        t = tw.t
-        bs, ts = t.block_size, t.type_size
-        raw = ring.bufs[i][: (b1 - b0) * ts]
-        if _decoded(t):
-            out = _values_buffer()
-            unit = max(1, CHUNK_VALUES // bs)
-            for c0 in range(0, b1 - b0, unit):
-                c1 = min(c0 + unit, b1 - b0)
-                v = out[: (c1 - c0) * bs]
-                dequantize(raw[c0 * ts : c1 * ts], t.type, (c1 - c0, bs), out=v.view(c1 - c0, bs))
-                _check_chunk(tw.rep, v, b0 + c0, bs, ts)
-                tw.add(raw[c0 * ts : c1 * ts], v)
-        if tw.sha is not None:
-            tw.sha.update(raw)
-    finally:
-        ring.release(i)
+def _pieces(t: TensorInfo, raw: np.ndarray) -> Iterator[tuple[int, int, np.ndarray]]:
+    """(first block, end block, their bytes) of each CHUNK_VALUES piece of a chunk's raw blocks, counted
+    from the chunk's start."""
+    unit, n = max(1, CHUNK_VALUES // t.block_size), raw.size // t.type_size
+    for c0 in range(0, n, unit):
+        c1 = min(c0 + unit, n)
+        yield c0, c1, raw[c0 * t.type_size : c1 * t.type_size]
 
 
-def _host_blocks(tw: _Tensor, ring: _Ring, i: int, b0: int, b1: int, *, skip: bool) -> None:
-    """A worker's task (CUDA): the raw blocks' statistics and the hash of the chunk in buffer i."""
+def _decode_cpu(tw: _Tensor, ring: _Ring, i: int, j: int, b0: int, b1: int, *, skip: bool) -> None:
+    """A worker's task: decode chunk j (in buffer i) piece by piece into this worker's buffer, checking
+    each piece while it is in cache and feeding it to the chunk's own statistics."""
+    part = None
     try:
         if not skip:
-            raw = ring.bufs[i][: (b1 - b0) * tw.t.type_size]
-            tw.add(raw, None)
-            if tw.sha is not None:
-                tw.sha.update(raw)
+            t, part = tw.t, _Part(tw, checks=True)
+            bs, ts = t.block_size, t.type_size
+            out = _values_buffer()
+            for c0, c1, raw in _pieces(t, ring.bufs[i][: (b1 - b0) * ts]):
+                v = out[: (c1 - c0) * bs]
+                dequantize(raw, t.type, (c1 - c0, bs), out=v.view(c1 - c0, bs))
+                finite = part.acc.add(raw.reshape(-1, ts) if part.acc.fields else None, v) \
+                    if part.acc is not None else None
+                _check_chunk(part.rep, v, b0 + c0, bs, ts, finite)  # type: ignore[arg-type]
     finally:
         ring.release(i)
+        tw.done(j, part, skip)
 
 
-def _finish(tw: _Tensor, *, skip: bool) -> None:
-    if not skip:
-        tw.finish()
+def _host_blocks(tw: _Tensor, ring: _Ring, i: int, j: int, b0: int, b1: int, *, skip: bool) -> None:
+    """A worker's task (CUDA): the raw blocks' statistics of chunk j (in buffer i), piece by piece as
+    the CPU pass gathers them."""
+    part = None
+    try:
+        if not skip:
+            part = _Part(tw, checks=False)
+            if part.acc is not None and (part.acc.fields or part.acc.subblocks is not None):
+                for _, _, raw in _pieces(tw.t, ring.bufs[i][: (b1 - b0) * tw.t.type_size]):
+                    part.acc.add_blocks(raw.reshape(-1, tw.t.type_size))
+    finally:
+        ring.release(i)
+        tw.done(j, part, skip)
+
+
+def _hash(tw: _Tensor, ring: _Ring, i: int, b0: int, b1: int, *, skip: bool) -> None:
+    """The owner's task: the chunk in buffer i into the tensor's sha256 (the owner gets them in order)."""
+    try:
+        if not skip:
+            tw.sha.update(ring.bufs[i][: (b1 - b0) * tw.t.type_size])  # type: ignore[union-attr]
+    finally:
+        ring.release(i)
+        tw.done(None, None, skip)
 
 
 def _host_buffers(size: int, n: int) -> list[np.ndarray]:
@@ -417,41 +471,49 @@ def _workers() -> int:
 
 def _pass(g: GGUFFile, device: str, progress: Callable, fx: Any, hashing: bool,
           names: Collection[str] | None = None) -> list[_Tensor]:
-    """Every tensor (of `names`) through the ring and the workers; CUDA: decoded on the GPU here."""
+    """Every tensor (of `names`) through the ring and the workers; CUDA: decoded on the GPU here.
+    Per chunk: its decoding (CPU) or raw blocks' statistics (CUDA) on the least busy worker, its hash
+    on the tensor's owner, and its values on the GPU by this thread."""
     tensors = list(_tensors_in_file_order(g, names))
     limit = READ_BYTES[device]
     plan = list(_chunks(tensors, limit, hashing))
+    chunks = Counter(t.name for t, b0, b1 in plan if b1 > b0)
     size = max([(b1 - b0) * t.type_size for t, b0, b1 in plan] + [1])  # the largest chunk (>= limit: a piece)
-    n_bufs = max(1, min(RING_BYTES // size, RING_PER_WORKER * _workers(), sum(1 for _, b0, b1 in plan if b1 > b0)))
+    n_bufs = max(1, min(RING_BYTES // size, RING_PER_WORKER * _workers(), sum(chunks.values())))
     gpu = _Gpu(tensors, size, n_bufs) if device == "cuda" else None
     bufs = [b.numpy() for b in gpu.host] if gpu else _host_buffers(size, n_bufs)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     ring, workers = _Ring(bufs, iter(plan)), _Workers(_workers())
     out: list[_Tensor] = []
-    done, k, ok = 0, 0, False
+    done, owner, j, ok = 0, 0, 0, False
     try:
         for i, t, b0, b1 in ring:
             if not out or out[-1].t is not t:
-                if out:
-                    workers.put(k, 0, _finish, out[-1])
-                out.append(_Tensor(t, fx, hashing))
-                k = workers.pick()
+                per_chunk = int(hashing) + (1 + int(gpu is not None)) * int(_decoded(t))
+                out.append(_Tensor(t, fx, hashing, chunks[t.name] * per_chunk, gpu is not None))
+                owner, j = workers.pick(), 0
+                if not out[-1].left:
+                    out[-1].finish()
             tw = out[-1]
             if i is None:
                 done += t.nbytes
             else:
                 n = (b1 - b0) * t.type_size
-                if gpu is not None:
+                if hashing:
                     ring.hold(i)
-                    workers.put(k, n, _host_blocks, tw, ring, i, b0, b1)
-                    gpu.chunk(tw, ring, i, b0, b1)
-                else:
-                    workers.put(k, n, _decode_cpu, tw, ring, i, b0, b1)
+                    workers.put(owner, n, _hash, tw, ring, i, b0, b1)
+                if _decoded(t):
+                    ring.hold(i)
+                    workers.put(workers.pick(), n, _host_blocks if gpu else _decode_cpu, tw, ring, i, j, b0, b1)
+                    if gpu is not None:
+                        ring.hold(i)
+                        gpu.chunk(tw, ring, i, b0, b1)
+                        tw.done(None, None, False)
+                ring.release(i)  # this thread's own hold
                 done += n
+                j += 1
             progress(done, t.name)
-        if out:
-            workers.put(k, 0, _finish, out[-1])
         ok = True
     finally:
         try:
@@ -488,9 +550,9 @@ class _Gpu:
             torch.cuda.current_stream().wait_event(self.copied)
             v = self.out[: (b1 - b0) * bs]
             dequantize(self.raw[:n], t.type, (b1 - b0, bs), out=v.view(b1 - b0, bs))
-            _check_chunk(tw.rep, v, b0, bs, t.type_size)
-            if tw.acc is not None:
-                tw.acc.add_values(v)  # the blocks' half: the worker's (_host_blocks)
+            # the blocks' half of the statistics: the workers' (_host_blocks)
+            finite = tw.gpu_acc.add_values(v) if tw.gpu_acc is not None else None
+            _check_chunk(tw.rep, v, b0, bs, t.type_size, finite)
             self.copied.synchronize()
         finally:
             ring.release(i)
