@@ -27,9 +27,14 @@ print('torch', torch.__version__, 'triton', triton.__version__, 'native dequant'
 } > "$OUT/env.txt" 2>&1
 step "env: $(tail -1 "$OUT/env.txt")"
 step "bench: ${GB:-32} GB, cpu and cuda, cold and warm, with and without the manifest"
-timeout "${BENCH_S:-520}" python3 bench/bench_verify.py --gb "${GB:-32}" --devices cpu,cuda --manifest --agree-gb 0.3 \
+timeout "${BENCH_S:-520}" python3 bench/bench_verify.py --gb "${GB:-32}" --devices cpu,cuda --manifest --agree-gb 0.3 --keep \
     --out "$OUT" > "$OUT/bench.log" 2>&1
 step "bench exit $?"
 cat "$OUT/verify-summary.md" 2>/dev/null || tail -20 "$OUT/bench.log"
+if [ -f "$TMPDIR/llmdoctor-bench-verify.gguf" ]; then  # kept by --keep: how the warm CPU pass scales with workers
+    step "scaling: the CPU pass with 4, 8, 16 workers, warm, without and with the manifest"
+    timeout "${SCALE_S:-150}" python3 bench/verify_workers.py "$TMPDIR/llmdoctor-bench-verify.gguf" | tee "$OUT/workers.jsonl"
+    timeout 60 python3 bench/verify_workers.py "$TMPDIR/llmdoctor-bench-verify.gguf" --workers 16 --manifest | tee -a "$OUT/workers.jsonl"
+fi
 rm -f "$TMPDIR/llmdoctor-bench-verify.gguf"
 step end
