@@ -164,6 +164,31 @@ def test_merged_parts_equal_one_pass_to_the_bit(demo_path, tensor):
     assert a.n_values == t.n_elements
 
 
+def test_one_native_call_per_chunk_equals_piece_by_piece():
+    """add_decoded (the chunk decoded and gathered in one C call) against add() piece by piece, to the
+    bit, on F32 pieces the C pass hands back: one with a NaN, one with max |w| ~1e30 and one ~1e-30
+    (outside the range its sums are taken in), between ordinary ones."""
+    import torch
+
+    decoder = F.native_decoding(QT.F32)
+    if decoder is None:
+        pytest.skip("skipped: the native libraries are not built here")
+    rng = np.random.default_rng(1)
+    unit = 1000  # values per piece (F32: one value per block)
+    values = rng.standard_normal(6 * unit).astype(np.float32)
+    values[unit + 7] = np.nan
+    values[2 * unit:3 * unit] *= np.float32(1e30)
+    values[4 * unit:5 * unit] *= np.float32(1e-30)
+    blocks = values.view(np.uint8).reshape(-1, 4)
+    one = F.Accumulator("t", QT.F32)
+    for b0 in range(0, len(values), unit):
+        one.add(None, torch.from_numpy(values[b0:b0 + unit].copy()))
+    fused = F.Accumulator("t", QT.F32)
+    bad = fused.add_decoded(blocks, decoder, unit, torch.empty(unit))
+    assert bad == [1]
+    assert repr(one.finish().as_dict()) == repr(fused.finish().as_dict())
+
+
 @pytest.mark.parametrize("name", ["llama", "qwen3", "gemma3"])
 def test_tiny_hf_models_are_silent(tmp_path, name):
     """Tiny random models made with transformers (tests/test_reference_dense.py), F32 and quantized by

@@ -15,6 +15,8 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
+from gguf import GGMLQuantizationType as QT
+
 from llmdoctor import faults
 from llmdoctor.checks import verify as V
 from llmdoctor.cli import app
@@ -169,6 +171,25 @@ def test_small_ring_gives_the_same_report(subset, monkeypatch):
     assert [f.__dict__ for f in got.findings] == [f.__dict__ for f in want.findings]
 
 
+@pytest.mark.parametrize("which", ["subset", "planted"])
+def test_one_native_call_per_chunk_gives_the_per_piece_report(which, request, monkeypatch):
+    """The chunk decoded and gathered in one native call (forensics' add_decoded) gives, to the bit, the
+    report of the per-piece path (dequantize, scan and moments piece by piece): the planted file's
+    inf scales (pieces the C pass hands back) included."""
+    from llmdoctor.checks import forensics as F
+
+    path = request.getfixturevalue(which)
+    if F.native_decoding(QT.Q4_K) is None:
+        pytest.skip("skipped: the native libraries are not built here")
+    monkeypatch.setattr(V, "READ_BYTES", {"cpu": 3 << 20, "cuda": 3 << 20})  # several chunks, several pieces each
+    fused = V.run(path, write_manifest=True)
+    monkeypatch.setattr(F, "native_decoding", lambda qtype: None)
+    per_piece = V.run(path, write_manifest=True)
+    assert repr([t.__dict__ for t in fused.tensors]) == repr([t.__dict__ for t in per_piece.tensors])
+    assert repr([f.__dict__ for f in fused.findings]) == repr([f.__dict__ for f in per_piece.findings])
+    assert any(t.non_finite for t in fused.tensors) == (which == "planted")
+
+
 def test_a_worker_error_ends_the_pass(subset, monkeypatch):
     """An exception on a worker thread is raised by run, without a hang, and every buffer is let go."""
     real = V.dequantize
@@ -180,7 +201,10 @@ def test_a_worker_error_ends_the_pass(subset, monkeypatch):
             raise RuntimeError("planted decoder failure")
         return real(raw, qtype, *a, **kw)
 
+    from llmdoctor.checks import forensics as F
+
     monkeypatch.setattr(V, "dequantize", broken)
+    monkeypatch.setattr(F, "native_decoding", lambda qtype: None)  # the per-piece path: V.dequantize decodes
     monkeypatch.setattr(V, "READ_BYTES", {"cpu": 1, "cuda": 1})
     monkeypatch.setattr(V, "RING_BYTES", 2)
     with pytest.raises(RuntimeError, match="planted decoder failure"):

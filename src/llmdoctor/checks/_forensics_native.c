@@ -12,6 +12,7 @@
  * extension module; it exposes no Python functions.
  */
 #include <Python.h>
+#include <math.h>
 #include <stdint.h>
 
 #if defined(__GNUC__) && defined(__x86_64__) && !defined(__clang__)
@@ -184,8 +185,53 @@ LLMD_CLONES void llmd_fx_subblocks(const uint8_t *base, int64_t n, int64_t strid
     }
 }
 
+/* llmd_fx_codes16 piece by piece over n blocks, piece_blocks at a time (the last piece may be shorter),
+ * each piece's jumps counted from its own first block: out[4 p ..] = lg of piece p's first block, of
+ * its last, the sum of |jumps| inside it and their number; counts as llmd_fx_codes16. forensics.py
+ * folds the pieces in order (ScaleStats.jitter), so one call per chunk gives what a call per piece does. */
+void llmd_fx_codes16_pieces(const uint8_t *base, int64_t n, int64_t stride, const double *lg, int64_t *counts,
+                            int64_t piece_blocks, double *out) {
+    for (int64_t p = 0, b = 0; b < n; p++, b += piece_blocks) {
+        int64_t nb = n - b < piece_blocks ? n - b : piece_blocks;
+        const uint8_t *q = base + b * stride;
+        double st[3] = {NAN, 0.0, 0.0};
+        llmd_fx_codes16(q, nb, stride, lg, counts, st);
+        out[4 * p] = lg[(uint16_t)(q[0] | (q[1] << 8))];
+        out[4 * p + 1] = st[0];
+        out[4 * p + 2] = st[1];
+        out[4 * p + 3] = st[2];
+    }
+}
+
+/* A dequantization kernel of gguf/_dequant_native.c: n_blocks blocks at src -> float32 at dst. */
+typedef void (*llmd_fx_decoder)(const uint8_t *src, float *dst, int64_t n_blocks, const int8_t *kv, int stream);
+
+/* A chunk of n_blocks blocks, piece by piece (piece_blocks at a time, the last maybe fewer): each piece
+ * decoded by `decode` (with its table kv) into out (float32 [piece_blocks * block_size]), then scanned
+ * (llmd_fx_scan) while it is in the cache, and where every value is finite and max |w| is 0 or lies in
+ * [safe_lo, safe_hi], its sums about c = (float)(sum / n) taken (llmd_fx_central), as the accumulator's
+ * per-piece path does (forensics.py: Moments.of). res[7 p ..] for piece p: min, max, sum, 1 if a value
+ * is inf or NaN, then s2, s3, s4 (NaN where not taken: the caller does that piece its own way). One
+ * call per chunk, so that verify's workers cross the GIL once per chunk, not several times per piece. */
+void llmd_fx_pieces(llmd_fx_decoder decode, const int8_t *kv, const uint8_t *src, int64_t n_blocks,
+                    int64_t type_size, int64_t block_size, int64_t piece_blocks, float *out, double safe_lo,
+                    double safe_hi, double *res) {
+    for (int64_t p = 0, b = 0; b < n_blocks; p++, b += piece_blocks) {
+        int64_t nb = n_blocks - b < piece_blocks ? n_blocks - b : piece_blocks;
+        int64_t n = nb * block_size;
+        double *r = res + 7 * p;
+        decode(src + b * type_size, out, nb, kv, 0);
+        llmd_fx_scan(out, n, r);
+        r[4] = r[5] = r[6] = NAN;
+        if (r[3] == 0.0) {
+            double m = -r[0] > r[1] ? -r[0] : r[1];
+            if (m == 0.0 || (m >= safe_lo && m <= safe_hi)) llmd_fx_central(out, n, (float)(r[2] / (double)n), r + 4);
+        }
+    }
+}
+
 /* Bumped with every change of the functions above, so that a stale build is refused. */
-int llmd_fx_abi(void) { return 3; }
+int llmd_fx_abi(void) { return 4; }
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_forensics_native",
                                     "Forensics' moment passes (called through ctypes).", -1, NULL};

@@ -473,7 +473,7 @@ class TensorStats:
 ROW = 1024  # the C file's ROW too
 _SAFE = (2.0 ** -20, 2.0 ** 20)
 _scratch = threading.local()
-_NATIVE_ABI = 3  # llmd_fx_abi() of the C code this module calls
+_NATIVE_ABI = 4  # llmd_fx_abi() of the C code this module calls
 
 
 def _load_native() -> ctypes.CDLL | None:
@@ -487,12 +487,28 @@ def _load_native() -> ctypes.CDLL | None:
                                     ctypes.c_void_p, ctypes.c_void_p]
     lib.llmd_fx_subblocks.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p,
                                       ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
-    lib.llmd_fx_scan.restype = lib.llmd_fx_central.restype = lib.llmd_fx_codes16.restype = None
-    lib.llmd_fx_subblocks.restype = None
+    lib.llmd_fx_codes16_pieces.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
+                                           ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
+    lib.llmd_fx_pieces.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
+                                   ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_double, ctypes.c_double,
+                                   ctypes.c_void_p]
+    for f in ("llmd_fx_scan", "llmd_fx_central", "llmd_fx_codes16", "llmd_fx_subblocks", "llmd_fx_codes16_pieces",
+              "llmd_fx_pieces"):
+        getattr(lib, f).restype = None
     return lib
 
 
 _NATIVE = _load_native()
+
+
+def native_decoding(qtype: QT | int) -> tuple[int, int] | None:
+    """The C kernel (address, table) that Accumulator.add_decoded decodes `qtype` with, or None where
+    the native libraries (forensics', dequantization's) do not both have it."""
+    if _NATIVE is None:
+        return None
+    from ..gguf import dequant_native
+
+    return dequant_native.kernel_address(qtype)
 
 
 def _buffers(n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -576,7 +592,6 @@ class Moments:
             total = None
         mean = (total if total is not None else _sum(w)) / n
         m32 = float(np.float32(mean))
-        r = mean - m32  # the chunk mean's offset from the center the float32 terms are taken about
         if native:
             out = (ctypes.c_double * 3)()
             _NATIVE.llmd_fx_central(w.data_ptr(), n, m32, out)
@@ -587,6 +602,13 @@ class Moments:
             s2 = _sum(torch.mul(d, d, out=d2))
             s3 = _sum(d.mul_(d2))
             s4 = _sum(d2.mul_(d2))
+        return Moments.of_sums(n, mean, s2, s3, s4, scale)
+
+    @staticmethod
+    def of_sums(n: int, mean: float, s2: float, s3: float, s4: float, scale: float = 1.0) -> "Moments":
+        """The moments of n values (divided by `scale`) whose mean is `mean`, from their sums S_k of
+        (w - m32)^k, m32 the mean rounded to float32."""
+        r = mean - float(np.float32(mean))  # the mean's offset from the center the float32 terms are taken about
         # central sums about the chunk mean m32 + r from the sums about m32
         m2 = s2 - n * r * r
         m3 = s3 - 3 * r * s2 + 2 * n * r ** 3
@@ -660,6 +682,63 @@ class Accumulator:
         self.n += v.numel()
         self.nonfinite += bad
         return bad == 0
+
+    def add_blocks_in_pieces(self, blocks: np.ndarray, piece_blocks: int) -> None:
+        """add_blocks of each piece of piece_blocks consecutive blocks in turn (uint8 [n, type_size]): to
+        the bit the same, in one native call per float16 scale field where the library is built."""
+        n_blocks = blocks.shape[0]
+        if _NATIVE is None or not blocks.flags.c_contiguous:
+            for b0 in range(0, n_blocks, piece_blocks):
+                self.add_blocks(blocks[b0:b0 + piece_blocks])
+            return
+        for f in self.fields:
+            st = self.scales[f.name]
+            if f.encoding != "f16":
+                for b0 in range(0, n_blocks, piece_blocks):
+                    st.add(scale_codes(blocks[b0:b0 + piece_blocks], f))
+                continue
+            if st.counts is None:
+                st.counts = np.zeros(65536, np.int64)
+            res = np.empty((-(-n_blocks // piece_blocks), 4))
+            _NATIVE.llmd_fx_codes16_pieces(blocks.ctypes.data + f.offset, n_blocks, blocks.shape[1],
+                                           _TABLES["f16"].lg.ctypes.data, st.counts.ctypes.data, piece_blocks,
+                                           res.ctypes.data)
+            st.pieces += [(a, b, c, int(d)) for a, b, c, d in res.tolist()]
+        if self.subblocks is not None:
+            self.subblocks.add(blocks)
+
+    def add_decoded(self, blocks: np.ndarray, decoder: tuple[int, int], piece_blocks: int, out: torch.Tensor) -> list[int]:
+        """A chunk of consecutive raw blocks (uint8 [n, type_size], C-contiguous) decoded here, piece by
+        piece (piece_blocks at a time), by the C kernel `decoder` (gguf.dequant_native.kernel_address)
+        into `out` (float32, CPU, >= piece_blocks * block_size values): the statistics of add() of each
+        piece in turn, to the bit, in one native call for the values and one per float16 scale field.
+        A piece the C pass leaves (a value inf or NaN, or max |w| outside the range its sums take) is
+        decoded again and added by _values. Returns the pieces (indices in the chunk) that hold a
+        value that is inf or NaN. Needs the native library (native_decoding())."""
+        n_blocks, bs = blocks.shape[0], GGML_QUANT_SIZES[self.qtype][0]
+        n_pieces = -(-n_blocks // piece_blocks)
+        self.add_blocks_in_pieces(blocks, piece_blocks)
+        fn, table = decoder
+        res = np.empty((n_pieces, 7))
+        _NATIVE.llmd_fx_pieces(fn, table or None, blocks.ctypes.data, n_blocks, blocks.shape[1], bs, piece_blocks,
+                               out.data_ptr(), _SAFE[0], _SAFE[1], res.ctypes.data)
+        bad = []
+        for p, (lo, hi, total, nonfinite, s2, s3, s4) in enumerate(res.tolist()):
+            b0 = p * piece_blocks
+            n = min(piece_blocks, n_blocks - b0) * bs
+            if math.isnan(s2):  # left to the per-piece path: decode it again
+                piece = blocks[b0:b0 + piece_blocks]
+                _NATIVE.llmd_fx_pieces(fn, table or None, piece.ctypes.data, piece.shape[0], blocks.shape[1], bs,
+                                       piece_blocks, out.data_ptr(), _SAFE[0], _SAFE[1], (ctypes.c_double * 7)())
+                self._values(out[:n])
+                if nonfinite:
+                    bad.append(p)
+                continue
+            self.max_abs = max(self.max_abs, -lo, hi)
+            self.moments.append(Moments.of_sums(n, total / n, s2, s3, s4))
+            self._blocks_seen += n // bs
+            self.n += n
+        return bad
 
     def merge(self, o: "Accumulator") -> None:
         """self := self followed by o, an accumulator of the same tensor's next blocks (both halves: a

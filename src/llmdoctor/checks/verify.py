@@ -10,7 +10,10 @@ parts that run at once:
 - work on worker threads (one per core), chunk by chunk: any worker takes any chunk (the least busy
   one), so that one large tensor is spread over every core. CPU: the worker decodes the chunk (the
   native kernels, one thread each) CHUNK_VALUES values at a time into its own buffer, checks each
-  piece while it is in the cache and feeds it to the chunk's own forensics accumulator; CUDA: the
+  piece while it is in the cache and feeds it to the chunk's own forensics accumulator; where the
+  native libraries are built that is one C call for the whole chunk (forensics' add_decoded), since a
+  worker that crosses the GIL several times per piece is what bounded the pass: on 16 cores it ran
+  on ~4 and slowed down with more workers (bench/verify_workers.py on the H200); CUDA: the
   worker gathers the raw blocks' statistics (block scales, sub-block codes) on the host. The chunks'
   statistics are joined in file order (forensics' Accumulator.merge keeps one entry per piece and
   folds them in order), so the numbers are those of one sequential pass whichever worker did which
@@ -415,12 +418,24 @@ def _decode_cpu(tw: _Tensor, ring: _Ring, i: int, j: int, b0: int, b1: int, *, s
             t, part = tw.t, _Part(tw, checks=True)
             bs, ts = t.block_size, t.type_size
             out = _values_buffer()
-            for c0, c1, raw in _pieces(t, ring.bufs[i][: (b1 - b0) * ts]):
-                v = out[: (c1 - c0) * bs]
-                dequantize(raw, t.type, (c1 - c0, bs), out=v.view(c1 - c0, bs))
-                finite = part.acc.add(raw.reshape(-1, ts) if part.acc.fields else None, v) \
-                    if part.acc is not None else None
-                _check_chunk(part.rep, v, b0 + c0, bs, ts, finite)  # type: ignore[arg-type]
+            chunk = ring.bufs[i][: (b1 - b0) * ts]
+            decoder = tw.fx.native_decoding(t.type) if part.acc is not None else None
+            if decoder is not None:  # the whole chunk in one native call; only a piece with inf/NaN comes back
+                unit = max(1, CHUNK_VALUES // bs)
+                finite_values = (b1 - b0) * bs
+                for p in part.acc.add_decoded(chunk.reshape(-1, ts), decoder, unit, out):  # type: ignore[union-attr]
+                    raw = chunk[p * unit * ts : (p + 1) * unit * ts]
+                    v = dequantize(raw, t.type, (raw.size // ts * bs,))
+                    finite_values -= v.numel()
+                    _check_chunk(part.rep, v, b0 + p * unit, bs, ts, False)  # type: ignore[arg-type]
+                part.rep.values += finite_values  # type: ignore[union-attr]
+            else:
+                for c0, c1, raw in _pieces(t, chunk):
+                    v = out[: (c1 - c0) * bs]
+                    dequantize(raw, t.type, (c1 - c0, bs), out=v.view(c1 - c0, bs))
+                    finite = part.acc.add(raw.reshape(-1, ts) if part.acc.fields else None, v) \
+                        if part.acc is not None else None
+                    _check_chunk(part.rep, v, b0 + c0, bs, ts, finite)  # type: ignore[arg-type]
     finally:
         ring.release(i)
         tw.done(j, part, skip)
@@ -432,10 +447,10 @@ def _host_blocks(tw: _Tensor, ring: _Ring, i: int, j: int, b0: int, b1: int, *, 
     part = None
     try:
         if not skip:
-            part = _Part(tw, checks=False)
+            part, t = _Part(tw, checks=False), tw.t
             if part.acc is not None and (part.acc.fields or part.acc.subblocks is not None):
-                for _, _, raw in _pieces(tw.t, ring.bufs[i][: (b1 - b0) * tw.t.type_size]):
-                    part.acc.add_blocks(raw.reshape(-1, tw.t.type_size))
+                chunk = ring.bufs[i][: (b1 - b0) * t.type_size]
+                part.acc.add_blocks_in_pieces(chunk.reshape(-1, t.type_size), max(1, CHUNK_VALUES // t.block_size))
     finally:
         ring.release(i)
         tw.done(j, part, skip)

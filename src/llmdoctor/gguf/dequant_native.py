@@ -66,6 +66,16 @@ def available() -> tuple[bool, str]:
     return _LIB is not None, _WHY_NOT
 
 
+# GGML type -> (its C kernel's address, its table's or 0): for C callers that decode as they go
+# (checks/forensics.py's Accumulator.add_decoded hands them to _forensics_native.c).
+_ADDRESSES: dict[T, tuple[int, int]] = {}
+
+
+def kernel_address(qtype: T | int) -> tuple[int, int] | None:
+    """(address of the C kernel of `qtype`, of the table it takes or 0), or None where there is none."""
+    return _ADDRESSES.get(T(qtype))
+
+
 # One caller at a time may use the C pool (it holds one job); a concurrent caller runs its tensor on
 # its own thread instead of waiting. A fork taken while another thread held it would leave the
 # child's copy held for good: the child gets a fresh one.
@@ -87,6 +97,7 @@ def _make(qtype: T, name: str, takes_table: bool) -> Callable[..., torch.Tensor]
     fn_address = ctypes.cast(fn, ctypes.c_void_p).value
     table = _IQ4_KVALUES.ctypes.data if takes_table else None
     block_size, type_size = GGML_QUANT_SIZES[qtype]
+    _ADDRESSES[qtype] = (fn_address, table or 0)
 
     def kernel(blocks: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """uint8 blocks [n, type_size] (CPU) -> float32 [n, block_size], written into `out` if given."""
