@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 from unittest import mock
 
+import numpy as np
 import pytest
 from typer.testing import CliRunner
 
@@ -209,6 +210,30 @@ def test_a_lone_gguf_runs_with_the_config_llmdoctor_writes(ckpts, vllm_python):
     assert code == 0 and f["status"] == "pass", f
     assert f["metrics"]["reference_reads"] == str(gguf), f
     assert "config.json written by llmdoctor" in doc["engine_run"]["model_folder"], doc["engine_run"]
+
+
+def test_the_weights_vllm_loaded_from_a_gguf_are_the_checkpoints(ckpts, vllm_python):
+    """VLLMEngine.weights (the driver's `weights`, issue 22 part 3): layer 1 of the qwen2 F32 GGUF as vLLM
+    for CPU holds it after its loader (kept just before its GEMM packing frees the parameter), its fused
+    qkv_proj and gate_up_proj split back into the checkpoint's tensors by their output sizes: each equal
+    to the checkpoint's own, under its name; and weight_relation finds nothing to say about any."""
+    from safetensors.numpy import load_file
+
+    from llmdoctor.checks.weight_relation import relate
+    from llmdoctor.subjects.engines.base import Deployment
+
+    ckpt, gguf = ckpts["qwen2"]
+    engine = vllm_engine.VLLMEngine(Deployment(model=gguf.resolve(), dtype="float32", python=vllm_python))
+    held, config = engine.weights(1)
+    sd = load_file(ckpt / "model.safetensors")
+    want = {k for k in sd if k.startswith("model.layers.1.") and k.endswith(".weight")}
+    assert set(held) == want, sorted(set(held) ^ want)
+    for name, w in held.items():
+        assert w.shape == sd[name].shape and np.array_equal(w, sd[name]), name
+        assert relate(w, sd[name], tol=1e-6) is None, name
+    assert config["model_type"] == "qwen2" and config["num_attention_heads"] == 2
+    assert relate(held["model.layers.1.self_attn.k_proj.weight"], sd["model.layers.1.self_attn.q_proj.weight"][:32],
+                  tol=1e-6)["kind"] == "unrelated"  # the comparison can fail
 
 
 def test_check_mapping_asks_the_gguf_plugins_own_map(ckpts, vllm_python, monkeypatch):

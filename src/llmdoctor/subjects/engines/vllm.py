@@ -125,6 +125,16 @@ def generate(python: str, model: str | os.PathLike, tokens: list[int], n: int, *
                       {"engine": "vllm", **res["info"]})
 
 
+def weights(python: str, model: str | os.PathLike, layer: int, *, dtype: str | None = None,
+            timeout: float = RUN_TIMEOUT_S) -> tuple[dict[str, np.ndarray], dict[str, Any], dict[str, Any]]:
+    """Decoder layer `layer`'s weights as vLLM holds them after loading `model` (the driver's `weights`:
+    checkpoint names, fused projections split, GGUF blocks dequantized with gguf-py), float32; the HF
+    config vLLM built the model from; and the load's info."""
+    res = _call(python, {"command": "weights", "model": os.fspath(model), "layer": int(layer), "dtype": dtype},
+                timeout)
+    return {k: v.numpy() for k, v in res["weights"].items()}, json.loads(res["config"]), res["info"]
+
+
 def reference_layout(captures: dict[str, np.ndarray], *, rope_neox: bool, rope_dim: int) -> dict[str, np.ndarray]:
     """vLLM's q and k after RoPE (`Qcur-i`, `Kcur-i`, [T, H, D]) in the reference's layout. vLLM runs an
     HF checkpoint, which rotates the two halves of the rope dims together (NeoX style); for models the
@@ -647,6 +657,14 @@ class VLLMEngine(Engine):
 
     def describe(self) -> dict[str, Any]:
         return {**super().describe(), **info(self.python())}
+
+    def weights(self, layer: int) -> tuple[dict[str, Any], dict[str, Any]]:
+        """Layer `layer`'s weights as the engine's loader left them (for a GGUF: the plugin's quantized
+        blocks dequantized by gguf-py, so a difference is the loader's layout or data, not dequantization)."""
+        if not self.deployment.is_gguf:
+            raise NotOffered("vLLM runs the HF checkpoint itself: the reference reads the same files")
+        held, config, _ = weights(self.python(), self.model(), layer, dtype=self._dtype())
+        return held, config
 
     def noise_budget(self, ran: EngineRun) -> Budget:
         """The reference run that emulates what this vLLM built (the run info's `arithmetic`, reported by

@@ -24,6 +24,8 @@ Commands:
   attention  vLLM's CPU attention kernel (CPU_ATTN's ops) on varlen q, k, v through a paged cache.
   tokenize the texts and chat conversations through the renderer vLLM builds for the model (its
            tokenizer and chat template), as its completion and chat routes tokenize them.
+  weights  one decoder layer's weights as the loaded engine holds them (its loader's output), under the
+           checkpoint's names: fused projections split, the GGUF plugin's quantized ones dequantized.
   namemap  the GGUF->HF parameter name map of the vllm-gguf-plugin (`get_weights_adapter(config)
            .build_name_map(model_config)`) for an HF config.
 
@@ -439,6 +441,96 @@ def explain_config(vllm_config) -> dict:
             "env": {k: v for k, v in os.environ.items() if k.startswith("VLLM_")}, **cmd_info({})}
 
 
+# ---- weights --------------------------------------------------------------------------------------
+
+# vLLM's fused projections and the checkpoint tensors they hold, in the order of their output rows
+_FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj"),
+          "fused_qkv_a_proj": ("q_a_proj", "kv_a_proj_with_mqa")}
+
+
+def _gguf_shards(module) -> list:
+    """The vllm-gguf-plugin's quantized weight of a linear module (`qweight`: raw GGUF blocks [rows, bytes];
+    a merged layer's shards stacked and padded, `shard_offset_map` {shard: (start, end, bytes)}) dequantized
+    with gguf-py, shard by shard in row order: [float32 [rows, cols]]."""
+    import gguf
+    import torch
+
+    q, types = module.qweight, module.qweight_type
+    raw = q.detach().cpu().numpy()
+    offsets = getattr(q, "shard_offset_map", None)
+    if not offsets:
+        return [torch.from_numpy(gguf.quants.dequantize(raw, int(types.weight_type)).astype("float32"))]
+    out = []
+    for shard, (start, end, size) in sorted(offsets.items(), key=lambda kv: kv[1][0]):
+        qtype = int(types.shard_weight_type.get(shard, types.weight_type))
+        out.append(torch.from_numpy(gguf.quants.dequantize(raw[start:end, :size], qtype).astype("float32")))
+    return out
+
+
+def _keep_cpu_weights(prefix: str) -> None:
+    """vLLM for CPU packs each linear layer's weight for its GEMM once loaded and frees the parameter
+    (layers/utils.py dispatch_cpu_unquantized_gemm, remove_weight=True): keep a copy of what the loader
+    left, taken just before that packing, for the layers under `prefix` (the packing itself unchanged)."""
+    try:
+        from vllm.model_executor.layers import utils
+    except ImportError:
+        return
+    pack = getattr(utils, "dispatch_cpu_unquantized_gemm", None)
+    if pack is None:  # another vLLM: the weights are read where they are (a freed one is an error naming it)
+        return
+
+    def keep_then_pack(layer, *args, **kwargs):
+        if getattr(layer, "prefix", "").startswith(prefix) and not layer.weight.is_meta:
+            layer._llmdoctor_loaded_weight = layer.weight.detach().clone()
+        return pack(layer, *args, **kwargs)
+
+    utils.dispatch_cpu_unquantized_gemm = keep_then_pack  # looked up there at each call (linear.py)
+
+
+def cmd_weights(req: dict) -> dict:
+    """Decoder layer `layer`'s weights as the loaded engine holds them, under the checkpoint's (HF) names:
+    a fused projection split back by its own output sizes (qkv_proj -> q_proj, k_proj, v_proj; ...), a
+    GGUF-quantized one (the plugin's qweight) dequantized with gguf-py; float32, CPU. With the HF config
+    vLLM built the model from."""
+    import torch
+
+    prefix = f"model.layers.{int(req['layer'])}."
+    _keep_cpu_weights(prefix)
+    llm, _, t_load = _llm({**req, "tokens": []})
+    runner = _runner(llm)
+    held: dict = {}
+    for name, module in runner.model.named_modules():
+        if not name.startswith(prefix):
+            continue
+        params = dict(module.named_parameters(recurse=False))
+        if "qweight" in params:
+            shards = _gguf_shards(module)
+        elif getattr(module, "_llmdoctor_loaded_weight", None) is not None:
+            shards = [module._llmdoctor_loaded_weight.to(torch.float32)]
+        elif "weight" in params:
+            shards = [params["weight"].detach().to(torch.float32).cpu()]
+        else:
+            continue
+        parent, leaf = name.rsplit(".", 1)
+        if leaf in _FUSED:
+            if len(shards) == 1:
+                sizes = [int(n) for n in getattr(module, "output_sizes", [])]
+                if sum(sizes) != shards[0].shape[0]:
+                    raise Unsupported(f"vLLM {_version()}: {name} holds {shards[0].shape[0]} rows, its output sizes "
+                                      f"say {sizes}: cannot split it into {', '.join(_FUSED[leaf])}")
+                shards = list(torch.split(shards[0], sizes, dim=0))
+            for hf, w in zip(_FUSED[leaf], shards):
+                held[f"{parent}.{hf}.weight"] = w.contiguous()
+        else:
+            held[f"{name}.weight"] = shards[0].contiguous()
+    if not held:
+        raise Unsupported(f"vLLM {_version()}: no parameters under {prefix} in {type(runner.model).__name__}")
+    config = runner.model_config.hf_config.to_dict()
+    return {"weights": held, "config": json.dumps(config, default=str),
+            "info": {**cmd_info(req), "model": req["model"], "load_s": round(t_load, 2),
+                     "linear_methods": arithmetic(runner)["linear_methods"]}}
+
+
 # ---- namemap --------------------------------------------------------------------------------------
 
 def cmd_namemap(req: dict) -> dict:
@@ -557,6 +649,7 @@ COMMANDS = {"info": cmd_info, "run": cmd_run, "explain": cmd_explain, "select": 
             "attention": cmd_attention}
 COMMANDS["tokenize"] = cmd_tokenize
 COMMANDS["generate"] = cmd_generate
+COMMANDS["weights"] = cmd_weights
 
 
 def main() -> int:
