@@ -24,35 +24,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 WORDS = ["<s>", "<unk>"] + [f"w{i}" for i in range(2, 96)]  # the tiny models' vocabulary (96)
 
 
-def q8_0_copy(src: Path, dst: Path) -> Path:
-    """`src` (an F32 GGUF) with every 2-D weight whose rows hold whole 32-value blocks stored Q8_0 (gguf-py's
-    quantizer), every metadata key kept, the file type set to MOSTLY_Q8_0."""
-    import gguf
-    import numpy as np
-
-    r = gguf.GGUFReader(str(src))
-    arch = r.get_field("general.architecture").contents()
-    w = gguf.GGUFWriter(str(dst), arch)
-    for f in r.fields.values():
-        if f.name.startswith("GGUF.") or f.name in ("general.architecture", "general.file_type"):
-            continue
-        sub = f.types[-1] if f.types[0] == gguf.GGUFValueType.ARRAY else None
-        w.add_key_value(f.name, f.contents(), f.types[0], sub_type=sub)
-    w.add_file_type(gguf.LlamaFileType.MOSTLY_Q8_0)
-    for t in r.tensors:
-        x = np.asarray(t.data, dtype=np.float32).reshape(tuple(reversed([int(n) for n in t.shape])))  # row-major
-        if x.ndim == 2 and x.shape[-1] % 32 == 0:
-            w.add_tensor(t.name, gguf.quants.quantize(x, gguf.GGMLQuantizationType.Q8_0),
-                         raw_dtype=gguf.GGMLQuantizationType.Q8_0)
-        else:
-            w.add_tensor(t.name, x)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return dst
-
-
 def demo_beside(demo: Path) -> None:
     """config.json and the tokenizer files beside the demo GGUF, as vLLM's GGUF loading wants them
     (the config of the model llmdoctor's transformers engine builds from it; transformers' GGUF tokenizer)."""
@@ -69,6 +40,7 @@ def demo_beside(demo: Path) -> None:
 
 def models(out: Path, demo: Path | None) -> dict[str, str]:
     import fixtures_hf
+    import gguf_builders
     from test_engine_vllm import vllm_checkpoint
 
     t0 = time.perf_counter()
@@ -78,7 +50,7 @@ def models(out: Path, demo: Path | None) -> dict[str, str]:
         fixtures_hf.with_tokenizer(ckpt, WORDS)
     q8_dir = out / "llama-q8_0"
     q8_dir.mkdir(parents=True, exist_ok=True)
-    q8 = q8_0_copy(llama_gguf, q8_dir / "llama-q8_0.gguf")
+    q8 = gguf_builders.q8_0_copy(llama_gguf, q8_dir / "llama-q8_0.gguf")
     shutil.copy(llama / "config.json", q8_dir / "config.json")
     fixtures_hf.with_tokenizer(q8_dir, WORDS)
     got = {"llama": str(llama), "deepseek": str(deepseek), "llama_q8_0": str(q8)}

@@ -124,3 +124,31 @@ def exercise(path) -> bool:
             except GGUFError:  # quantized tensor in a big-endian file
                 assert not t.supported
     return True
+
+
+def q8_0_copy(src: Path, dst: Path) -> Path:
+    """`src` (an F32 GGUF) with every 2-D weight whose rows hold whole 32-value blocks stored Q8_0 (gguf-py's
+    quantizer), every metadata key kept, the file type set to MOSTLY_Q8_0."""
+    import gguf
+
+    r = gguf.GGUFReader(str(src))
+    arch = r.get_field("general.architecture").contents()
+    w = gguf.GGUFWriter(str(dst), arch)
+    for f in r.fields.values():
+        if f.name.startswith("GGUF.") or f.name in ("general.architecture", "general.file_type"):
+            continue
+        sub = f.types[-1] if f.types[0] == gguf.GGUFValueType.ARRAY else None
+        w.add_key_value(f.name, f.contents(), f.types[0], sub_type=sub)
+    w.add_file_type(gguf.LlamaFileType.MOSTLY_Q8_0)
+    for t in r.tensors:
+        x = np.asarray(t.data, dtype=np.float32).reshape(tuple(reversed([int(n) for n in t.shape])))  # row-major
+        if x.ndim == 2 and x.shape[-1] % 32 == 0:
+            w.add_tensor(t.name, gguf.quants.quantize(x, gguf.GGMLQuantizationType.Q8_0),
+                         raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        else:
+            w.add_tensor(t.name, x)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return dst

@@ -393,6 +393,7 @@ def test_vllm_for_cpu_reports_its_arithmetic_and_keeps_its_budget(vllm_python, t
     impls = list(arith["attention_impls"].values())
     assert len(impls) == 2 and all(i.endswith("Impl") for i in impls), arith
     assert "UnquantizedLinearMethod" in arith["linear_methods"], arith
+    assert arith["rope_styles"] == {"neox (rotate-half)": 2}, arith  # one rotary module per layer
     assert "triton" in arith and "gguf_plugin" not in arith
     budget = engine.noise_budget(ran)
     assert budget.dtype == "float64" and budget.emulate is None

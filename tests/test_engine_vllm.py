@@ -236,6 +236,32 @@ def test_the_weights_vllm_loaded_from_a_gguf_are_the_checkpoints(ckpts, vllm_pyt
                   tol=1e-6)["kind"] == "unrelated"  # the comparison can fail
 
 
+def test_the_weights_vllm_loaded_from_a_q8_0_gguf_are_the_files_blocks(ckpts, vllm_python, tmp_path):
+    """The quantized path of the driver's `weights`: the qwen2 GGUF with its matrices stored Q8_0, loaded by
+    vLLM for CPU through the vllm-gguf-plugin (GGUFLinearMethod: raw blocks, the fused qkv_proj's three
+    shards stacked in one padded parameter): each shard dequantized equals gguf-py's dequantization of that
+    tensor in the file, under the checkpoint's name."""
+    import gguf
+
+    import gguf_builders
+    from llmdoctor.subjects.engines.base import Deployment
+
+    ckpt, f32 = ckpts["qwen2"]
+    q8 = gguf_builders.q8_0_copy(f32, tmp_path / "qwen2-q8_0.gguf")
+    shutil.copy(ckpt / "config.json", tmp_path / "config.json")
+    engine = vllm_engine.VLLMEngine(Deployment(model=q8.resolve(), dtype="float32", python=vllm_python))
+    held, _ = engine.weights(1)
+    file = {t.name: t for t in gguf.GGUFReader(str(q8)).tensors}
+    names = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+             "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+             "mlp.down_proj": "ffn_down"}
+    for hf, gg in names.items():
+        t = file[f"blk.1.{gg}.weight"]
+        assert t.tensor_type == gguf.GGMLQuantizationType.Q8_0
+        want = gguf.quants.dequantize(t.data, t.tensor_type)
+        assert np.array_equal(held[f"model.layers.1.{hf}.weight"], want), hf
+
+
 def test_check_mapping_asks_the_gguf_plugins_own_map(ckpts, vllm_python, monkeypatch):
     """check mapping --engine vllm asks the vllm-gguf-plugin's name map in the `python` on PATH that
     imports vllm (the vLLM environment, first on PATH here): it agrees with ours on llama and qwen2 (a

@@ -199,7 +199,8 @@ def built_backends(runner) -> dict:
 def arithmetic(runner) -> dict:
     """What the running engine built that decides its arithmetic (llmdoctor's noise budget reads it):
     the device, torch's float32 matmul precision (vLLM's VLLM_FLOAT32_MATMUL_PRECISION, "highest" by
-    default), each attention layer's impl class, the linear methods in use, for GGUF models the
+    default), each attention layer's impl class, the linear methods in use, the rotary embeddings' style
+    (a GGUF's q/k rows in the adjacent-pair layout need the adjacent-pair rotation), for GGUF models the
     vllm-gguf-plugin's weight types and whether its CUDA ops loaded (else its Triton GEMMs run), and
     Triton's float32 dot default (TRITON_F32_DEFAULT, else the NVIDIA backend's: tf32)."""
     import torch
@@ -207,13 +208,17 @@ def arithmetic(runner) -> dict:
     device = str(getattr(runner, "device", "") or "")
     out: dict = {"device": device.split(":")[0] or None,
                  "float32_matmul_precision": torch.get_float32_matmul_precision(),
-                 "attention_impls": {}, "linear_methods": {}, "gguf_weight_types": {}}
+                 "attention_impls": {}, "linear_methods": {}, "gguf_weight_types": {}, "rope_styles": {}}
     if out["device"] == "cuda" and torch.cuda.is_available():
         out["compute_capability"] = ".".join(map(str, torch.cuda.get_device_capability()))
     for name, module in runner.model.named_modules():
         impl = getattr(module, "impl", None)
         if impl is not None and hasattr(module, "layer_name"):
             out["attention_impls"][name] = type(impl).__name__
+        rope = getattr(module, "is_neox_style", None)  # a rotary embedding: rotate-half (neox) or adjacent pairs
+        if isinstance(rope, bool):
+            key = "neox (rotate-half)" if rope else "gptj (adjacent pairs)"
+            out["rope_styles"][key] = out["rope_styles"].get(key, 0) + 1
         method = getattr(module, "quant_method", None)
         if method is not None:
             key = type(method).__name__
