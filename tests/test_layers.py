@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from llmdoctor.checks.layers import (error_curve,
@@ -86,6 +87,40 @@ def test_selection_disagreement_allows_ties_at_the_kth_score_only():
     assert selection_disagreement(scores, ok, 2) == 0.0
     bad = np.array([[0, 3], [1, 0], [0, 2], [0, 3]])  # query 3 took key 3 (0.5) over key 1 (2.0)
     assert selection_disagreement(scores, bad, 2) == 0.25
+
+
+def test_selection_disagreement_is_its_definition_row_by_row():
+    """The vectorized rule against its definition applied to one row at a time, on random scores with
+    ties, masked (future) keys and picks that are duplicated, padded, out of range or masked."""
+    from llmdoctor.checks.routing import selection_disagreement
+
+    def by_definition(scores, sel, top_k, rel_tol=1e-5):
+        finite = np.where(np.isfinite(scores), scores, -np.inf)
+        k = min(top_k, scores.shape[1])
+        bad = []
+        for t in range(scores.shape[0]):
+            row = finite[t]
+            visible = int(np.isfinite(row).sum())
+            kth = -np.sort(-row)[k - 1]
+            tol = rel_tol * np.max(np.abs(np.where(np.isfinite(row), row, 0.0)))
+            picks = {int(j) for j in sel[t] if 0 <= j < len(row) and np.isfinite(row[j])}
+            if len(picks) != min(k, visible):
+                bad.append(True)
+                continue
+            above = np.nonzero(row > kth + tol)[0]
+            bad.append(any(int(j) not in picks for j in above) or any(row[j] < kth - tol for j in picks))
+        return float(np.mean(bad))
+
+    rng = np.random.default_rng(0)
+    for trial in range(40):
+        t_n, s_n, k = rng.integers(1, 12), rng.integers(2, 20), rng.integers(1, 8)
+        k = min(k, s_n)
+        scores = rng.integers(-3, 4, size=(t_n, s_n)).astype(np.float64)  # many ties
+        scores[rng.random((t_n, s_n)) < 0.2] = -np.inf  # masked keys
+        sel = np.argsort(-scores, axis=1, kind="stable")[:, :k]
+        noise = rng.random(sel.shape) < 0.3
+        sel = np.where(noise, rng.integers(-2, s_n + 2, size=sel.shape), sel)  # wrong, padded, out of range
+        assert selection_disagreement(scores, sel, int(k)) == by_definition(scores, sel, int(k)), trial
 
 
 def test_selection_disagreement_catches_short_duplicated_padded_and_future_picks():

@@ -30,19 +30,26 @@ def selection_disagreement(scores: Any, selected: Any, top_k: int, rel_tol: floa
     k = min(top_k, s_n)
     if sel.ndim != 2 or sel.shape[0] != t_n or sel.shape[1] != k:
         return 1.0
+    if not t_n:
+        return 0.0
     finite = np.where(np.isfinite(sc), sc, -np.inf)
     n_visible = np.isfinite(finite).sum(axis=1)  # [T]
     kth = -np.sort(-finite, axis=1)[:, k - 1]  # [T]: the k-th best visible score (-inf if fewer)
     tol = rel_tol * np.max(np.abs(np.where(np.isfinite(sc), sc, 0.0)), axis=1)  # [T]
-    bad = np.zeros(t_n, dtype=bool)
-    for t in range(t_n):
-        picks = {int(j) for j in sel[t] if 0 <= j < s_n and np.isfinite(finite[t, j])}
-        if len(picks) != min(k, int(n_visible[t])):
-            bad[t] = True
-            continue
-        above = np.nonzero(finite[t] > kth[t] + tol[t])[0]
-        bad[t] = any(int(j) not in picks for j in above) or any(finite[t, j] < kth[t] - tol[t] for j in picks)
-    return float(bad.mean()) if t_n else 0.0
+    # each row's distinct visible picks (a row at a time in Python took ~80 s on GLM-5's 2,304 x 2,048)
+    ok = (sel >= 0) & (sel < s_n)
+    got = np.take_along_axis(finite, np.where(ok, sel, 0), axis=1)  # [T, k] the picks' scores
+    ok &= np.isfinite(got)
+    order = np.sort(np.where(ok, sel, -1), axis=1)  # [T, k] invalid picks first, as -1
+    first = order >= 0
+    first[:, 1:] &= order[:, 1:] != order[:, :-1]  # [T, k] the first of each distinct valid pick
+    picked = np.take_along_axis(finite, np.maximum(order, 0), axis=1)  # [T, k]
+    count_ok = first.sum(axis=1) == np.minimum(k, n_visible)
+    above = finite > (kth + tol)[:, None]  # [T, S] keys that must be picked
+    picked_above = (first & (picked > (kth + tol)[:, None])).sum(axis=1)
+    picked_below = (first & (picked < (kth - tol)[:, None])).any(axis=1)
+    bad = ~count_ok | (picked_above != above.sum(axis=1)) | picked_below
+    return float(bad.mean())
 
 
 def routing_tolerance(ref_scores: Any, emu_scores: Any) -> float:
