@@ -338,6 +338,51 @@ def _fake_vllm(monkeypatch) -> None:
         monkeypatch.setitem(sys.modules, name, mod)
 
 
+def test_driver_captures_a_sparse_indexers_picks_for_the_prompts_rows_only():
+    """The driver's hooks read a DSA indexer's selections (vLLM's Indexer writes them into its shared
+    topk_indices_buffer) after each layer's call with the prompt's rows, not after a decode step's, and
+    name them top_k-{layer} as the reference does. A stand-in model: vLLM for CPU has no sparse MLA."""
+    import importlib.util
+
+    import torch
+
+    spec = importlib.util.spec_from_file_location("vllm_driver_t", vllm_engine.DRIVER)
+    drv = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(drv)
+    buffer = torch.full((16, 4), -1, dtype=torch.int32)  # [max batched tokens, top-k], shared by the layers
+
+    class Indexer(torch.nn.Module):
+        def __init__(self, shift):
+            super().__init__()
+            self.topk_indices_buffer, self.shift = buffer, shift
+
+        def forward(self, hidden_states, qr, positions, rotary_emb):
+            n = hidden_states.shape[0]
+            self.topk_indices_buffer[:n] = torch.arange(4).repeat(n, 1) + self.shift
+            return self.topk_indices_buffer[:n]
+
+    class Layer(torch.nn.Module):
+        def __init__(self, shift):
+            super().__init__()
+            self.self_attn = torch.nn.Module()
+            self.self_attn.indexer = Indexer(shift)
+
+        def forward(self, h):
+            self.self_attn.indexer(h, None, None, None)
+            return h
+
+    model = torch.nn.Module()
+    model.layers = torch.nn.ModuleList([Layer(0), Layer(10)])
+    hooks = drv._Hooks(model, 6)
+    for rows in (6, 1):  # the prompt's prefill, then a decode step that overwrites the buffer
+        h = torch.zeros(rows, 8)
+        for layer in model.layers:
+            h = layer(h)
+    hooks.remove()
+    assert hooks.caps["top_k-0"].tolist() == [[0, 1, 2, 3]] * 6
+    assert hooks.caps["top_k-1"].tolist() == [[10, 11, 12, 13]] * 6
+
+
 def test_driver_select_passes_a_config_and_the_dtype_to_the_mla_prefill_selector(monkeypatch):
     """The H200's "'NoneType' object has no attribute 'attention_config'": the bare-shape selection hands
     vLLM's MLA prefill selector the VllmConfig (never None) with the asked dtype as torch's default."""

@@ -88,6 +88,7 @@ class _Hooks:
                    output of the attention's rotary_emb; vLLM shares one rotary module between layers,
                    so a pre-hook on each layer says whose call it is)
       ffn_moe_topk-i  the experts the MoE router chose [T, k] (router.select_experts)
+      top_k-i      the keys a sparse-attention indexer (DeepSeek-V3.2 / GLM-5 DSA) selected per query [T, k]
     """
 
     def __init__(self, model, n: int):
@@ -131,6 +132,10 @@ class _Hooks:
             router = getattr(getattr(getattr(layer, "mlp", None), "experts", None), "router", None)
             if router is not None and hasattr(router, "select_experts"):
                 self._router(router, f"ffn_moe_topk-{i}")
+            indexer = getattr(attn, "indexer", None)
+            if getattr(indexer, "topk_indices_buffer", None) is not None:
+                self.handles.append(indexer.register_forward_hook(
+                    lambda m, a, kw, o, i=i: self._picks(m, a, kw, f"top_k-{i}"), with_kwargs=True))
 
     def _keep(self, name: str, x) -> None:
         import torch
@@ -150,6 +155,14 @@ class _Hooks:
             q, k = out
             self._keep(f"q_pe-{self.layer}", q)
             self._keep(f"k_pe-{self.layer}", k.reshape(k.shape[0], -1))
+
+    def _picks(self, indexer, args, kwargs, name: str) -> None:
+        """A sparse-attention indexer's key selections for the prompt's rows: its op writes them into
+        `topk_indices_buffer` (int32 [max batched tokens, top-k], shared by the layers, -1 padding), read
+        right after this layer's call when that call had the prompt's `n` rows."""
+        hidden = args[0] if args else kwargs.get("hidden_states")
+        if hidden is not None and hidden.shape[0] == self.n:
+            self._keep(name, indexer.topk_indices_buffer[: self.n])
 
     def _in(self, module, name: str, pick) -> None:
         self.handles.append(module.register_forward_pre_hook(lambda m, a: self._keep(name, pick(a))))
