@@ -38,6 +38,23 @@ def demo_beside(demo: Path) -> None:
     transformers.AutoTokenizer.from_pretrained(str(demo.parent), gguf_file=demo.name).save_pretrained(demo.parent)
 
 
+# A tiny GLM-5 (glm-dsa) for vLLM's sparse MLA (issue 22 part 4): DeepSeek's real latent dims (the MLA
+# backends take only head size 576), an indexer of 64 heads x 128 (the shape vLLM's indexer kernels are
+# written for) with top-k 64, so that a prompt of DSA_TOKENS ids is longer than one selection.
+DSA = dict(index_head_dim=128, index_n_heads=64, index_topk=64)
+DSA_TOKENS = [(7 * i + 3) % 96 for i in range(80)]
+
+
+def dsa_checkpoint(out: Path) -> Path:
+    import fixtures_hf
+    import fixtures_mla
+
+    fixtures_mla.build("glm", out, **fixtures_hf.REAL_MLA, **DSA)
+    ckpt = out / "hf-glm"
+    fixtures_hf.with_tokenizer(ckpt, WORDS)
+    return ckpt
+
+
 def models(out: Path, demo: Path | None) -> dict[str, str]:
     import fixtures_hf
     import gguf_builders
@@ -53,7 +70,8 @@ def models(out: Path, demo: Path | None) -> dict[str, str]:
     q8 = gguf_builders.q8_0_copy(llama_gguf, q8_dir / "llama-q8_0.gguf")
     shutil.copy(llama / "config.json", q8_dir / "config.json")
     fixtures_hf.with_tokenizer(q8_dir, WORDS)
-    got = {"llama": str(llama), "deepseek": str(deepseek), "llama_q8_0": str(q8)}
+    glm = dsa_checkpoint(out / "glm")
+    got = {"llama": str(llama), "deepseek": str(deepseek), "llama_q8_0": str(q8), "glm": str(glm)}
     if demo is not None:
         demo_beside(demo)
         got["demo"] = str(demo)
@@ -155,7 +173,9 @@ if __name__ == "__main__":
         models(Path(args[0]), demo)
     elif cmd == "faults":
         faults(args[0], Path(args[1]), Path(args[2]) if len(args) > 2 else Path("/tmp/vfaults"))
+    elif cmd == "dsa-tokens":
+        print(",".join(map(str, DSA_TOKENS)))
     elif cmd == "summary":
         print(summary(Path(args[0])))
     else:
-        sys.exit(f"unknown command {cmd!r}: models | faults | summary")
+        sys.exit(f"unknown command {cmd!r}: models | faults | dsa-tokens | summary")

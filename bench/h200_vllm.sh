@@ -9,6 +9,8 @@
 #   diagnose    issue 22's table: tiny llama and DeepSeek-V3 checkpoints, the tiny llama Q8_0 GGUF and the
 #               demo GGUF, each `diagnose --engine vllm --engine-python /tmp/vpy` in bfloat16 and float32
 #               (three engines at a time, each asking for a quarter of the GPU)
+#   dsa         issue 22 part 4: a tiny GLM-5 under vLLM's sparse MLA in bfloat16, diagnosed with the DSA
+#               selection check against vLLM's own indexer picks (the driver's top_k-i captures)
 #   gpu         vLLM's kernels as subjects (check dequant on the demo and the Q8_0 file, check attention on
 #               llama-3-8b, deepseek-v3 and glm-5, the GPU tests of tests/test_vllm_kernels.py and the engine
 #               explainer's) and, meanwhile, the planted faults of the CPU suite under vLLM on CUDA; then
@@ -24,7 +26,7 @@ mkdir -p "$OUT" "$C" "$M" "$W"
 export PYTHONPATH="/tmp/site:$PWD/src:$PWD/tests" HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 export VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_ENABLE_V1_MULTIPROCESSING=0
 TOKENS=3,17,42,5,77,8,23,61,9,30,55,14,2,88,40,19  # tests/test_engine_vllm.py's TOKENS
-stage=${1:?stage: stash DIR | setup | diagnose | gpu}
+stage=${1:?stage: stash DIR | setup | diagnose | dsa | gpu}
 t0=$(date +%s)
 step() { echo "[$(( $(date +%s) - t0 )) s] $*" | tee -a "$W/$stage.steps"; }
 left() { local n=$(( 545 - ($(date +%s) - t0) )); echo $(( n > 1 ? n : 1 )); }  # seconds left of this call
@@ -101,6 +103,17 @@ diagnose)
     pack
     ;;
 
+dsa)
+    D="$W/dsa"
+    mkdir -p "$D"
+    step "the tiny GLM-5 (real MLA dims, indexer 64 x 128, top-k 64) under vLLM's sparse MLA, bfloat16"
+    timeout "$(left)" python3 -m llmdoctor.cli diagnose --hf "$M/glm/hf-glm" --engine vllm --engine-python /tmp/vpy \
+        --engine-dtype bfloat16 --token-ids "$(python3 bench/h200_vllm.py dsa-tokens)" --generate 0 \
+        --json-out "$D/glm-dsa-bfloat16.json" > "$D/glm-dsa-bfloat16.log" 2>&1
+    step "glm-dsa bfloat16: exit $?"
+    pack
+    ;;
+
 gpu)
     G="$W/gpu"
     mkdir -p "$G"
@@ -147,7 +160,7 @@ PY
     ;;
 
 *)
-    echo "unknown stage $stage (stash DIR | setup | diagnose | gpu)" >&2
+    echo "unknown stage $stage (stash DIR | setup | diagnose | dsa | gpu)" >&2
     exit 2
     ;;
 esac
