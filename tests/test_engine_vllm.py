@@ -26,6 +26,15 @@ from llmdoctor.cli import app
 from llmdoctor.subjects.engines import vllm as vllm_engine
 
 TOKENS = [3, 17, 42, 5, 77, 8, 23, 61, 9, 30, 55, 14, 2, 88, 40, 19]
+# vLLM for CPU on a CPU with AMX sends small GEMMs (a MoE router's) to its sgl kernel, which refuses float32
+# weights: the engine cannot run that model in float32 there (diagnose says so, exit 2; seen on a Xeon with
+# amx_bf16, not on CPUs without AMX)
+AMX_F32 = "expect weight to be bfloat16, float16"
+
+
+def skip_where_vllm_cannot_run(reason: str) -> None:
+    if AMX_F32 in reason:
+        pytest.skip(f"skipped: vLLM for CPU cannot run this model in float32 on this CPU (its AMX GEMM): {reason[:160]}")
 
 
 def vllm_checkpoint(kind: str, out: Path) -> tuple[Path, Path]:
@@ -144,6 +153,8 @@ def test_planted_fault_in_the_engines_checkpoint_is_found_at_its_op(kind, tensor
     bad = planted_copy(src, tmp_path / "bad", tensor, rows)
     res = dg.run(dg.Inputs(hf=src, engine="vllm", engine_hf=bad, engine_python=vllm_python, engine_dtype="float32",
                            token_ids=TOKENS))
+    if res.exit_code == 2:
+        skip_where_vllm_cannot_run(res.verdict)
     loc = next(f for f in res.findings if f.check == "layer-localization")
     assert res.exit_code == 1 and loc.status == "fail", res.verdict
     assert loc.metrics["first_divergent_layer"] == 1 and loc.metrics["point"] == point, loc.metrics
@@ -159,6 +170,8 @@ def test_deepseek_v3_mla(dtype, ckpts, vllm_python):
     code, doc, _ = diagnose("--hf", str(ckpts["deepseek"][0]), "--engine", "vllm", "--engine-python", vllm_python,
                             "--engine-dtype", dtype)
     f = by_check(doc)
+    if code == 2:
+        skip_where_vllm_cannot_run(f["engine-vs-reference"].get("reason") or "")
     b = f["engine-backends"]
     assert b["status"] == "pass" and b["metrics"]["kind"] == "mla", b
     assert b["metrics"]["selected"]["decode"] in ("CPU_MLA", "AMX_MLA"), b

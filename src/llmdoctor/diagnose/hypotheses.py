@@ -443,7 +443,7 @@ def _held_weights(s: Session, point) -> dict[str, Any]:
     from ..checks.weight_relation import relate
     from ..gguf import layout
     from ..reference import load
-    from ..subjects.engines.base import NotOffered
+    from ..subjects.engines.base import EngineError, EngineUnavailable, NotOffered
 
     if s.inputs.gguf is None:
         return {"skipped": "the reference reads the engine's own checkpoint"}
@@ -451,6 +451,8 @@ def _held_weights(s: Session, point) -> dict[str, Any]:
         held, config = s.engine().weights(point.layer)
     except NotOffered as e:
         return {"skipped": str(e)}
+    except (EngineError, EngineUnavailable) as e:  # the divergence stands; only its weights could not be read
+        return {"skipped": f"the engine's loaded weights could not be read: {e}"}
     cfg, g = s.config(), s.gguf()
     legacy_kv_b = cfg.mla is not None and g.has_tensor(f"blk.{point.layer}.attn_kv_b.weight")
     plan = layout.plan(cfg.arch, list(held), config, split_kv_b=not legacy_kv_b)
