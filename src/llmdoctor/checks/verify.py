@@ -259,7 +259,7 @@ def _chunks(tensors: list[TensorInfo], limit: int, every: bool) -> Iterator[tupl
         if not (every or _decoded(t)) or t.n_blocks == 0:
             yield t, 0, 0
             continue
-        unit = max(1, CHUNK_VALUES // t.block_size)  # blocks per piece
+        unit = _piece_blocks(t)
         step = max(unit, limit // t.type_size // unit * unit)
         for b0 in range(0, t.n_blocks, step):
             yield t, b0, min(b0 + step, t.n_blocks)
@@ -400,10 +400,15 @@ def _values_buffer() -> torch.Tensor:
     return _scratch.out
 
 
+def _piece_blocks(t: TensorInfo) -> int:
+    """Blocks per piece: CHUNK_VALUES values (one block at least)."""
+    return max(1, CHUNK_VALUES // t.block_size)
+
+
 def _pieces(t: TensorInfo, raw: np.ndarray) -> Iterator[tuple[int, int, np.ndarray]]:
     """(first block, end block, their bytes) of each CHUNK_VALUES piece of a chunk's raw blocks, counted
     from the chunk's start."""
-    unit, n = max(1, CHUNK_VALUES // t.block_size), raw.size // t.type_size
+    unit, n = _piece_blocks(t), raw.size // t.type_size
     for c0 in range(0, n, unit):
         c1 = min(c0 + unit, n)
         yield c0, c1, raw[c0 * t.type_size : c1 * t.type_size]
@@ -421,7 +426,7 @@ def _decode_cpu(tw: _Tensor, ring: _Ring, i: int, j: int, b0: int, b1: int, *, s
             chunk = ring.bufs[i][: (b1 - b0) * ts]
             decoder = tw.fx.native_decoding(t.type) if part.acc is not None else None
             if decoder is not None:  # the whole chunk in one native call; only a piece with inf/NaN comes back
-                unit = max(1, CHUNK_VALUES // bs)
+                unit = _piece_blocks(t)
                 finite_values = (b1 - b0) * bs
                 for p in part.acc.add_decoded(chunk.reshape(-1, ts), decoder, unit, out):  # type: ignore[union-attr]
                     raw = chunk[p * unit * ts : (p + 1) * unit * ts]
@@ -450,7 +455,7 @@ def _host_blocks(tw: _Tensor, ring: _Ring, i: int, j: int, b0: int, b1: int, *, 
             part, t = _Part(tw, checks=False), tw.t
             if part.acc is not None and (part.acc.fields or part.acc.subblocks is not None):
                 chunk = ring.bufs[i][: (b1 - b0) * t.type_size]
-                part.acc.add_blocks_in_pieces(chunk.reshape(-1, t.type_size), max(1, CHUNK_VALUES // t.block_size))
+                part.acc.add_blocks_in_pieces(chunk.reshape(-1, t.type_size), _piece_blocks(t))
     finally:
         ring.release(i)
         tw.done(j, part, skip)

@@ -428,6 +428,8 @@ def h_layer_localization(s: Session) -> list[Finding]:
                                     if confirmed else
                                     ("; no single swap into the reference reproduces it" if swaps else ""))
                                  + (f"; its error: {pattern.words}" if pattern and pattern.kind != "none" else "")
+                                 + (f"; the weights it loaded were not compared ({held['skipped']})"
+                                    if held.get("unread") else "")
                                  + "".join(f"; the engine holds {w['tensor']} as {w['words']}"
                                            + ("; swapped into the reference it reproduces the divergence"
                                               if w.get("reproduces") else "")
@@ -452,7 +454,7 @@ def _held_weights(s: Session, point) -> dict[str, Any]:
     except NotOffered as e:
         return {"skipped": str(e)}
     except (EngineError, EngineUnavailable) as e:  # the divergence stands; only its weights could not be read
-        return {"skipped": f"the engine's loaded weights could not be read: {e}"}
+        return {"skipped": f"the engine's loaded weights could not be read: {e}", "unread": True}
     cfg, g = s.config(), s.gguf()
     legacy_kv_b = cfg.mla is not None and g.has_tensor(f"blk.{point.layer}.attn_kv_b.weight")
     plan = layout.plan(cfg.arch, list(held), config, split_kv_b=not legacy_kv_b)
