@@ -37,8 +37,8 @@ calls() {
     done
     echo "call $i: carry=[]  command: bash bench/h200_vllm.sh setup     # reassemble, sha256, install, models"
     echo "call $((i + 1)): carry=[]  command: bash bench/h200_vllm.sh diagnose  # issue 22's table, bf16 and f32"
-    echo "call $((i + 2)): carry=[]  command: bash bench/h200_vllm.sh dsa       # tiny GLM-5 under vLLM's sparse MLA"
-    echo "call $((i + 3)): carry=[]  command: bash bench/h200_vllm.sh gpu       # kernels, GPU tests, planted faults, summary.md"
+    echo "          (diagnose runs the dsa stage as its fourth lane; \`bash bench/h200_vllm.sh dsa\` re-runs it alone)"
+    echo "call $((i + 2)): carry=[]  command: bash bench/h200_vllm.sh gpu       # kernels, GPU tests, planted faults, summary.md"
 }
 
 if [[ "${1:-}" == calls ]]; then calls; exit 0; fi

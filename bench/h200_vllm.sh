@@ -8,7 +8,7 @@
 #               interpreter), build the models (bench/h200_vllm.py models)
 #   diagnose    issue 22's table: tiny llama and DeepSeek-V3 checkpoints, the tiny llama Q8_0 GGUF and the
 #               demo GGUF, each `diagnose --engine vllm --engine-python /tmp/vpy` in bfloat16 and float32
-#               (three engines at a time, each asking for a quarter of the GPU)
+#               (four engines at a time, each asking for a fifth of the GPU; the fourth lane is the dsa stage)
 #   dsa         issue 22 part 4: a tiny GLM-5 under vLLM's sparse MLA in bfloat16, diagnosed with the DSA
 #               selection check against vLLM's own indexer picks (the driver's top_k-i captures)
 #   gpu         vLLM's kernels as subjects (check dequant on the demo and the Q8_0 file, check attention on
@@ -36,6 +36,14 @@ pack() {  # the stage's folder as one tarball, its steps and summary beside it
     cp "$W/$stage/summary.md" "$OUT/$stage-summary.md" 2>/dev/null
     cp "$W/$stage.steps" "$OUT/$stage-steps.txt"
     tar czf "$OUT/$stage.tgz" -C "$W" "$stage"
+}
+
+dsa() {  # DIR: issue 22 part 4, the tiny GLM-5 (real MLA dims, indexer 64 x 128, top-k 64) under vLLM's sparse MLA
+    step "glm-dsa bfloat16 (vLLM's sparse MLA, the DSA check against its own indexer picks)"
+    timeout "$(left)" python3 -m llmdoctor.cli diagnose --hf "$M/glm/hf-glm" --engine vllm --engine-python /tmp/vpy \
+        --engine-dtype bfloat16 --token-ids "$(python3 bench/h200_vllm.py dsa-tokens)" --generate 0 \
+        --json-out "$1/glm-dsa-bfloat16.json" > "$1/glm-dsa-bfloat16.log" 2>&1
+    step "glm-dsa bfloat16: exit $?"
 }
 
 case "$stage" in
@@ -84,7 +92,7 @@ setup)
 diagnose)
     D="$W/diagnose"
     mkdir -p "$D"
-    export LLMDOCTOR_VLLM_GPU_MEMORY_UTILIZATION=0.25
+    export LLMDOCTOR_VLLM_GPU_MEMORY_UTILIZATION=0.2
     diag() {  # name dtype args...: one row of issue 22's table
         local name=$1 dtype=$2
         shift 2
@@ -92,25 +100,21 @@ diagnose)
             --engine-dtype "$dtype" --token-ids "$TOKENS" --generate 0 --json-out "$D/$name-$dtype.json" > "$D/$name-$dtype.log" 2>&1
         step "$name $dtype: exit $?"
     }
-    step "three lanes"
+    step "four lanes (the fourth: the dsa stage)"
     { diag demo-gguf bfloat16 --gguf "$M/demo/demo.gguf"; diag demo-gguf float32 --gguf "$M/demo/demo.gguf"; } &
     { diag llama-hf bfloat16 --hf "$M/llama/hf-llama"; diag llama-hf float32 --hf "$M/llama/hf-llama"
       diag llama-q8_0-gguf bfloat16 --gguf "$M/llama-q8_0/llama-q8_0.gguf"; } &
     { diag deepseek-hf bfloat16 --hf "$M/deepseek/hf-deepseek"; diag deepseek-hf float32 --hf "$M/deepseek/hf-deepseek"
       diag llama-q8_0-gguf float32 --gguf "$M/llama-q8_0/llama-q8_0.gguf"; } &
+    dsa "$D" &
     wait
     step "end"
     pack
     ;;
 
 dsa)
-    D="$W/dsa"
-    mkdir -p "$D"
-    step "the tiny GLM-5 (real MLA dims, indexer 64 x 128, top-k 64) under vLLM's sparse MLA, bfloat16"
-    timeout "$(left)" python3 -m llmdoctor.cli diagnose --hf "$M/glm/hf-glm" --engine vllm --engine-python /tmp/vpy \
-        --engine-dtype bfloat16 --token-ids "$(python3 bench/h200_vllm.py dsa-tokens)" --generate 0 \
-        --json-out "$D/glm-dsa-bfloat16.json" > "$D/glm-dsa-bfloat16.log" 2>&1
-    step "glm-dsa bfloat16: exit $?"
+    mkdir -p "$W/dsa"
+    dsa "$W/dsa"
     pack
     ;;
 
