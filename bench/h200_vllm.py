@@ -51,6 +51,13 @@ def dsa_checkpoint(out: Path) -> Path:
 
     fixtures_mla.build("glm", out, **fixtures_hf.REAL_MLA, **DSA)
     ckpt = out / "hf-glm"
+    # two keys GLM-5's own config.json carries that transformers' GlmMoeDsaConfig does not write: vLLM reads
+    # them (deepseek_v2.py: the router's e_score_correction_bias exists only for topk_method noaux_tc, else its
+    # loader raises KeyError on it; the indexer's rotary is interleaved only with indexer_rope_interleave, as
+    # transformers' GlmMoeDsaIndexer always is). Seen on the H200 2026-12-02: without them, KeyError.
+    cfg = json.loads((ckpt / "config.json").read_text())
+    (ckpt / "config.json").write_text(json.dumps({**cfg, "topk_method": "noaux_tc", "indexer_rope_interleave": True},
+                                                 indent=2))
     fixtures_hf.with_tokenizer(ckpt, WORDS)
     return ckpt
 

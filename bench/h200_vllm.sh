@@ -15,6 +15,8 @@
 #               llama-3-8b, deepseek-v3 and glm-5, the GPU tests of tests/test_vllm_kernels.py and the engine
 #               explainer's) and, meanwhile, the planted faults of the CPU suite under vLLM on CUDA; then
 #               summary.md over every stage
+#   rest        one call for what a first pass left: the diagnose rows in ROWS (default demo-gguf:float32,
+#               started first), the dsa stage and the gpu stage side by side
 #
 # /tmp on that machine outlives a call only while the machine is held (30 s idle): make the calls back to
 # back. Each stage writes at most 4 files under $OUT (a tarball of its outputs, its summary, its log).
@@ -26,7 +28,7 @@ mkdir -p "$OUT" "$C" "$M" "$W"
 export PYTHONPATH="/tmp/site:$PWD/src:$PWD/tests" HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 export VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_ENABLE_V1_MULTIPROCESSING=0
 TOKENS=3,17,42,5,77,8,23,61,9,30,55,14,2,88,40,19  # tests/test_engine_vllm.py's TOKENS
-stage=${1:?stage: stash DIR | setup | diagnose | dsa | gpu}
+stage=${1:?stage: stash DIR | setup | diagnose | dsa | gpu | rest}
 t0=$(date +%s)
 step() { echo "[$(( $(date +%s) - t0 )) s] $*" | tee -a "$W/$stage.steps"; }
 left() { local n=$(( 545 - ($(date +%s) - t0) )); echo $(( n > 1 ? n : 1 )); }  # seconds left of this call
@@ -38,12 +40,59 @@ pack() {  # the stage's folder as one tarball, its steps and summary beside it
     tar czf "$OUT/$stage.tgz" -C "$W" "$stage"
 }
 
+diag() {  # name dtype args...: one row of issue 22's table, into $D
+    local name=$1 dtype=$2
+    shift 2
+    timeout "$(left)" python3 -m llmdoctor.cli diagnose "$@" --engine vllm --engine-python /tmp/vpy \
+        --engine-dtype "$dtype" --token-ids "$TOKENS" --generate 0 --json-out "$D/$name-$dtype.json" > "$D/$name-$dtype.log" 2>&1
+    step "$name $dtype: exit $?"
+}
+
 dsa() {  # DIR: issue 22 part 4, the tiny GLM-5 (real MLA dims, indexer 64 x 128, top-k 64) under vLLM's sparse MLA
     step "glm-dsa bfloat16 (vLLM's sparse MLA, the DSA check against its own indexer picks)"
     timeout "$(left)" python3 -m llmdoctor.cli diagnose --hf "$M/glm/hf-glm" --engine vllm --engine-python /tmp/vpy \
         --engine-dtype bfloat16 --token-ids "$(python3 bench/h200_vllm.py dsa-tokens)" --generate 0 \
         --json-out "$1/glm-dsa-bfloat16.json" > "$1/glm-dsa-bfloat16.log" 2>&1
     step "glm-dsa bfloat16: exit $?"
+}
+
+gpu_checks() {  # vLLM's kernels as subjects, the GPU tests, the explainer, the planted faults, into $G
+    step "planted faults under vLLM (meanwhile)"
+    LLMDOCTOR_VLLM_GPU_MEMORY_UTILIZATION=0.25 timeout "$(left)" python3 bench/h200_vllm.py faults /tmp/vpy \
+        "$G/planted-faults.json" /tmp/vfaults > "$G/planted-faults.log" 2>&1 &
+    export PYTHONPATH="$PYTHONPATH:/tmp/vsite"  # vLLM's kernels run in llmdoctor's own process from here on
+    mkdir -p /tmp/vbin && ln -sf /tmp/vpy /tmp/vbin/python && export PATH="/tmp/vbin:$PATH"  # the explainer's `python`
+    step "check attention x3 (meanwhile)"
+    ca() {  # preset dtypes
+        timeout "$(left)" python3 -m llmdoctor.cli check attention --preset "$1" --subjects vllm --device cuda --dtype "$2" \
+            --json-out "$G/attention-$1.json" > "$G/attention-$1.log" 2>&1
+        step "check attention $1 $2: exit $?"
+    }
+    ca llama-3-8b bfloat16,float32 &
+    ca deepseek-v3 bfloat16 &
+    ca glm-5 bfloat16 &
+    step "check dequant"
+    for f in "$M/llama-q8_0/llama-q8_0.gguf" "$M/demo/demo.gguf"; do
+        n=$(basename "$f" .gguf)
+        timeout "$(cap 220)" python3 -m llmdoctor.cli check dequant "$f" --kernel vllm --device cuda --all \
+            --json-out "$G/dequant-$n.json" > "$G/dequant-$n.log" 2>&1
+        step "check dequant $n: exit $?"
+    done
+    step "GPU tests"
+    timeout "$(cap 180)" python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_vllm_kernels.py > "$G/gpu-tests.log" 2>&1
+    step "GPU tests: $(grep -E 'passed|failed' "$G/gpu-tests.log" | tr '\n' ' ')"
+    step "the engine explainer's selection on this GPU"
+    timeout "$(cap 90)" python3 - > "$G/explainer.txt" 2>&1 <<'PY'
+import json
+from llmdoctor.subjects.engines import vllm
+for head, dtype, mla, sparse in [(128, "bfloat16", False, False), (128, "float32", False, False), (192, "bfloat16", False, False),
+                                 (576, "bfloat16", True, False), (576, "float32", True, False), (576, "bfloat16", True, True)]:
+    try:
+        got = vllm.select("/tmp/vpy", head, dtype, use_mla=mla, use_sparse=sparse)
+    except Exception as e:  # noqa: BLE001
+        got = {"raised": f"{type(e).__name__}: {e}"}
+    print(head, dtype, "mla" if mla else "dense", "sparse" if sparse else "", json.dumps(got, default=str)[:600])
+PY
 }
 
 case "$stage" in
@@ -93,13 +142,6 @@ diagnose)
     D="$W/diagnose"
     mkdir -p "$D"
     export LLMDOCTOR_VLLM_GPU_MEMORY_UTILIZATION=0.2
-    diag() {  # name dtype args...: one row of issue 22's table
-        local name=$1 dtype=$2
-        shift 2
-        timeout "$(left)" python3 -m llmdoctor.cli diagnose "$@" --engine vllm --engine-python /tmp/vpy \
-            --engine-dtype "$dtype" --token-ids "$TOKENS" --generate 0 --json-out "$D/$name-$dtype.json" > "$D/$name-$dtype.log" 2>&1
-        step "$name $dtype: exit $?"
-    }
     step "four lanes (the fourth: the dsa stage)"
     { diag demo-gguf bfloat16 --gguf "$M/demo/demo.gguf"; diag demo-gguf float32 --gguf "$M/demo/demo.gguf"; } &
     { diag llama-hf bfloat16 --hf "$M/llama/hf-llama"; diag llama-hf float32 --hf "$M/llama/hf-llama"
@@ -121,42 +163,28 @@ dsa)
 gpu)
     G="$W/gpu"
     mkdir -p "$G"
-    step "planted faults under vLLM (meanwhile)"
-    LLMDOCTOR_VLLM_GPU_MEMORY_UTILIZATION=0.25 timeout "$(left)" python3 bench/h200_vllm.py faults /tmp/vpy \
-        "$G/planted-faults.json" /tmp/vfaults > "$G/planted-faults.log" 2>&1 &
-    export PYTHONPATH="$PYTHONPATH:/tmp/vsite"  # vLLM's kernels run in llmdoctor's own process from here on
-    mkdir -p /tmp/vbin && ln -sf /tmp/vpy /tmp/vbin/python && export PATH="/tmp/vbin:$PATH"  # the explainer's `python`
-    step "check attention x3 (meanwhile)"
-    ca() {  # preset dtypes
-        timeout "$(left)" python3 -m llmdoctor.cli check attention --preset "$1" --subjects vllm --device cuda --dtype "$2" \
-            --json-out "$G/attention-$1.json" > "$G/attention-$1.log" 2>&1
-        step "check attention $1 $2: exit $?"
-    }
-    ca llama-3-8b bfloat16,float32 &
-    ca deepseek-v3 bfloat16 &
-    ca glm-5 bfloat16 &
-    step "check dequant"
-    for f in "$M/llama-q8_0/llama-q8_0.gguf" "$M/demo/demo.gguf"; do
-        n=$(basename "$f" .gguf)
-        timeout "$(cap 220)" python3 -m llmdoctor.cli check dequant "$f" --kernel vllm --device cuda --all \
-            --json-out "$G/dequant-$n.json" > "$G/dequant-$n.log" 2>&1
-        step "check dequant $n: exit $?"
+    gpu_checks
+    wait
+    step "end"
+    pack
+    python3 bench/h200_vllm.py summary "$W" > /dev/null 2>&1 && cp "$W/summary.md" "$OUT/summary.md"
+    ;;
+
+rest)  # after diagnose: the rows still open (ROWS="demo-gguf:float32 ..."), the dsa stage, the gpu stage, in one call
+    G="$W/rest" D="$W/rest"
+    export LLMDOCTOR_VLLM_GPU_MEMORY_UTILIZATION=0.2
+    mkdir -p "$G"
+    for row in ${ROWS:-demo-gguf:float32}; do
+        name=${row%%:*} dtype=${row#*:}
+        case $name in
+        demo-gguf) diag "$name" "$dtype" --gguf "$M/demo/demo.gguf" & ;;
+        llama-q8_0-gguf) diag "$name" "$dtype" --gguf "$M/llama-q8_0/llama-q8_0.gguf" & ;;
+        llama-hf) diag "$name" "$dtype" --hf "$M/llama/hf-llama" & ;;
+        deepseek-hf) diag "$name" "$dtype" --hf "$M/deepseek/hf-deepseek" & ;;
+        esac
     done
-    step "GPU tests"
-    timeout "$(cap 180)" python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_vllm_kernels.py > "$G/gpu-tests.log" 2>&1
-    step "GPU tests: $(grep -E 'passed|failed' "$G/gpu-tests.log" | tr '\n' ' ')"
-    step "the engine explainer's selection on this GPU"
-    timeout "$(cap 90)" python3 - > "$G/explainer.txt" 2>&1 <<'PY'
-import json
-from llmdoctor.subjects.engines import vllm
-for head, dtype, mla, sparse in [(128, "bfloat16", False, False), (128, "float32", False, False), (192, "bfloat16", False, False),
-                                 (576, "bfloat16", True, False), (576, "float32", True, False), (576, "bfloat16", True, True)]:
-    try:
-        got = vllm.select("/tmp/vpy", head, dtype, use_mla=mla, use_sparse=sparse)
-    except Exception as e:  # noqa: BLE001
-        got = {"raised": f"{type(e).__name__}: {e}"}
-    print(head, dtype, "mla" if mla else "dense", "sparse" if sparse else "", json.dumps(got, default=str)[:600])
-PY
+    dsa "$D" &
+    gpu_checks
     wait
     step "end"
     pack
@@ -164,7 +192,7 @@ PY
     ;;
 
 *)
-    echo "unknown stage $stage (stash DIR | setup | diagnose | dsa | gpu)" >&2
+    echo "unknown stage $stage (stash DIR | setup | diagnose | dsa | gpu | rest)" >&2
     exit 2
     ;;
 esac
