@@ -19,7 +19,8 @@
 #               started first), the dsa stage and the gpu stage side by side
 #
 # /tmp on that machine outlives a call only while the machine is held (30 s idle): make the calls back to
-# back. Each stage writes at most 4 files under $OUT (a tarball of its outputs, its summary, its log).
+# back. CALL_S (default 545) is the seconds a stage may take (less where the device time left is less).
+# Each stage writes at most 4 files under $OUT (a tarball of its outputs, its summary, its log).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/llmdoctor-vllm}
@@ -31,7 +32,7 @@ TOKENS=3,17,42,5,77,8,23,61,9,30,55,14,2,88,40,19  # tests/test_engine_vllm.py's
 stage=${1:?stage: stash DIR | setup | diagnose | dsa | gpu | rest}
 t0=$(date +%s)
 step() { echo "[$(( $(date +%s) - t0 )) s] $*" | tee -a "$W/$stage.steps"; }
-left() { local n=$(( 545 - ($(date +%s) - t0) )); echo $(( n > 1 ? n : 1 )); }  # seconds left of this call
+left() { local n=$(( ${CALL_S:-545} - ($(date +%s) - t0) )); echo $(( n > 1 ? n : 1 )); }  # seconds left of this call
 cap() { local n=$(left); echo $(( n < $1 ? n : $1 )); }  # at most $1 seconds, within what is left
 pack() {  # the stage's folder as one tarball, its steps and summary beside it
     python3 bench/h200_vllm.py summary "$W/$stage" > /dev/null 2>&1

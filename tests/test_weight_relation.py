@@ -66,4 +66,8 @@ def test_a_loader_that_keeps_the_gguf_rope_layout_is_named(tmp_path, monkeypatch
     assert held["tensor"] == "model.layers.0.self_attn.q_proj.weight" and held["kind"] == "rope-layout"
     assert held["reproduces"] is True
     assert "the engine holds model.layers.0.self_attn.q_proj.weight as rows in the GGUF's adjacent-pair" \
-           in loc.explanation and "swapped into the reference it reproduces" in loc.explanation
+           in loc.explanation and "swapped into the reference it alone reproduces" in loc.explanation
+    assert "the cause: the engine holds model.layers.0.self_attn.q_proj.weight" in loc.explanation
+    assert "no single swap" not in loc.explanation  # the held weight's swap reproduces it
+    assert loc.metrics["cause"].startswith("the engine holds model.layers.0.self_attn.q_proj.weight as rows")
+    assert "confirmed by substitution: the engine holds model.layers.0.self_attn.q_proj.weight" in res.verdict

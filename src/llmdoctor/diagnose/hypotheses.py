@@ -416,24 +416,44 @@ def h_layer_localization(s: Session) -> list[Finding]:
     confirmed = [w for w in swaps if w["reproduces"]]
     pattern = _error_pattern(s, point)
     held = _held_weights(s, point)
+    held_differ = held.get("differ", [])[:2]
+    causes = [f"the engine holds {w['tensor']} as {w['words']}" for w in held_differ if w.get("reproduces")]
+    causes += [f"the engine's {w['swap']}" for w in confirmed]
     return [_finding("layer-localization", s.inputs.engine, f"layer {layer}", "fail", confidence="high",
                      hypothesis="every layer stays within the engine's noise",
                      metrics={"first_divergent_layer": layer, "point": point.point, "error": point.error,
-                              "noise": point.noise, "limit": point.limit,
+                              "noise": point.noise, "limit": point.limit, "cause": causes[0] if causes else None,
                               "substitutions": swaps, "error_pattern": pattern.as_dict() if pattern else None,
                               "engine_weights": held},
                      evidence=[p.as_dict() for p in curve if p.layer in (layer - 1, layer, layer + 1)],
-                     explanation=f"first divergent layer {layer}: {point.point}-{layer} {off_by(point)}"
-                                 + (f"; swapping {confirmed[0]['swap']} into the reference alone reproduces it"
-                                    if confirmed else
-                                    ("; no single swap into the reference reproduces it" if swaps else ""))
-                                 + (f"; its error: {pattern.words}" if pattern and pattern.kind != "none" else "")
-                                 + (f"; the weights it loaded were not compared ({held['skipped']})"
-                                    if held.get("unread") else "")
-                                 + "".join(f"; the engine holds {w['tensor']} as {w['words']}"
-                                           + ("; swapped into the reference it reproduces the divergence"
-                                              if w.get("reproduces") else "")
-                                           for w in held.get("differ", [])[:2]))]
+                     explanation=_localization_words(layer, point, swaps, pattern, held, held_differ))]
+
+
+def _localization_words(layer: int, point, swaps: list[dict], pattern, held: dict, held_differ: list[dict]) -> str:
+    """The layer-localization sentence: where, then what reproduces it (a held weight or an arithmetic swap,
+    each confirmed by substitution), what does not, the error's pattern and the held weights' other news."""
+    words = f"first divergent layer {layer}: {point.point}-{layer} {off_by(point)}"
+    at = f"{point.point}-{layer}"
+    for w in held_differ:
+        if w.get("reproduces"):
+            words += (f"; the cause: the engine holds {w['tensor']} as {w['words']}; swapped into the reference "
+                      f"it alone reproduces the divergence")
+    confirmed = [w for w in swaps if w["reproduces"]]
+    if confirmed:
+        words += f"; swapping {confirmed[0]['swap']} into the reference alone reproduces it"
+    elif swaps:
+        words += ("; no arithmetic swap into the reference reproduces it" if any(w.get("reproduces") for w in held_differ)
+                  else "; no single swap into the reference reproduces it")
+    if pattern and pattern.kind != "none":
+        words += f"; its error: {pattern.words}"
+    if held.get("unread"):
+        words += f"; the weights it loaded were not compared ({held['skipped']})"
+    for w in held_differ:
+        if not w.get("reproduces"):
+            words += f"; the engine also holds {w['tensor']} as {w['words']} (swapped in alone, {at} stays as the reference's)" \
+                if w.get("swap_error", 1.0) < point.limit else \
+                f"; the engine also holds {w['tensor']} as {w['words']} (swapped in alone, it does not reproduce {at})"
+    return words
 
 
 def _held_weights(s: Session, point) -> dict[str, Any]:

@@ -73,7 +73,9 @@ def judge(findings: list[Finding], inputs: Inputs) -> tuple[list[Finding], list[
         verdict, code = f"fault found: {suspects[0].explanation}", 1
         layer = next((f for f in suspects if f.check == "layer-localization"), None)
         if layer is not None and suspects[0] is not layer:
-            verdict += f" (first divergent layer: {layer.metrics['first_divergent_layer']})"
+            cause = layer.metrics.get("cause")
+            verdict += f" (first divergent layer: {layer.metrics['first_divergent_layer']}" \
+                       + (f"; confirmed by substitution: {cause})" if cause else ")")
     elif missing := [f for f in findings if f.status == "skip" and f.check in named_subjects(inputs)
                      and not any(g.check == f.check and g.status != "skip" for g in findings)]:
         verdict, code = f"could not diagnose: {missing[0].check} could not run: {missing[0].reason}", 2
