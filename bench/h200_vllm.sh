@@ -17,6 +17,7 @@
 #               summary.md over every stage
 #   rest        one call for what a first pass left: the diagnose rows in ROWS (default demo-gguf:float32,
 #               started first), the dsa stage and the gpu stage side by side
+#   mini        the least for a short pass: the dsa stage, bench/h200_fa_mla_probe.py, the GPU tests
 #
 # /tmp on that machine outlives a call only while the machine is held (30 s idle): make the calls back to
 # back. CALL_S (default 545) is the seconds a stage may take (less where the device time left is less).
@@ -29,7 +30,7 @@ mkdir -p "$OUT" "$C" "$M" "$W"
 export PYTHONPATH="/tmp/site:$PWD/src:$PWD/tests" HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 export VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_ENABLE_V1_MULTIPROCESSING=0
 TOKENS=3,17,42,5,77,8,23,61,9,30,55,14,2,88,40,19  # tests/test_engine_vllm.py's TOKENS
-stage=${1:?stage: stash DIR | setup | diagnose | dsa | gpu | rest}
+stage=${1:?stage: stash DIR | setup | diagnose | dsa | gpu | rest | mini}
 t0=$(date +%s)
 step() { echo "[$(( $(date +%s) - t0 )) s] $*" | tee -a "$W/$stage.steps"; }
 left() { local n=$(( ${CALL_S:-545} - ($(date +%s) - t0) )); echo $(( n > 1 ? n : 1 )); }  # seconds left of this call
@@ -195,8 +196,24 @@ rest)  # after diagnose: the rows still open (ROWS="demo-gguf:float32 ..."), the
     python3 bench/h200_vllm.py summary "$W" > /dev/null 2>&1 && cp "$W/summary.md" "$OUT/summary.md"
     ;;
 
+mini)  # the least a short pass needs after setup: the dsa stage, the FlashAttn MLA probe and the GPU tests
+    G="$W/mini"
+    mkdir -p "$G"
+    export LLMDOCTOR_VLLM_GPU_MEMORY_UTILIZATION=0.3
+    dsa "$G" &
+    export PYTHONPATH="$PYTHONPATH:/tmp/vsite"
+    step "FlashAttn MLA's NaN: adapter or kernel"
+    timeout "$(left)" python3 bench/h200_fa_mla_probe.py "$G/fa-mla-probe.json" > "$G/fa-mla-probe.log" 2>&1
+    step "probe: exit $?"
+    timeout "$(left)" python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_vllm_kernels.py > "$G/gpu-tests.log" 2>&1
+    step "GPU tests: $(grep -E 'passed|failed' "$G/gpu-tests.log" | tr '\n' ' ')"
+    wait
+    step "end"
+    pack
+    ;;
+
 *)
-    echo "unknown stage $stage (stash DIR | setup | diagnose | dsa | gpu | rest)" >&2
+    echo "unknown stage $stage (stash DIR | setup | diagnose | dsa | gpu | rest | mini)" >&2
     exit 2
     ;;
 esac
