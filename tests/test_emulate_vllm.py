@@ -17,8 +17,8 @@ from gguf.quants import Q4_K
 from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
 
-from llmdoctor.reference.emulate import (block_constants, half_dequant, plugin_path, q8_1, q8_1_product, tf32,
-                                         tf32_weights, vllm_cuda)
+from llmdoctor.reference.emulate import (block_constants, fp8_blocks, half_dequant, plugin_path, q8_1, q8_1_product,
+                                         tf32, tf32_weights, vllm_cuda)
 
 # ---- TF32 -----------------------------------------------------------------------------------------
 
@@ -318,6 +318,70 @@ def test_budget_on_cuda_follows_what_vllm_built():
     assert b.dtype == "bfloat16" and b.emulate is None
     b = _engine_budget(_cuda_info("bfloat16", "FLASH_ATTN", gguf=True), "bfloat16")
     assert b.dtype == "bfloat16" and b.emulate.gguf_products == "q8_1" and b.emulate.attention_tf32 is None
+
+
+def test_fp8_blocks_are_e4m3_values_times_power_of_two_scales():
+    """vLLM's indexer quantization: per block of 128 a power-of-two scale (ue8m0) just above amax / 448, the
+    values rounded to e4m3 (3 mantissa bits, to nearest even); a zero block stays zero."""
+    x = torch.zeros(2, 256)
+    x[0, 0], x[0, 1] = 1.0, 0.3  # scale 2^ceil(log2(1 / 448)) = 2^-8: 0.3 / 2^-8 = 76.8, e4m3's nearest 80
+    assert fp8_blocks(x)[0, :2].tolist() == [1.0, 0.3125] and not fp8_blocks(x)[1].any()
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 3, 256, generator=g) * torch.logspace(-3, 3, 256)
+    for dtype in (torch.float32, torch.bfloat16):
+        got = fp8_blocks(x.to(dtype)).float()
+        blocks, got_b = x.to(dtype).float().view(5, 3, 2, 128), got.view(5, 3, 2, 128)
+        scale = torch.exp2(torch.ceil(torch.log2(blocks.abs().amax(-1, keepdim=True) / 448)))
+        v = got_b / scale
+        assert torch.equal(v, v.to(torch.float8_e4m3fn).float()) and v.abs().max() <= 448  # e4m3 values
+        normal = (blocks / scale).abs() >= 2.0 ** -6  # e4m3's normal range: 3 bits, half an ulp 2^-4
+        assert ((got_b - blocks).abs() <= 2.0 ** -4 * blocks.abs())[normal].all()
+    with pytest.raises(ValueError, match="not a multiple"):
+        fp8_blocks(torch.ones(2, 200))
+
+
+def test_an_fp8_indexer_is_judged_by_its_own_noise(tmp_path):
+    """vLLM's CUDA DSA indexer scores keys in FP8 in a bfloat16 model: its picks, simulated by the reference
+    with FP8 indexer inputs, disagree with the float32 reference's beyond what bfloat16 alone explains (the
+    false alarm a bfloat16 budget would raise) and within what the FP8 emulation explains; an indexer that
+    picks the lowest-scoring keys still fails under the FP8 budget."""
+    import fixtures_mla
+
+    from llmdoctor.checks.routing import dsa_rows
+    from llmdoctor.reference import load
+
+    top_k = 16
+    fixture = fixtures_mla.build("glm", tmp_path, index_topk=top_k, index_head_dim=128, index_n_heads=8,
+                                 indexer_types=["full", "full", "full"])
+    ids = [(7 * i + 3) % 90 for i in range(48)]
+
+    def run(dtype, emulate):
+        with load(fixture.gguf_path, dtype=dtype, cache=True) as m:
+            _, caps = m.forward(ids, capture={"top_k-*", "indexer_score-*"}, emulate=emulate)
+        return {k: v.float().numpy() for k, v in caps.items()}
+
+    fp8 = vllm_cuda(indexer_fp8=128)
+    ref, bf16, engine = run(torch.float32, None), run(torch.bfloat16, None), run(torch.bfloat16, fp8)
+    (under_bf16, *_), (under_fp8, *_) = (dsa_rows(3, top_k, ref, emu, engine) for emu in (bf16, engine))
+    assert under_bf16["disagreement"] > under_bf16["limit"], under_bf16  # layer 0: the false alarm
+    assert under_fp8["disagreement"] <= under_fp8["limit"], under_fp8
+    lowest = np.nan_to_num(ref["indexer_score-0"], neginf=np.inf)  # the masked keys last
+    worst = {"top_k-0": np.argsort(lowest, axis=1, kind="stable")[:, :top_k]}
+    (planted, *_) = dsa_rows(3, top_k, ref, engine, worst)
+    assert planted["disagreement"] > planted["limit"], planted
+
+
+def test_budget_of_a_sparse_indexer_on_cuda():
+    """The driver reports vLLM's sparse indexer (its FP8 block and scale format): the budget emulates it in
+    bfloat16 as in float32; a scale format it does not emulate is said, not emulated."""
+    info = _cuda_info("bfloat16", "FLASHMLA_SPARSE")
+    info["arithmetic"]["sparse_indexer"] = {"layers": 2, "quant_block_size": 128, "scale_fmt": "ue8m0"}
+    b = _engine_budget(info, "bfloat16")
+    assert b.dtype == "bfloat16" and b.emulate.indexer_fp8 == 128 and b.emulate.attention_tf32 is None
+    assert "the DSA indexer's q and k in FP8 (e4m3, power-of-two scales per 128 values" in b.words
+    info["arithmetic"]["sparse_indexer"]["scale_fmt"] = None
+    b = _engine_budget(info, "bfloat16")
+    assert b.emulate is None and "scale format None: not emulated" in b.words
 
 
 def test_budget_on_the_cpu_or_from_an_older_driver_is_unchanged():

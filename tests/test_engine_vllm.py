@@ -14,6 +14,7 @@ import os
 import shutil
 import subprocess
 import time
+import types
 from pathlib import Path
 from unittest import mock
 
@@ -368,6 +369,7 @@ def test_driver_captures_a_sparse_indexers_picks_for_the_prompts_rows_only():
         def __init__(self, shift):
             super().__init__()
             self.topk_indices_buffer, self.shift = buffer, shift
+            self.quant_block_size, self.scale_fmt = 128, "ue8m0"  # vLLM 0.24's Indexer
 
         def forward(self, hidden_states, qr, positions, rotary_emb):
             n = hidden_states.shape[0]
@@ -394,6 +396,9 @@ def test_driver_captures_a_sparse_indexers_picks_for_the_prompts_rows_only():
     hooks.remove()
     assert hooks.caps["top_k-0"].tolist() == [[0, 1, 2, 3]] * 6
     assert hooks.caps["top_k-1"].tolist() == [[10, 11, 12, 13]] * 6
+    # and its arithmetic: the noise budget emulates the FP8 indexer from this (test_emulate_vllm.py)
+    runner = types.SimpleNamespace(model=model, device="cuda:0")
+    assert drv.arithmetic(runner)["sparse_indexer"] == {"layers": 2, "scale_fmt": "ue8m0", "quant_block_size": 128}
 
 
 def test_driver_select_passes_a_config_and_the_dtype_to_the_mla_prefill_selector(monkeypatch):

@@ -42,8 +42,8 @@ from ..gguf.layout import kv_b_split
 from . import attention as attn
 from . import mla
 from .config import ModelConfig, gguf_key, register_gguf, register_hf
-from .forward import (Step, dense_ffn, emulating, engine_input, kv_cache_dtype, linear, register_block, rms_norm,
-                      tensor_name)
+from .forward import (Step, dense_ffn, emulating, engine_input, indexer_rounding, kv_cache_dtype, linear,
+                      register_block, rms_norm, tensor_name)
 
 
 @dataclass(frozen=True)
@@ -312,7 +312,7 @@ def _selection(st: Step, h: torch.Tensor, q_resid: torch.Tensor, cos: torch.Tens
         score = mla.indexer_scores(
             h, q_resid, st.w(MODEL_TENSOR.INDEXER_ATTN_Q_B), st.w(MODEL_TENSOR.INDEXER_ATTN_K), st.w(nb),
             st.w(nb, "bias") if st.has(nb, "bias") else None, st.w(MODEL_TENSOR.INDEXER_PROJ), cos, sin, ix,
-            linear=linear)
+            linear=linear, quant=indexer_rounding())
         st.cap("indexer_score", score)
         st.extra[DSA_PREV] = mla.topk_indices(score, ix.top_k) if override is None else override
     elif override is not None:

@@ -46,6 +46,11 @@ is not a float32 engine either:
   close to a rounding tie).
 - Without its CUDA ops (`_C_gguf` not loaded, or VLLM_GGUF_USE_CUDA=0) the plugin runs Triton GEMMs
   (triton/gemm/*): the weight dequantized in float32 and `tl.dot(x, w)`: TF32 on both.
+- A DSA indexer (GLM-5, DeepSeek-V3.2) on CUDA scores keys in FP8 whatever the model's dtype
+  (deepseek_v2.py `Indexer.forward`, sparse_attn_indexer.py): each indexer head's q, after its rotary, goes
+  through `per_token_group_quant_fp8` (groups of 128, ue8m0: the scale max(amax, 1e-10) / 448 rounded up
+  to a power of two, e4m3 values), the key through `indexer_k_quant_and_cache` (the same per 128 values of
+  the key), and DeepGEMM's `fp8_mqa_logits` sums relu(q . k) x the head weights in float32 (`fp8_blocks`).
 - Quantized token embeddings are dequantized by the CUDA `ggml_dequantize` (dequantize.cuh), which for the
   legacy and K-quant types computes in half precision whatever the output dtype: one rounding of the
   float32 value to half for Q4_0 / Q5_0 / Q8_0 (an integer times the f16 scale, rounded once: exact
@@ -90,6 +95,7 @@ class EnginePrecision:
     gguf_products: str | None = None  # quantized weights: "q8_1" (the plugin's CUDA MMVQ/MMQ), "tf32" (Triton GEMMs)
     dense_tf32: str | None = None  # unquantized weights: torch's float32 matmul in TF32 (precision "high")
     embedding_half: bool = False  # quantized token-embedding rows dequantized in half precision
+    indexer_fp8: int = 0  # a DSA indexer's q and k in FP8 e4m3, power-of-two scales per this many (`fp8_blocks`)
 
     def product(self, x: torch.Tensor, w: torch.Tensor, qtype: int | None, raw=None) -> torch.Tensor:
         """x [T, in] @ w [out, in]^T as the engine computes it; `qtype` is w's GGML type (None: not from a
@@ -110,18 +116,40 @@ LLAMA_CPP_CPU = EnginePrecision("llama.cpp-cpu (Q8 activations, F16 KV cache)", 
 
 
 def vllm_cuda(*, attention_tf32: str | None = None, gguf_products: str | None = None,
-              dense_tf32: str | None = None, embedding_half: bool = False) -> EnginePrecision | None:
+              dense_tf32: str | None = None, embedding_half: bool = False,
+              indexer_fp8: int = 0) -> EnginePrecision | None:
     """vLLM's arithmetic on CUDA as the run's info describes it (subjects/engines/vllm.py); None when
     it rounds nothing the float32 reference does not."""
     parts = [f"TF32 attention ({attention_tf32})" if attention_tf32 else "",
              {"q8_1": "Q8_1 activations", "tf32": "TF32 GGUF GEMMs"}.get(gguf_products or "", ""),
              f"TF32 dense matmuls ({dense_tf32})" if dense_tf32 else "",
-             "f16 embedding dequant" if embedding_half else ""]
+             "f16 embedding dequant" if embedding_half else "", f"FP8 indexer ({indexer_fp8})" if indexer_fp8 else ""]
     parts = [p for p in parts if p]
     if not parts:
         return None
     return EnginePrecision(f"vllm-cuda ({', '.join(parts)})", attention_tf32=attention_tf32,
-                           gguf_products=gguf_products, dense_tf32=dense_tf32, embedding_half=embedding_half)
+                           gguf_products=gguf_products, dense_tf32=dense_tf32, embedding_half=embedding_half,
+                           indexer_fp8=indexer_fp8)
+
+
+E4M3_MAX = 448.0  # float8_e4m3fn's largest finite value
+
+
+def fp8_blocks(x: torch.Tensor, block: int = 128, eps: float = 1e-10) -> torch.Tensor:
+    """x [..., D] (D a multiple of `block`, or smaller than it: one block) as vLLM's CUDA indexer quantizes
+    it: per block of `block` values along the last dim, scale = 2^ceil(log2(max(amax, eps) / 448)) (ue8m0),
+    values x / scale rounded to float8_e4m3fn (round to nearest even, as the CUDA conversion), times the
+    scale again; returned in x's dtype. The power-of-two scale makes x / scale exact, so the only rounding
+    is e4m3's: 3 mantissa bits, a relative error of at most 2^-4 for normal values."""
+    d = x.shape[-1]
+    b = min(block, d)
+    if d % b:
+        raise ValueError(f"fp8_blocks: last dim {d} is not a multiple of the block {b}")
+    xf = x.float().reshape(*x.shape[:-1], d // b, b)  # [..., blocks, b]
+    amax = xf.abs().amax(dim=-1, keepdim=True).clamp(min=eps)
+    scale = torch.exp2(torch.ceil(torch.log2(amax / E4M3_MAX)))
+    q = (xf / scale).to(torch.float8_e4m3fn).float() * scale
+    return q.reshape(x.shape).to(x.dtype)
 
 
 def tf32(x: torch.Tensor, mode: str = "rna") -> torch.Tensor:

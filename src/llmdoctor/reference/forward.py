@@ -56,7 +56,7 @@ from . import attention as attn
 from .checkpoint import Checkpoint, CheckpointWeights
 from .config import ModelConfig, from_gguf
 from .device_cache import DeviceBudget, DeviceCache, minimum_bytes
-from .emulate import EnginePrecision, half_dequant, quantize_activations, tf32, tf32_weights
+from .emulate import EnginePrecision, fp8_blocks, half_dequant, quantize_activations, tf32, tf32_weights
 from .stages import stage
 
 
@@ -327,6 +327,14 @@ def attention_rounding() -> "tuple[Callable, Callable] | None":
     em = _EMULATING.get()
     mode = em[0].attention_tf32 if em is not None else None
     return None if mode is None else ((lambda t: tf32(t, mode)), (lambda p: tf32_weights(p, mode)))
+
+
+def indexer_rounding() -> "Callable[[torch.Tensor], torch.Tensor] | None":
+    """The emulated engine's rounding of a DSA indexer's q and k before their dot (FP8 blocks: vLLM's CUDA
+    indexer, reference/emulate.py `fp8_blocks`), or None."""
+    em = _EMULATING.get()
+    block = em[0].indexer_fp8 if em is not None else 0
+    return (lambda x: fp8_blocks(x, block)) if block else None
 
 
 def engine_rows(x: torch.Tensor) -> torch.Tensor:

@@ -210,18 +210,23 @@ def layer_norm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, eps: fl
 def indexer_scores(x: torch.Tensor, q_resid: torch.Tensor, wq_b: torch.Tensor, wk: torch.Tensor,
                    k_norm_w: torch.Tensor, k_norm_b: torch.Tensor | None, w_proj: torch.Tensor,
                    cos: torch.Tensor, sin: torch.Tensor, ix: Indexer,
-                   linear: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+                   linear: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+                   quant: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
     """Index scores [T, S] (S = T, causal: -inf above the diagonal) in the accumulation dtype.
 
     x [T, n_embd] (the attention's normed input), q_resid [T, q_lora_rank] (normed q_a output),
     wq_b [H_idx*D_idx, q_lora_rank], wk [D_idx, n_embd], w_proj [H_idx, n_embd], cos/sin [T, Dr/2].
+    `quant`: q and k (after their rotary) as an emulated engine's indexer rounds them before the dot.
     """
     t = x.shape[0]
     acc = attn.acc_dtype(x.dtype)
     lin = linear or (lambda a, w: a @ w.t())  # `linear`: the three projections as an emulated engine runs them
     iq = lin(q_resid, wq_b).view(t, ix.n_head, ix.head_dim)  # [T, Hi, Di]
     ik = layer_norm(lin(x, wk), k_norm_w, k_norm_b, ix.k_norm_eps)[:, None, :]  # [T, 1, Di]
-    iq, ik = rope_pairs(iq, cos, sin).to(acc), rope_pairs(ik, cos, sin)[:, 0].to(acc)  # [T,Hi,Di], [T,Di]
+    iq, ik = rope_pairs(iq, cos, sin), rope_pairs(ik, cos, sin)[:, 0]  # [T, Hi, Di], [T, Di]
+    if quant is not None:
+        iq, ik = quant(iq), quant(ik)
+    iq, ik = iq.to(acc), ik.to(acc)
     w = lin(x, w_proj).to(acc) / math.sqrt(ix.head_dim * ix.n_head)  # [T, Hi]
     s = torch.relu(torch.einsum("thd,sd->ths", iq, ik))  # [T, Hi, S]
     score = torch.einsum("th,ths->ts", w, s)  # [T, S]

@@ -675,7 +675,8 @@ class VLLMEngine(Engine):
         vllm-gguf-plugin take Q8_1 activations when its CUDA ops loaded (its Triton GEMMs in TF32 when
         they did not, in float32), and its CUDA dequant leaves quantized embedding rows in half precision;
         torch's float32 matmul precision "high" (VLLM_FLOAT32_MATMUL_PRECISION) runs the unquantized
-        products in TF32. The emulated run is float32 for a float32 engine, else the engine's dtype."""
+        products in TF32; a sparse (DSA) indexer scores keys in FP8 in every dtype. The emulated run is
+        float32 for a float32 engine, else the engine's dtype."""
         from ...reference.emulate import vllm_cuda
 
         arith = ran.info.get("arithmetic") or {}
@@ -704,9 +705,18 @@ class VLLMEngine(Engine):
         dense = "rna" if f32 and arith.get("float32_matmul_precision") == "high" else None
         if dense:
             words.append("unquantized matmuls in TF32 (float32 matmul precision 'high')")
-        emulate = vllm_cuda(attention_tf32=attention, gguf_products=gguf, dense_tf32=dense, embedding_half=embedding)
+        ix = arith.get("sparse_indexer") or {}
+        indexer = int(ix.get("quant_block_size") or 0) if ix.get("layers") and ix.get("scale_fmt") == "ue8m0" else 0
+        if indexer:
+            words.append(f"the DSA indexer's q and k in FP8 (e4m3, power-of-two scales per {indexer} values: "
+                         "vLLM's CUDA sparse indexer)")
+        elif ix.get("layers"):
+            words.append(f"the DSA indexer in FP8 with scale format {ix.get('scale_fmt')!r}: not emulated")
+        emulate = vllm_cuda(attention_tf32=attention, gguf_products=gguf, dense_tf32=dense, embedding_half=embedding,
+                            indexer_fp8=indexer)
         if emulate is None:
-            return super().noise_budget(ran)
+            base = super().noise_budget(ran)
+            return base if not words else Budget(base.dtype, None, f"{base.words}; " + "; ".join(words))
         return Budget(dtype, emulate, f"{dtype} vLLM on CUDA: " + "; ".join(words))
 
     def explain_backends(self) -> dict[str, Any]:

@@ -214,8 +214,9 @@ def arithmetic(runner) -> dict:
     the device, torch's float32 matmul precision (vLLM's VLLM_FLOAT32_MATMUL_PRECISION, "highest" by
     default), each attention layer's impl class, the linear methods in use, the rotary embeddings' style
     (a GGUF's q/k rows in the adjacent-pair layout need the adjacent-pair rotation), for GGUF models the
-    vllm-gguf-plugin's weight types and whether its CUDA ops loaded (else its Triton GEMMs run), and
-    Triton's float32 dot default (TRITON_F32_DEFAULT, else the NVIDIA backend's: tf32)."""
+    vllm-gguf-plugin's weight types and whether its CUDA ops loaded (else its Triton GEMMs run), a sparse
+    indexer's quantization (its layers, FP8 block size and scale format), and Triton's float32 dot default
+    (TRITON_F32_DEFAULT, else the NVIDIA backend's: tf32)."""
     import torch
 
     device = str(getattr(runner, "device", "") or "")
@@ -239,6 +240,10 @@ def arithmetic(runner) -> dict:
             wtype = getattr(getattr(module, "qweight_type", None), "weight_type", None)
             if wtype is not None:
                 out["gguf_weight_types"][name] = int(wtype)
+        if type(module).__name__ == "Indexer" and getattr(module, "topk_indices_buffer", None) is not None:
+            ix = out.setdefault("sparse_indexer", {"layers": 0, "scale_fmt": getattr(module, "scale_fmt", None),
+                                                   "quant_block_size": getattr(module, "quant_block_size", None)})
+            ix["layers"] += 1
     if any(k.startswith("GGUF") for k in out["linear_methods"]):
         try:
             from vllm_gguf_plugin import ops
