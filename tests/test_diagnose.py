@@ -112,6 +112,7 @@ def test_demo_fault_is_diagnosed(fault):
         loc = next(f for f in doc["findings"] if f["check"] == "layer-localization")
         confirmed = [w["swap"] for w in loc["metrics"]["substitutions"] if w["reproduces"]]
         assert confirmed and all(fault.expect.swap in w for w in confirmed), loc["metrics"]["substitutions"]
+        assert loc["metrics"]["cause"] == confirmed[0] and confirmed[0] in doc["verdict"], doc["verdict"]
     if fault.expect.check == "fp16-overflow":
         assert top["metrics"]["first_overflow_layer"] == fault.expect.layer
     if fault.expect.check == "engine-file":  # the engine's own copy is broken: it fails against the reference

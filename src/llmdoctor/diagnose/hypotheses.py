@@ -418,7 +418,7 @@ def h_layer_localization(s: Session) -> list[Finding]:
     held = _held_weights(s, point)
     held_differ = held.get("differ", [])[:2]
     causes = [f"the engine holds {w['tensor']} as {w['words']}" for w in held_differ if w.get("reproduces")]
-    causes += [f"the engine's {w['swap']}" for w in confirmed]
+    causes += [w["swap"] for w in confirmed]
     return [_finding("layer-localization", s.inputs.engine, f"layer {layer}", "fail", confidence="high",
                      hypothesis="every layer stays within the engine's noise",
                      metrics={"first_divergent_layer": layer, "point": point.point, "error": point.error,
@@ -438,21 +438,21 @@ def _localization_words(layer: int, point, swaps: list[dict], pattern, held: dic
         if w.get("reproduces"):
             words += (f"; the cause: the engine holds {w['tensor']} as {w['words']}; swapped into the reference "
                       f"it alone reproduces the divergence")
+    held_cause = any(w.get("reproduces") for w in held_differ)
     confirmed = [w for w in swaps if w["reproduces"]]
     if confirmed:
         words += f"; swapping {confirmed[0]['swap']} into the reference alone reproduces it"
     elif swaps:
-        words += ("; no arithmetic swap into the reference reproduces it" if any(w.get("reproduces") for w in held_differ)
-                  else "; no single swap into the reference reproduces it")
+        words += f"; no {'arithmetic' if held_cause else 'single'} swap into the reference reproduces it"
     if pattern and pattern.kind != "none":
         words += f"; its error: {pattern.words}"
     if held.get("unread"):
         words += f"; the weights it loaded were not compared ({held['skipped']})"
-    for w in held_differ:
-        if not w.get("reproduces"):
-            words += f"; the engine also holds {w['tensor']} as {w['words']} (swapped in alone, {at} stays as the reference's)" \
-                if w.get("swap_error", 1.0) < point.limit else \
-                f"; the engine also holds {w['tensor']} as {w['words']} (swapped in alone, it does not reproduce {at})"
+    for w in (w for w in held_differ if not w.get("reproduces")):
+        effect = f"{at} stays as the reference's" if w.get("swap_error", 1.0) < point.limit \
+            else f"it does not reproduce {at}"
+        words += f"; the engine {'also ' if held_cause else ''}holds {w['tensor']} as {w['words']} " \
+                 f"(swapped in alone, {effect})"
     return words
 
 
