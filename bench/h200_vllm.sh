@@ -17,7 +17,8 @@
 #               summary.md over every stage
 #   rest        one call for what a first pass left: the diagnose rows in ROWS (default demo-gguf:float32,
 #               started first), the dsa stage and the gpu stage side by side
-#   mini        the least for a short pass: the dsa stage, bench/h200_fa_mla_probe.py, the GPU tests
+#   mini        the least for a short pass: the dsa stage (when setup built the models: MODELS=0 skips them),
+#               bench/h200_fa_mla_probe.py, the GPU tests
 #
 # /tmp on that machine outlives a call only while the machine is held (30 s idle): make the calls back to
 # back. CALL_S (default 545) is the seconds a stage may take (less where the device time left is less).
@@ -136,6 +137,7 @@ setup)
       /tmp/vpy -c "import vllm, torch, transformers, triton, vllm_gguf_plugin; from importlib.metadata import version as v; print('vllm', vllm.__version__, 'plugin', v('vllm-gguf-plugin'), 'torch', torch.__version__, 'transformers', transformers.__version__, 'triton', triton.__version__)"
       PYTHONPATH="$PYTHONPATH:/tmp/vsite" python3 -c "import vllm.vllm_flash_attn, vllm.v1.attention.ops.flashmla as f; print('in-process: flash_attn ok; flashmla dense', f.is_flashmla_dense_supported(), 'sparse', f.is_flashmla_sparse_supported())"
     } > "$W/setup/env.txt" 2>&1
+    [ "${MODELS:-1}" = 0 ] && { step "models skipped (MODELS=0)"; pack; exit 0; }
     step "models"
     timeout "$(left)" python3 bench/h200_vllm.py models "$M" "${demo[@]}" > "$W/setup/models.log" 2>&1 \
         || step "models FAILED: $(tail -1 "$W/setup/models.log")"
@@ -200,7 +202,7 @@ mini)  # the least a short pass needs after setup: the dsa stage, the FlashAttn 
     G="$W/mini"
     mkdir -p "$G"
     export LLMDOCTOR_VLLM_GPU_MEMORY_UTILIZATION=0.3
-    dsa "$G" &
+    [ -d "$M/glm/hf-glm" ] && dsa "$G" &
     export PYTHONPATH="$PYTHONPATH:/tmp/vsite"
     step "FlashAttn MLA's NaN: adapter or kernel"
     timeout "$(left)" python3 bench/h200_fa_mla_probe.py "$G/fa-mla-probe.json" > "$G/fa-mla-probe.log" 2>&1
