@@ -85,7 +85,7 @@ gpu_checks() {  # vLLM's kernels as subjects, the GPU tests, the explainer, the 
     done
     step "GPU tests"
     timeout "$(cap 180)" python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_vllm_kernels.py > "$G/gpu-tests.log" 2>&1
-    step "GPU tests: $(grep -E 'passed|failed' "$G/gpu-tests.log" | tr '\n' ' ')"
+    step "GPU tests: $(grep -E 'passed|failed|skipped|error' "$G/gpu-tests.log" | tr '\n' ' ')"
     step "the engine explainer's selection on this GPU"
     timeout "$(cap 90)" python3 - > "$G/explainer.txt" 2>&1 <<'PY'
 import json
@@ -208,7 +208,7 @@ mini)  # the least a short pass needs after setup: the dsa stage, the FlashAttn 
     timeout "$(left)" python3 bench/h200_fa_mla_probe.py "$G/fa-mla-probe.json" > "$G/fa-mla-probe.log" 2>&1
     step "probe: exit $?"
     timeout "$(left)" python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_vllm_kernels.py > "$G/gpu-tests.log" 2>&1
-    step "GPU tests: $(grep -E 'passed|failed' "$G/gpu-tests.log" | tr '\n' ' ')"
+    step "GPU tests: $(grep -E 'passed|failed|skipped|error' "$G/gpu-tests.log" | tr '\n' ' ')"
     wait
     step "end"
     pack
