@@ -150,7 +150,7 @@ diagnose)
     mkdir -p "$D"
     export LLMDOCTOR_VLLM_GPU_MEMORY_UTILIZATION=0.2
     step "four lanes (the fourth: the dsa stage)"
-    { diag demo-gguf bfloat16 --gguf "$M/demo/demo.gguf"; diag demo-gguf float32 --gguf "$M/demo/demo.gguf"; } &
+    diag demo-gguf bfloat16 --gguf "$M/demo/demo.gguf" &  # ~420 s here: its float32 row runs in `rest`
     { diag llama-hf bfloat16 --hf "$M/llama/hf-llama"; diag llama-hf float32 --hf "$M/llama/hf-llama"
       diag llama-q8_0-gguf bfloat16 --gguf "$M/llama-q8_0/llama-q8_0.gguf"; } &
     { diag deepseek-hf bfloat16 --hf "$M/deepseek/hf-deepseek"; diag deepseek-hf float32 --hf "$M/deepseek/hf-deepseek"
