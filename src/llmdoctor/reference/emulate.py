@@ -49,8 +49,9 @@ is not a float32 engine either:
 - A DSA indexer (GLM-5, DeepSeek-V3.2) on CUDA scores keys in FP8 whatever the model's dtype
   (deepseek_v2.py `Indexer.forward`, sparse_attn_indexer.py): each indexer head's q, after its rotary, goes
   through `per_token_group_quant_fp8` (groups of 128, ue8m0: the scale max(amax, 1e-10) / 448 rounded up
-  to a power of two, e4m3 values), the key through `indexer_k_quant_and_cache` (the same per 128 values of
-  the key), and DeepGEMM's `fp8_mqa_logits` sums relu(q . k) x the head weights in float32 (`fp8_blocks`).
+  to a power of two, e4m3 values), the key through `indexer_k_quant_and_cache` (csrc/cache_kernels.cu: the
+  same per 128 values of the key, amax floored at 1e-4), and DeepGEMM's `fp8_mqa_logits` sums relu(q . k) x
+  the head weights in float32 (`fp8_blocks`).
 - Quantized token embeddings are dequantized by the CUDA `ggml_dequantize` (dequantize.cuh), which for the
   legacy and K-quant types computes in half precision whatever the output dtype: one rounding of the
   float32 value to half for Q4_0 / Q5_0 / Q8_0 (an integer times the f16 scale, rounded once: exact

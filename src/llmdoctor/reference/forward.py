@@ -329,12 +329,15 @@ def attention_rounding() -> "tuple[Callable, Callable] | None":
     return None if mode is None else ((lambda t: tf32(t, mode)), (lambda p: tf32_weights(p, mode)))
 
 
-def indexer_rounding() -> "Callable[[torch.Tensor], torch.Tensor] | None":
-    """The emulated engine's rounding of a DSA indexer's q and k before their dot (FP8 blocks: vLLM's CUDA
-    indexer, reference/emulate.py `fp8_blocks`), or None."""
+def indexer_rounding() -> "Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None":
+    """The emulated engine's rounding of a DSA indexer's (q, k) before their dot, or None: FP8 blocks (vLLM's
+    CUDA indexer, reference/emulate.py `fp8_blocks`), q's scale floored at amax 1e-10
+    (per_token_group_quant_fp8), k's at 1e-4 (indexer_k_quant_and_cache)."""
     em = _EMULATING.get()
     block = em[0].indexer_fp8 if em is not None else 0
-    return (lambda x: fp8_blocks(x, block)) if block else None
+    if not block:
+        return None
+    return lambda q, k: (fp8_blocks(q, block, eps=1e-10), fp8_blocks(k, block, eps=1e-4))
 
 
 def engine_rows(x: torch.Tensor) -> torch.Tensor:

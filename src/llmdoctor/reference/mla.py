@@ -211,7 +211,8 @@ def indexer_scores(x: torch.Tensor, q_resid: torch.Tensor, wq_b: torch.Tensor, w
                    k_norm_w: torch.Tensor, k_norm_b: torch.Tensor | None, w_proj: torch.Tensor,
                    cos: torch.Tensor, sin: torch.Tensor, ix: Indexer,
                    linear: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
-                   quant: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+                   quant: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None,
+                   ) -> torch.Tensor:
     """Index scores [T, S] (S = T, causal: -inf above the diagonal) in the accumulation dtype.
 
     x [T, n_embd] (the attention's normed input), q_resid [T, q_lora_rank] (normed q_a output),
@@ -225,7 +226,7 @@ def indexer_scores(x: torch.Tensor, q_resid: torch.Tensor, wq_b: torch.Tensor, w
     ik = layer_norm(lin(x, wk), k_norm_w, k_norm_b, ix.k_norm_eps)[:, None, :]  # [T, 1, Di]
     iq, ik = rope_pairs(iq, cos, sin), rope_pairs(ik, cos, sin)[:, 0]  # [T, Hi, Di], [T, Di]
     if quant is not None:
-        iq, ik = quant(iq), quant(ik)
+        iq, ik = quant(iq, ik)
     iq, ik = iq.to(acc), ik.to(acc)
     w = lin(x, w_proj).to(acc) / math.sqrt(ix.head_dim * ix.n_head)  # [T, Hi]
     s = torch.relu(torch.einsum("thd,sd->ths", iq, ik))  # [T, Hi, S]
