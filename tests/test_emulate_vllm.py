@@ -341,10 +341,11 @@ def test_fp8_blocks_are_e4m3_values_times_power_of_two_scales():
 
 
 def test_an_fp8_indexer_is_judged_by_its_own_noise(tmp_path):
-    """vLLM's CUDA DSA indexer scores keys in FP8 in a bfloat16 model: its picks, simulated by the reference
-    with FP8 indexer inputs, disagree with the float32 reference's beyond what bfloat16 alone explains (the
-    false alarm a bfloat16 budget would raise) and within what the FP8 emulation explains; an indexer that
-    picks the lowest-scoring keys still fails under the FP8 budget."""
+    """vLLM's CUDA DSA indexer scores keys in FP8 in a bfloat16 model: an FP8 engine's picks (simulated by the
+    reference with FP8 indexer inputs, float32 elsewhere: not the budget's own run) disagree with the float32
+    reference's beyond what bfloat16 alone explains (the false alarm a bfloat16 budget would raise: 21% of
+    queries against a limit of 13% here) and within what the bfloat16 + FP8 emulation explains (36%); an
+    indexer that picks the lowest-scoring keys still fails under the FP8 budget."""
     import fixtures_mla
 
     from llmdoctor.checks.routing import dsa_rows
@@ -361,13 +362,14 @@ def test_an_fp8_indexer_is_judged_by_its_own_noise(tmp_path):
         return {k: v.float().numpy() for k, v in caps.items()}
 
     fp8 = vllm_cuda(indexer_fp8=128)
-    ref, bf16, engine = run(torch.float32, None), run(torch.bfloat16, None), run(torch.bfloat16, fp8)
-    (under_bf16, *_), (under_fp8, *_) = (dsa_rows(3, top_k, ref, emu, engine) for emu in (bf16, engine))
+    ref, bf16, emulated = run(torch.float32, None), run(torch.bfloat16, None), run(torch.bfloat16, fp8)
+    engine = run(torch.float32, fp8)  # another draw of FP8 picks than the budget's own (float32 around them)
+    (under_bf16, *_), (under_fp8, *_) = (dsa_rows(3, top_k, ref, emu, engine) for emu in (bf16, emulated))
     assert under_bf16["disagreement"] > under_bf16["limit"], under_bf16  # layer 0: the false alarm
     assert under_fp8["disagreement"] <= under_fp8["limit"], under_fp8
     lowest = np.nan_to_num(ref["indexer_score-0"], neginf=np.inf)  # the masked keys last
     worst = {"top_k-0": np.argsort(lowest, axis=1, kind="stable")[:, :top_k]}
-    (planted, *_) = dsa_rows(3, top_k, ref, engine, worst)
+    (planted, *_) = dsa_rows(3, top_k, ref, emulated, worst)
     assert planted["disagreement"] > planted["limit"], planted
 
 

@@ -133,7 +133,7 @@ def vllm_cuda(*, attention_tf32: str | None = None, gguf_products: str | None = 
                            indexer_fp8=indexer_fp8)
 
 
-E4M3_MAX = 448.0  # float8_e4m3fn's largest finite value
+E4M3_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448
 
 
 def fp8_blocks(x: torch.Tensor, block: int = 128, eps: float = 1e-10) -> torch.Tensor:
