@@ -40,8 +40,11 @@ def demo_beside(demo: Path) -> None:
 
 # A tiny GLM-5 (glm-dsa) for vLLM's sparse MLA (issue 22 part 4): DeepSeek's real latent dims (the MLA
 # backends take only head size 576), an indexer of 64 heads x 128 (the shape vLLM's indexer kernels are
-# written for) with top-k 64, so that a prompt of DSA_TOKENS ids is longer than one selection.
-DSA = dict(index_head_dim=128, index_n_heads=64, index_topk=64)
+# written for) with top-k 64, so that a prompt of DSA_TOKENS ids is longer than one selection. An indexer in
+# every layer, as GLM-5 has: the CPU fixture's "shared" layer (transformers' indexer_types, reusing the last
+# full layer's picks) is unknown to vLLM 0.24, which builds an indexer per layer and then refuses the
+# checkpoint ("weights not initialized: layers.1...indexer.k_norm", seen on the H200 2026-12-02).
+DSA = dict(index_head_dim=128, index_n_heads=64, index_topk=64, indexer_types=["full", "full", "full"])
 DSA_TOKENS = [(7 * i + 3) % 96 for i in range(80)]
 
 
@@ -181,6 +184,8 @@ if __name__ == "__main__":
     if cmd == "models":
         demo = Path(args[args.index("--demo") + 1]) if "--demo" in args else None
         models(Path(args[0]), demo)
+    elif cmd == "dsa-model":  # the dsa stage's checkpoint alone, for a short pass
+        print(dsa_checkpoint(Path(args[0]) / "glm"))
     elif cmd == "faults":
         faults(args[0], Path(args[1]), Path(args[2]) if len(args) > 2 else Path("/tmp/vfaults"))
     elif cmd == "dsa-tokens":
@@ -188,4 +193,4 @@ if __name__ == "__main__":
     elif cmd == "summary":
         print(summary(Path(args[0])))
     else:
-        sys.exit(f"unknown command {cmd!r}: models | faults | dsa-tokens | summary")
+        sys.exit(f"unknown command {cmd!r}: models | dsa-model | faults | dsa-tokens | summary")

@@ -17,6 +17,7 @@
 #               summary.md over every stage
 #   rest        one call for what a first pass left: the diagnose rows in ROWS (default demo-gguf:float32,
 #               started first), the dsa stage and the gpu stage side by side
+#               (MODELS=0: none; MODELS=glm: the dsa stage's checkpoint alone)
 #   mini        the least for a short pass: the dsa stage (when setup built the models: MODELS=0 skips them),
 #               bench/h200_fa_mla_probe.py, the GPU tests
 #
@@ -55,8 +56,8 @@ dsa() {  # DIR: issue 22 part 4, the tiny GLM-5 (real MLA dims, indexer 64 x 128
     step "glm-dsa bfloat16 (vLLM's sparse MLA, the DSA check against its own indexer picks)"
     timeout "$(left)" python3 -m llmdoctor.cli diagnose --hf "$M/glm/hf-glm" --engine vllm --engine-python /tmp/vpy \
         --engine-dtype bfloat16 --token-ids "$(python3 bench/h200_vllm.py dsa-tokens)" --generate 0 \
-        --json-out "$1/glm-dsa-bfloat16.json" > "$1/glm-dsa-bfloat16.log" 2>&1
-    step "glm-dsa bfloat16: exit $?"
+        --json-out "$1/glm-dsa-bfloat16.json" 2>&1 | tee "$OUT/glm-dsa-bfloat16.log" > "$1/glm-dsa-bfloat16.log"
+    step "glm-dsa bfloat16: exit ${PIPESTATUS[0]}"
 }
 
 gpu_checks() {  # vLLM's kernels as subjects, the GPU tests, the explainer, the planted faults, into $G
@@ -138,6 +139,10 @@ setup)
       PYTHONPATH="$PYTHONPATH:/tmp/vsite" python3 -c "import vllm.vllm_flash_attn, vllm.v1.attention.ops.flashmla as f; print('in-process: flash_attn ok; flashmla dense', f.is_flashmla_dense_supported(), 'sparse', f.is_flashmla_sparse_supported())"
     } > "$W/setup/env.txt" 2>&1
     [ "${MODELS:-1}" = 0 ] && { step "models skipped (MODELS=0)"; pack; exit 0; }
+    if [ "${MODELS:-1}" = glm ]; then  # the dsa stage's checkpoint alone (a short pass)
+        step "glm model only (MODELS=glm): $(timeout "$(left)" python3 bench/h200_vllm.py dsa-model "$M" 2>&1 | tail -1)"
+        pack; exit 0
+    fi
     step "models"
     timeout "$(left)" python3 bench/h200_vllm.py models "$M" "${demo[@]}" > "$W/setup/models.log" 2>&1 \
         || step "models FAILED: $(tail -1 "$W/setup/models.log")"
