@@ -114,6 +114,40 @@ def test_correct_kernels_pass_every_case(fault_run):
         assert mine and all(f.status == "pass" for f in mine), [(f.target, f.reason) for f in mine]
 
 
+def test_page_tail_fault_still_fails_with_finite_rows_past_seq_len(fault_run):
+    """The follow-up with finite unused rows does not excuse a kernel that attends to them."""
+    _, res = fault_run
+    failed = [x for x in _by(res.findings, "llmdoctor.faults.attention:mla_decode_page_tail") if x.status == "fail"]
+    assert failed and all("with finite rows past seq_len it still fails" in x.explanation for x in failed), failed
+
+
+def test_a_kernel_weighing_unused_rows_by_zero_passes_with_the_nan_as_information():
+    """flash-attn 3's MLA decode on the H200 (bench/h200_fa_mla_probe.py): NaN in a page's unused rows
+    reaches its output (0 x NaN), its math is right. Planted as mla_decode_zero_weight_tail: judged
+    again on finite unused rows, it passes, and the NaN is reported, not judged."""
+    spec = "llmdoctor.faults.attention:mla_decode_zero_weight_tail"
+    only = {"mla-decode-ragged", "mla-decode-b1", "mla-decode-long"}
+    res = ca.run(GLM, [(spec, "mla-decode")], dtypes=("bfloat16",), only=only)
+    mine = {f.target: f for f in res.findings if f.target.split("/")[0] in only}
+    assert len(mine) == 3 and all(f.status == "pass" for f in mine.values()), [(t, f.reason) for t, f in mine.items()]
+    for f in mine.values():  # every case has a page tail: the NaN reached the output first
+        assert f.metrics["nonfinite_with_nan_unused_rows"] > 0 and f.metrics["nonfinite"] == 0
+        assert "information, not judged" in f.reason and "weighs rows past seq_len by zero" in f.reason
+
+
+def test_stale_unused_rows_fill_only_the_nan_rows_and_keep_fp8_on_its_grid():
+    case = next(c for c in ca.cases(GLM) if c.name == "mla-decode-fp8")
+    x = ca.make_inputs(GLM, case, ca.case_seed(0, case))
+    x = ca.fp8_cache(x)
+    y = ca.stale_unused_rows(x, 5)
+    nan = torch.isnan(x["kv_cache"])
+    assert nan.any() and torch.isfinite(y["kv_cache"]).all()
+    assert torch.equal(y["kv_cache"][~nan], x["kv_cache"][~nan])
+    grid = (y["kv_cache"] / x["kv_scale"]).to(ca.FP8).to(torch.float64) * x["kv_scale"]
+    assert torch.equal(grid, y["kv_cache"])  # the stale rows are fp8 values at the cache's scale
+    assert not torch.equal(ca.stale_unused_rows(x, 6)["kv_cache"], y["kv_cache"])
+
+
 def test_scale_signature_names_the_dims(fault_run):
     _, res = fault_run
     f = next(x for x in _by(res.findings, "llmdoctor.faults.attention:mla_decode_scale_576") if x.status == "fail")

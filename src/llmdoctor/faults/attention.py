@@ -8,6 +8,9 @@ pattern, not by one case), and a prefill kernel that attends only to the last 10
 Correct kernels of other summation orders, which every budget must pass (issue 18): `prefill_blocked`
 (keys in tiles of 64 with online softmax, lse +inf for an empty row as flash-attn 2 writes it) and
 `mla_sparse_decode_iterating` (walks the top-k list one entry at a time, as sparse MLA kernels do).
+`mla_decode_zero_weight_tail` reads the last page whole and masks the rows past seq_len, which then
+enter P·V at weight 0, as flash-attn 3's MLA decode does on the H200: NaN there reaches its output, and
+the check reports that as information, not a fault.
 
 Each fault's `build()` returns {"impl": "llmdoctor.faults.attention:<function>", "contract": name};
 `expect` is a substring the check's explanation must contain. Written independently of the
@@ -105,12 +108,15 @@ def _latent(q, kv_cache, block_table, cu_q, seq_lens, topk, scale, r, bug: str =
     for b, s in enumerate(seq_lens.tolist()):
         n = -(-s // bs)
         rows = kv_cache[block_table[b, :n].long()].reshape(-1, width)  # [n*bs, R+Dr]
-        if bug != "page-tail":  # the bug: attend the whole last page, unused slots included
+        whole = bug in ("page-tail", "zero-weight-tail")  # read the whole last page, unused slots included
+        if not whole:
             rows = rows[:s]
         t = cu_q[b + 1] - cu_q[b]
         allowed = _causal(t, s, False, q.device)
-        if bug == "page-tail":
+        if bug == "page-tail":  # the bug: attend them
             allowed = torch.ones(t, rows.shape[0], dtype=torch.bool, device=q.device)
+        if bug == "zero-weight-tail":  # correct: mask their scores, so they enter P·V at weight 0 (0 x NaN)
+            allowed = torch.nn.functional.pad(allowed, (0, rows.shape[0] - s))
         if topk is not None:
             sel = torch.zeros(t, rows.shape[0], dtype=torch.bool, device=q.device)
             for i in range(t):
@@ -217,6 +223,7 @@ prefill_kv0_nan = _prefill_bug("kv0-nan")
 mla_decode_scale_576 = _decode_bug("scale-576")
 mla_decode_v_rope = _decode_bug("v-rope")
 mla_decode_page_tail = _decode_bug("page-tail")
+mla_decode_zero_weight_tail = _decode_bug("zero-weight-tail")  # correct on finite caches, as flash-attn's MLA
 
 
 def _fault(name: str, fn: str, contract: str, description: str, expect: str) -> None:

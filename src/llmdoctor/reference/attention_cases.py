@@ -17,9 +17,11 @@ share it (a convention no real kernel shares is not judged by any case):
   `window_left`, llama.cpp's n_swa, vLLM passes sliding_window - 1); softcap is c·tanh(s/c) of the
   scaled score (flash-attn `softcap`, FlashInfer `logits_soft_cap`, llama.cpp's Gemma-2 graph).
 - paged: position p of sequence b lives in kv_cache[block_table[b, p // bs], p % bs] (vLLM's block
-  tables, FlashMLA's page blocks); positions >= seq_len (the last page's tail, unused pages) are never
-  read (FlashMLA's tests fill them with NaN); seq_lens include the current token (FlashMLA's
-  cache_seqlens, vLLM's seq_lens).
+  tables, FlashMLA's page blocks); positions >= seq_len (the last page's tail, unused pages) carry no
+  weight. FlashMLA never reads them (its tests fill them with NaN); flash-attn's paged kernels may read
+  them at zero weight (their tests fill caches with finite values; vLLM and llama.cpp zero-fill their
+  caches), so NaN there reaching the output is information, not a fault. seq_lens include the current
+  token (FlashMLA's cache_seqlens, vLLM's seq_lens).
 - latent cache rows are [latent (R), k_pe (Dr)]; the MQA key is the whole row, the value its first R
   (FlashMLA: head_dim_k 576, head_dim_v 512; vLLM's MLA backends; llama.cpp's MLA path).
 - `topk` rows are what DSA indexers emit: distinct positions local to the sequence, at most the
