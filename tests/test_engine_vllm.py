@@ -137,6 +137,34 @@ def test_dense_checkpoint_healthy(kind, ckpts, vllm_python):
     print(f"diagnose --engine vllm on tiny {kind}: {took:.1f} s")  # timed on quiet cores in bench/RESULTS.md
 
 
+def test_the_resident_driver_loads_a_model_once_and_is_replaced_when_it_dies(ckpts, vllm_python, monkeypatch):
+    """A second run on the same model reuses the loaded vLLM (load_s 0) with the same logprobs; another
+    model loads; one child per request (LLMDOCTOR_VLLM_RESIDENT=0) computes the same; a driver killed
+    between requests is replaced, one killed during a request is an EngineError quoting its end."""
+    llama, qwen2 = str(ckpts["llama"][0]), str(ckpts["qwen2"][0])
+    first = vllm_engine.run(vllm_python, llama, TOKENS, dtype="float32")
+    again = vllm_engine.run(vllm_python, llama, TOKENS[:9], dtype="float32")
+    assert first.info["load_s"] > 0 and again.info["load_s"] == 0.0, (first.info["load_s"], again.info["load_s"])
+    np.testing.assert_array_equal(again.logits, first.logits[:9])
+    other = vllm_engine.run(vllm_python, qwen2, TOKENS, dtype="float32")
+    assert other.info["load_s"] > 0
+    monkeypatch.setenv("LLMDOCTOR_VLLM_RESIDENT", "0")
+    alone = vllm_engine.run(vllm_python, llama, TOKENS, dtype="float32")
+    np.testing.assert_array_equal(alone.logits, first.logits)
+    monkeypatch.delenv("LLMDOCTOR_VLLM_RESIDENT")
+    driver = vllm_engine.resident(vllm_python, {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
+    os.killpg(driver.proc.pid, 9)
+    driver.proc.wait()
+    assert vllm_engine.info(vllm_python)["vllm"]  # a fresh driver answers
+    fresh = vllm_engine.resident(vllm_python, {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
+    assert fresh is not driver
+    import threading
+
+    threading.Timer(3.0, lambda: os.killpg(fresh.proc.pid, 9)).start()  # during the load
+    with pytest.raises(vllm_engine.EngineError, match="driver ended with signal 9"):
+        vllm_engine.run(vllm_python, qwen2, TOKENS, dtype="float32")
+
+
 @pytest.mark.parametrize("kind,tensor,rows,point", [
     ("qwen2", "q_proj", slice(None), "Qcur"),  # q after RoPE
     ("deepseek", "kv_a_proj_with_mqa", slice(512, None), "k_pe"),  # MLA: the rope part of the shared key

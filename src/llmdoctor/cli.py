@@ -7,6 +7,7 @@ errors are one line on stderr (tracebacks only with --debug).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import sys
 from pathlib import Path
@@ -316,9 +317,8 @@ def diagnose(
     with tempfile.TemporaryDirectory(prefix="llmdoctor-demo-") as tmp:
         if demo_fault:
             demo_faults.apply(demo_fault, inputs, Path(tmp))
-        status = terminal.stderr.status("diagnosing")
-        with status:
-            result = dg.run(inputs, progress=lambda msg: status.update(msg))
+        with _step_progress("diagnosing") as step:
+            result = dg.run(inputs, progress=step)
     doc = envelope("diagnose", argv=sys.argv[1:], verdict=result.verdict, exit_code=result.exit_code,
                    findings=result.findings, file=inputs.gguf, seed=seed, **result.to_dict())
     terminal.stderr.print("stages: " + ", ".join(f"{k} {v:.2f} s" for k, v in sorted(
@@ -469,6 +469,20 @@ def check_attention(
     c = ca.count_line(res.findings)
     terminal.stdout.print(f"{verdict}: {c} in {res.seconds:.1f} s")
     raise typer.Exit(code)
+
+
+@contextlib.contextmanager
+def _step_progress(what: str) -> Any:
+    """A callback for a long job's steps: a spinner on a terminal; elsewhere (a log, CI) one line per step
+    with the seconds elapsed, so that a run stopped from outside still says where it was."""
+    if terminal.stderr.is_terminal:
+        with terminal.stderr.status(what) as status:
+            yield status.update
+        return
+    import time
+
+    t0 = time.perf_counter()
+    yield lambda msg: print(f"[{time.perf_counter() - t0:.0f} s] {msg}", file=sys.stderr, flush=True)
 
 
 def _byte_progress(what: str) -> Any:

