@@ -124,14 +124,19 @@ class _Resident:
         return out
 
     def close(self) -> None:
-        if self.proc.poll() is None:
+        """End the driver: its stdin closed, it leaves its loop (vLLM's teardown at exit); killed, with
+        vLLM's own children, if it has not within 10 s (a hung one)."""
+        try:
+            self.proc.stdin.close()
+            self.proc.wait(timeout=10)
+        except (OSError, subprocess.TimeoutExpired):
             import signal
 
             try:
-                os.killpg(self.proc.pid, signal.SIGKILL)  # vLLM's own children too
+                os.killpg(self.proc.pid, signal.SIGKILL)
             except OSError:
                 pass
-        self.proc.wait()
+            self.proc.wait()
         shutil.rmtree(self.work, ignore_errors=True)
 
 
