@@ -54,13 +54,15 @@ def dsa_checkpoint(out: Path) -> Path:
 
     fixtures_mla.build("glm", out, **fixtures_hf.REAL_MLA, **DSA)
     ckpt = out / "hf-glm"
-    # two keys GLM-5's own config.json carries that transformers' GlmMoeDsaConfig does not write: vLLM reads
-    # them (deepseek_v2.py: the router's e_score_correction_bias exists only for topk_method noaux_tc, else its
-    # loader raises KeyError on it; the indexer's rotary is interleaved only with indexer_rope_interleave, as
-    # transformers' GlmMoeDsaIndexer always is). Seen on the H200 2026-12-02: without them, KeyError.
+    # keys GLM-5's own config.json carries that transformers' GlmMoeDsaConfig does not write: vLLM reads them
+    # (deepseek_v2.py: the router's e_score_correction_bias exists only for topk_method noaux_tc, else its
+    # loader raises KeyError on it; its router scores by softmax unless scoring_func says sigmoid, which
+    # transformers' GlmMoeDsa router and llmdoctor's reference use; the indexer's rotary is interleaved only
+    # with indexer_rope_interleave, as transformers' GlmMoeDsaIndexer always is). Seen on the H200 2026-12-02:
+    # without topk_method, KeyError. The tiny DeepSeek-V3 of tests/test_engine_vllm.py sets the same two.
     cfg = json.loads((ckpt / "config.json").read_text())
-    (ckpt / "config.json").write_text(json.dumps({**cfg, "topk_method": "noaux_tc", "indexer_rope_interleave": True},
-                                                 indent=2))
+    (ckpt / "config.json").write_text(json.dumps({**cfg, "topk_method": "noaux_tc", "scoring_func": "sigmoid",
+                                                  "indexer_rope_interleave": True}, indent=2))
     fixtures_hf.with_tokenizer(ckpt, WORDS)
     return ckpt
 
