@@ -135,6 +135,18 @@ def test_a_kernel_weighing_unused_rows_by_zero_passes_with_the_nan_as_informatio
         assert "information, not judged" in f.reason and "weighs rows past seq_len by zero" in f.reason
 
 
+def test_the_unused_rows_information_is_printed_and_the_check_passes():
+    from typer.testing import CliRunner
+
+    from llmdoctor.cli import app
+
+    r = CliRunner().invoke(app, ["check", "attention", "--impl", "llmdoctor.faults.attention:mla_decode_zero_weight_tail",
+                                 "--contract", "mla-decode", "--cases", "mla-decode-b1", "--dtype", "bfloat16"],
+                           env={"COLUMNS": "400"})
+    assert r.exit_code == 0, r.stdout
+    assert "pass (information)" in r.stdout and "weighs rows past seq_len by zero" in r.stdout, r.stdout
+
+
 def test_stale_unused_rows_fill_only_the_nan_rows_and_keep_fp8_on_its_grid():
     case = next(c for c in ca.cases(GLM) if c.name == "mla-decode-fp8")
     x = ca.make_inputs(GLM, case, ca.case_seed(0, case))

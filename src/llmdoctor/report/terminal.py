@@ -85,18 +85,20 @@ def summary_line(verdict: str, findings: list[Any], seconds: float | None = None
 
 
 def attention_cases_table(findings: list[Any], k_floor: float, console: Console = stdout) -> None:
-    """`check attention`: every case that did not pass, its error against its budget (half precision: K
-    times the noise floor; float32: the derived rounding bound's largest element)."""
+    """`check attention`: every case that did not pass, and every pass that carries information (a probe,
+    NaN from unused cache rows), with its error against its budget (half precision: K times the noise
+    floor; float32: the derived rounding bound's largest element)."""
     table = Table("subject", "case", "status", "max|err|", "budget", "why")
     for f in findings:
-        if f.status == "pass":
+        if f.status == "pass" and "information" not in f.reason:
             continue
         fl = f.budget.get("floor_max_abs", f.budget.get("floor"))
         err = f.metrics.get("max_abs_diff")
         bound = f.budget.get("bound_max")
-        table.add_row(f.subject, f.target, f.status, "" if err is None else f"{err:.3g}",
+        status = "pass (information)" if f.status == "pass" else f.status
+        table.add_row(f.subject, f.target, status, "" if err is None else f"{err:.3g}",
                       f"{k_floor * fl:.3g}" if fl is not None else "" if bound is None else f"<= {bound:.3g}",
-                      f.explanation or f.reason)
+                      f.reason if f.status == "pass" else f.explanation or f.reason)
     console.print(table)
 
 
