@@ -140,7 +140,8 @@ def test_dense_checkpoint_healthy(kind, ckpts, vllm_python):
 def test_the_resident_driver_loads_a_model_once_and_is_replaced_when_it_dies(ckpts, vllm_python, monkeypatch):
     """A second run on the same model reuses the loaded vLLM (load_s 0) with the same logprobs; another
     model loads; one child per request (LLMDOCTOR_VLLM_RESIDENT=0) computes the same; a driver killed
-    between requests is replaced, one killed during a request is an EngineError quoting its end."""
+    between requests is replaced, one killed during a request is an EngineError quoting its end, one past
+    its timeout is killed and named; the next request gets a fresh driver."""
     llama, qwen2 = str(ckpts["llama"][0]), str(ckpts["qwen2"][0])
     first = vllm_engine.run(vllm_python, llama, TOKENS, dtype="float32")
     again = vllm_engine.run(vllm_python, llama, TOKENS[:9], dtype="float32")
@@ -152,17 +153,24 @@ def test_the_resident_driver_loads_a_model_once_and_is_replaced_when_it_dies(ckp
     alone = vllm_engine.run(vllm_python, llama, TOKENS, dtype="float32")
     np.testing.assert_array_equal(alone.logits, first.logits)
     monkeypatch.delenv("LLMDOCTOR_VLLM_RESIDENT")
-    driver = vllm_engine.resident(vllm_python, {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    driver = vllm_engine.resident(vllm_python, env)
     os.killpg(driver.proc.pid, 9)
     driver.proc.wait()
-    assert vllm_engine.info(vllm_python)["vllm"]  # a fresh driver answers
-    fresh = vllm_engine.resident(vllm_python, {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
-    assert fresh is not driver
+    assert vllm_engine.info(vllm_python)["vllm"]  # killed between requests: a fresh driver answers
+    assert vllm_engine.resident(vllm_python, env) is not driver
     import threading
 
-    threading.Timer(3.0, lambda: os.killpg(fresh.proc.pid, 9)).start()  # during the load
+    def kill_the_next_driver():  # a fresh driver is still importing vLLM (seconds) 1 s after its request
+        os.killpg(vllm_engine._resident["driver"].proc.pid, 9)
+
+    vllm_engine._close_resident()
+    threading.Timer(1.0, kill_the_next_driver).start()
     with pytest.raises(vllm_engine.EngineError, match="driver ended with signal 9"):
         vllm_engine.run(vllm_python, qwen2, TOKENS, dtype="float32")
+    with pytest.raises(vllm_engine.EngineError, match="did not finish 'run' within"):  # a hang: killed
+        vllm_engine.run(vllm_python, qwen2, TOKENS, dtype="float32", timeout=0.5)
+    assert vllm_engine.run(vllm_python, qwen2, TOKENS, dtype="float32").info["load_s"] > 0  # replaced again
 
 
 @pytest.mark.parametrize("kind,tensor,rows,point", [

@@ -384,7 +384,12 @@ def _llm(req: dict, *, fresh: bool = False):
     config = EngineArgs(**kw).create_model_config()
     vocab = config.get_vocab_size()
     max_len = max(need, min(SERVE_MIN_LEN, config.max_model_len)) if SERVING else need
-    llm = LLM(max_logprobs=vocab, max_model_len=max_len, **kw)
+    try:
+        llm = LLM(max_logprobs=vocab, max_model_len=max_len, **kw)
+    except BaseException:
+        if SERVING:  # a start that failed half way leaves vLLM's process groups to the next load
+            _teardown()
+        raise
     if SERVING:
         _loaded.update(key=key, max_len=max_len, llm=llm, vocab=vocab)
     return llm, vocab, time.perf_counter() - t0
@@ -395,6 +400,11 @@ def _unload() -> None:
     if _loaded.pop("llm", None) is None:
         return
     _loaded.clear()
+    _teardown()
+
+
+def _teardown() -> None:
+    """vLLM's process groups destroyed and the memory of an engine no longer referenced freed."""
     import gc
 
     gc.collect()
