@@ -36,9 +36,10 @@ calls() {
         i=$((i + 1))
     done
     echo "call $i: carry=[]  command: bash bench/h200_vllm.sh setup     # reassemble, sha256, install, models"
-    echo "call $((i + 1)): carry=[]  command: ROWS=demo-gguf:float32 bash bench/h200_vllm.sh rest  # what session 8 left:"
-    echo "          the demo float32 row, the dsa stage, the gpu checks (kernels, FA MLA probe, GPU tests, planted faults, explainer)"
-    echo "call $((i + 2)): carry=[]  command: bash bench/h200_vllm.sh diagnose  # issue 22's whole table again, if time is left"
+    echo "call $((i + 1)): carry=[]  command: CALL_S=590 bash bench/h200_vllm.sh rows  # the demo GGUF float32 row alone (timeout_s=600)"
+    echo "call $((i + 2)): carry=[]  command: ROWS=none bash bench/h200_vllm.sh rest  # the dsa stage and the gpu checks"
+    echo "          (kernels, FA MLA probe, GPU tests, planted faults, explainer)"
+    echo "call $((i + 3)): carry=[]  command: bash bench/h200_vllm.sh diagnose  # issue 22's whole table again, if time is left"
     echo "# Each refused start costs device time (90 s seen): ask \`status\` first and make one call at a time;"
     echo "# several run calls in one message are fine only while a machine is warm (session 8 lost 180 s otherwise)."
 }

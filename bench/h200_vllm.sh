@@ -15,6 +15,7 @@
 #               llama-3-8b, deepseek-v3 and glm-5, the GPU tests of tests/test_vllm_kernels.py and the engine
 #               explainer's) and, meanwhile, the planted faults of the CPU suite under vLLM on CUDA; then
 #               summary.md over every stage
+#   rows        only the diagnose rows in ROWS (default demo-gguf:float32), with nothing beside them
 #   rest        one call for what a first pass left: the diagnose rows in ROWS (default demo-gguf:float32,
 #               started first), the dsa stage and the gpu stage side by side
 #               (MODELS=0: none; MODELS=glm: the dsa stage's checkpoint alone)
@@ -32,7 +33,7 @@ mkdir -p "$OUT" "$C" "$M" "$W"
 export PYTHONPATH="/tmp/site:$PWD/src:$PWD/tests" HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 export VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_ENABLE_V1_MULTIPROCESSING=0
 TOKENS=3,17,42,5,77,8,23,61,9,30,55,14,2,88,40,19  # tests/test_engine_vllm.py's TOKENS
-stage=${1:?stage: stash DIR | setup | diagnose | dsa | gpu | rest | mini}
+stage=${1:?stage: stash DIR | setup | diagnose | dsa | gpu | rows | rest | mini}
 t0=$(date +%s)
 step() { echo "[$(( $(date +%s) - t0 )) s] $*" | tee -a "$W/$stage.steps"; }
 left() { local n=$(( ${CALL_S:-545} - ($(date +%s) - t0) )); echo $(( n > 1 ? n : 1 )); }  # seconds left of this call
@@ -50,6 +51,20 @@ diag() {  # name dtype args...: one row of issue 22's table, into $D
     timeout "$(left)" python3 -m llmdoctor.cli diagnose "$@" --engine vllm --engine-python /tmp/vpy \
         --engine-dtype "$dtype" --token-ids "$TOKENS" --generate 0 --json-out "$D/$name-$dtype.json" > "$D/$name-$dtype.log" 2>&1
     step "$name $dtype: exit $?"
+}
+
+lanes() {  # the rows of ROWS (name:dtype ..., default demo-gguf:float32; "none": none), each in the background, into $D
+    for row in ${ROWS:-demo-gguf:float32}; do
+        name=${row%%:*} dtype=${row#*:}
+        case $name in
+        demo-gguf) diag "$name" "$dtype" --gguf "$M/demo/demo.gguf" & ;;
+        llama-q8_0-gguf) diag "$name" "$dtype" --gguf "$M/llama-q8_0/llama-q8_0.gguf" & ;;
+        llama-hf) diag "$name" "$dtype" --hf "$M/llama/hf-llama" & ;;
+        deepseek-hf) diag "$name" "$dtype" --hf "$M/deepseek/hf-deepseek" & ;;
+        none) ;;
+        *) step "unknown row $row" ;;
+        esac
+    done
 }
 
 dsa() {  # DIR: issue 22 part 4, the tiny GLM-5 (real MLA dims, indexer 64 x 128, top-k 64) under vLLM's sparse MLA
@@ -182,19 +197,21 @@ gpu)
     python3 bench/h200_vllm.py summary "$W" > /dev/null 2>&1 && cp "$W/summary.md" "$OUT/summary.md"
     ;;
 
+rows)  # only the diagnose rows in ROWS (default demo-gguf:float32), each in a lane of its own, nothing beside them
+    D="$W/rows"
+    export LLMDOCTOR_VLLM_GPU_MEMORY_UTILIZATION=0.2
+    mkdir -p "$D"
+    lanes
+    wait
+    step "end"
+    pack
+    ;;
+
 rest)  # after diagnose: the rows still open (ROWS="demo-gguf:float32 ..."), the dsa stage, the gpu stage, in one call
     G="$W/rest" D="$W/rest"
     export LLMDOCTOR_VLLM_GPU_MEMORY_UTILIZATION=0.2
     mkdir -p "$G"
-    for row in ${ROWS:-demo-gguf:float32}; do
-        name=${row%%:*} dtype=${row#*:}
-        case $name in
-        demo-gguf) diag "$name" "$dtype" --gguf "$M/demo/demo.gguf" & ;;
-        llama-q8_0-gguf) diag "$name" "$dtype" --gguf "$M/llama-q8_0/llama-q8_0.gguf" & ;;
-        llama-hf) diag "$name" "$dtype" --hf "$M/llama/hf-llama" & ;;
-        deepseek-hf) diag "$name" "$dtype" --hf "$M/deepseek/hf-deepseek" & ;;
-        esac
-    done
+    lanes
     dsa "$D" &
     gpu_checks
     wait
@@ -220,7 +237,7 @@ mini)  # the least a short pass needs after setup: the dsa stage, the FlashAttn 
     ;;
 
 *)
-    echo "unknown stage $stage (stash DIR | setup | diagnose | dsa | gpu | rest | mini)" >&2
+    echo "unknown stage $stage (stash DIR | setup | diagnose | dsa | gpu | rows | rest | mini)" >&2
     exit 2
     ;;
 esac
