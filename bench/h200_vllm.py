@@ -40,12 +40,15 @@ def demo_beside(demo: Path) -> None:
 
 # A tiny GLM-5 (glm-dsa) for vLLM's sparse MLA (issue 22 part 4): DeepSeek's real latent dims (the MLA
 # backends take only head size 576), an indexer of 64 heads x 128 (the shape vLLM's indexer kernels are
-# written for) with top-k 64, so that a prompt of DSA_TOKENS ids is longer than one selection. An indexer in
-# every layer, as GLM-5 has: the CPU fixture's "shared" layer (transformers' indexer_types, reusing the last
-# full layer's picks) is unknown to vLLM 0.24, which builds an indexer per layer and then refuses the
-# checkpoint ("weights not initialized: layers.1...indexer.k_norm", seen on the H200 2026-12-02).
-DSA = dict(index_head_dim=128, index_n_heads=64, index_topk=64, indexer_types=["full", "full", "full"])
-DSA_TOKENS = [(7 * i + 3) % 96 for i in range(80)]
+# written for) with top-k 128, so that a prompt of DSA_TOKENS ids (200, within the fixture's 256 positions)
+# is longer than one selection for its last 72 queries. Top-k 128, not less: vLLM 0.24's conversion of the
+# picks to cache slots takes them in tiles of 128 (sparse_utils.triton_convert_req_index_to_global_index:
+# "NUM_TOPK_TOKENS (64) must be divisible by BLOCK_N (128)", seen on the H200 2026-12-03 with top-k 64).
+# An indexer in every layer, as GLM-5 has: the CPU fixture's "shared" layer (transformers' indexer_types,
+# reusing the last full layer's picks) is unknown to vLLM 0.24, which builds an indexer per layer and then
+# refuses the checkpoint ("weights not initialized: layers.1...indexer.k_norm", seen on the H200 2026-12-02).
+DSA = dict(index_head_dim=128, index_n_heads=64, index_topk=128, indexer_types=["full", "full", "full"])
+DSA_TOKENS = [(7 * i + 3) % 96 for i in range(200)]
 
 
 def dsa_checkpoint(out: Path) -> Path:

@@ -67,7 +67,7 @@ lanes() {  # the rows of ROWS (name:dtype ..., default demo-gguf:float32; "none"
     done
 }
 
-dsa() {  # DIR: issue 22 part 4, the tiny GLM-5 (real MLA dims, indexer 64 x 128, top-k 64) under vLLM's sparse MLA
+dsa() {  # DIR: issue 22 part 4, the tiny GLM-5 (real MLA dims, indexer 64 x 128, top-k 128) under vLLM's sparse MLA
     step "glm-dsa bfloat16 (vLLM's sparse MLA, the DSA check against its own indexer picks)"
     timeout "$(left)" python3 -m llmdoctor.cli diagnose --hf "$M/glm/hf-glm" --engine vllm --engine-python /tmp/vpy \
         --engine-dtype bfloat16 --token-ids "$(python3 bench/h200_vllm.py dsa-tokens)" --generate 0 \
