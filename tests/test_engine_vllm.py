@@ -457,6 +457,47 @@ def test_driver_select_passes_a_config_and_the_dtype_to_the_mla_prefill_selector
     assert torch.get_default_dtype() == torch.float32
 
 
+def test_built_backends_keep_the_dsa_indexer_cache_out_of_the_selection(monkeypatch):
+    """The H200's false "built other backends than vLLM's selection" on a GLM-5: vLLM gives the DSA
+    indexer's key cache a backend its model class names (DEEPSEEK_V32_INDEXER), which no selection decides.
+    Such a cache is reported apart ("fixed"); the selection's own layers (and their subclasses) are judged,
+    and a wrong backend there is still a mismatch."""
+    import importlib.util
+    from types import SimpleNamespace
+
+    import torch
+
+    from llmdoctor.checks.backends import mismatches
+
+    _fake_vllm(monkeypatch)
+    spec = importlib.util.spec_from_file_location("llmdoctor_vllm_driver_under_test", vllm_engine.DRIVER)
+    driver = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(driver)
+    MLAAttention = type("MLAAttention", (torch.nn.Module,), {})
+    SparseMLA = type("SparseMLA", (MLAAttention,), {})  # a subclass: still the selection's layer
+    IndexerCache = type("DeepseekV32IndexerCache", (torch.nn.Module,), {})
+    model = torch.nn.Module()
+    model.layers = torch.nn.ModuleList(torch.nn.Module() for _ in range(2))
+    for layer in model.layers:
+        layer.mla_attn, layer.indexer = SparseMLA(), torch.nn.Module()
+        layer.indexer.k_cache = IndexerCache()
+
+    def group(names, backend):
+        return SimpleNamespace(layer_names=names, backend=SimpleNamespace(get_name=lambda: backend))
+
+    explained = {"kind": "mla", "selected": {"decode": "FLASHMLA_SPARSE", "prefill": None}}
+    runner = SimpleNamespace(model=model, attn_groups=[[
+        group(["layers.0.mla_attn", "layers.1.mla_attn"], "FLASHMLA_SPARSE"),
+        group(["layers.0.indexer.k_cache", "layers.1.indexer.k_cache"], "DEEPSEEK_V32_INDEXER")]])
+    got = driver.built_backends(runner)
+    assert got["decode"] == {"layers.0.mla_attn": "FLASHMLA_SPARSE", "layers.1.mla_attn": "FLASHMLA_SPARSE"}, got
+    assert set(got["fixed"].values()) == {"DEEPSEEK_V32_INDEXER"} and len(got["fixed"]) == 2, got
+    assert mismatches(got, explained) == []
+    runner.attn_groups[0][0] = group(["layers.0.mla_attn", "layers.1.mla_attn"], "TRITON_MLA")  # planted
+    assert mismatches(driver.built_backends(runner), explained) == [
+        f"layers.{i}.mla_attn: built TRITON_MLA, selection says FLASHMLA_SPARSE" for i in (0, 1)]
+
+
 def test_engine_explainer_on_an_mla_shape_with_vllm_for_cpu(vllm_python, monkeypatch):
     """check attention's engine explainer for DeepSeek-V3's MLA shape: vLLM for CPU's own selection."""
     from llmdoctor.checks import attention as ca

@@ -309,6 +309,9 @@ def h_engine_backends(s: Session) -> list[Finding]:
                    + (sel["error"] if sel.get("error") else f"{sel['decode']} (prefill {sel['prefill']})"))
     wrong = mismatches(built, explained)
     what = f"{sel['decode']}" + (f", prefill {sel['prefill']}" if explained["kind"] == "mla" else "")
+    fixed = sorted(set((built.get("fixed") or {}).values()))  # caches whose backend the model names itself
+    fixed_words = (f"; {len(built['fixed'])} cache layers with the backend their model class names, not selected: "
+                   f"{', '.join(fixed)}") if fixed else ""
     return [_finding("engine-backends", engine.name, f"{explained['kind']} attention", "fail" if wrong else "pass",
                      confidence="high",
                      hypothesis=f"the engine runs the attention backends {engine.title} selects for this model",
@@ -316,7 +319,8 @@ def h_engine_backends(s: Session) -> list[Finding]:
                      explanation=(f"the engine built other backends than {engine.title}'s selection ({what}): {wrong[0]}"
                                   if wrong else f"{engine.title} {explained['vllm']} on {explained['platform']} selects "
                                   f"{what} for {explained['dtype']}, head size {explained['head_size']}, and built it in "
-                                  f"every layer; settings that change it: {', '.join(sorted(explained['knobs'])) or 'none'}"))]
+                                  f"every layer; settings that change it: {', '.join(sorted(explained['knobs'])) or 'none'}")
+                     + fixed_words)]
 
 
 def h_dsa_selection(s: Session) -> list[Finding]:

@@ -51,6 +51,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
 SENTINEL = "@@llmdoctor-vllm-driver-done@@"
+# The attention layer classes whose backend vLLM's selection decides (vllm/model_executor/layers/attention/
+# attention.py, mla_attention.py); a layer of another class names its own (built_backends' "fixed").
+SELECTED_LAYERS = ("Attention", "MLAAttention")
 SERVE_MIN_LEN = 512  # resident: a loaded engine's max_model_len is at least this (or the model's own), so
 #                      that the runs of one diagnosis (prompts of a few hundred tokens) share one load
 SERVING = False  # resident (`--serve`)
@@ -206,13 +209,21 @@ def _runner(llm):
 
 
 def built_backends(runner) -> dict:
-    """The attention backends the running engine built: {layer name: backend name} of the runner's
-    attention groups, and the MLA prefill backend of each MLA layer."""
-    out: dict = {"decode": {}, "prefill": {}}
+    """The attention backends the running engine built, from the runner's attention groups: "decode"
+    {layer: backend} of the layers vLLM's selection decides (its Attention and MLAAttention classes and
+    their subclasses), "fixed" {layer: backend} of the caches whose backend the model's own class names
+    (the DSA indexer's key cache: DeepseekV32IndexerCache.get_attn_backend is DEEPSEEK_V32_INDEXER whatever
+    the selection), and "prefill" the MLA prefill backend of each MLA layer."""
+    out: dict = {"decode": {}, "fixed": {}, "prefill": {}}
+    modules = dict(runner.model.named_modules())
+    context = getattr(getattr(getattr(runner, "vllm_config", None), "compilation_config", None),
+                      "static_forward_context", None) or {}
     for groups in getattr(runner, "attn_groups", []):
         for g in groups:
             for name in getattr(g, "layer_names", []):
-                out["decode"][name] = g.backend.get_name()
+                module = modules.get(name, context.get(name))
+                selected = module is None or any(c.__name__ in SELECTED_LAYERS for c in type(module).__mro__)
+                out["decode" if selected else "fixed"][name] = g.backend.get_name()
     for name, module in runner.model.named_modules():
         pb = getattr(module, "prefill_backend", None)
         if pb is not None:
