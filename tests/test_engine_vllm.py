@@ -486,16 +486,18 @@ def test_built_backends_keep_the_dsa_indexer_cache_out_of_the_selection(monkeypa
         return SimpleNamespace(layer_names=names, backend=SimpleNamespace(get_name=lambda: backend))
 
     explained = {"kind": "mla", "selected": {"decode": "FLASHMLA_SPARSE", "prefill": None}}
-    runner = SimpleNamespace(model=model, attn_groups=[[
-        group(["layers.0.mla_attn", "layers.1.mla_attn"], "FLASHMLA_SPARSE"),
+    # vLLM's forward context names an MLA layer by its prefix, not its module path (model.layers.0.self_attn.attn)
+    context = {"layers.0.attn": model.layers[0].mla_attn}
+    runner = SimpleNamespace(model=model, compilation_config=SimpleNamespace(static_forward_context=context),
+                             attn_groups=[[group(["layers.0.attn", "layers.1.mla_attn"], "FLASHMLA_SPARSE"),
         group(["layers.0.indexer.k_cache", "layers.1.indexer.k_cache"], "DEEPSEEK_V32_INDEXER")]])
     got = driver.built_backends(runner)
-    assert got["decode"] == {"layers.0.mla_attn": "FLASHMLA_SPARSE", "layers.1.mla_attn": "FLASHMLA_SPARSE"}, got
+    assert got["decode"] == {"layers.0.attn": "FLASHMLA_SPARSE", "layers.1.mla_attn": "FLASHMLA_SPARSE"}, got
     assert set(got["fixed"].values()) == {"DEEPSEEK_V32_INDEXER"} and len(got["fixed"]) == 2, got
     assert mismatches(got, explained) == []
-    runner.attn_groups[0][0] = group(["layers.0.mla_attn", "layers.1.mla_attn"], "TRITON_MLA")  # planted
+    runner.attn_groups[0][0] = group(["layers.0.attn", "layers.1.mla_attn"], "TRITON_MLA")  # planted
     assert mismatches(driver.built_backends(runner), explained) == [
-        f"layers.{i}.mla_attn: built TRITON_MLA, selection says FLASHMLA_SPARSE" for i in (0, 1)]
+        f"{name}: built TRITON_MLA, selection says FLASHMLA_SPARSE" for name in ("layers.0.attn", "layers.1.mla_attn")]
 
 
 def test_engine_explainer_on_an_mla_shape_with_vllm_for_cpu(vllm_python, monkeypatch):

@@ -215,13 +215,13 @@ def built_backends(runner) -> dict:
     (the DSA indexer's key cache: DeepseekV32IndexerCache.get_attn_backend is DEEPSEEK_V32_INDEXER whatever
     the selection), and "prefill" the MLA prefill backend of each MLA layer."""
     out: dict = {"decode": {}, "fixed": {}, "prefill": {}}
-    modules = dict(runner.model.named_modules())
-    context = getattr(getattr(getattr(runner, "vllm_config", None), "compilation_config", None),
-                      "static_forward_context", None) or {}
+    # the layers by their names in vLLM's forward context (an MLA layer's differs from its module path)
+    context = getattr(getattr(runner, "compilation_config", None), "static_forward_context", None) or {}
+    modules = {**dict(runner.model.named_modules()), **context}
     for groups in getattr(runner, "attn_groups", []):
         for g in groups:
             for name in getattr(g, "layer_names", []):
-                module = modules.get(name, context.get(name))
+                module = modules.get(name)
                 selected = module is None or any(c.__name__ in SELECTED_LAYERS for c in type(module).__mro__)
                 out["decode" if selected else "fixed"][name] = g.backend.get_name()
     for name, module in runner.model.named_modules():
