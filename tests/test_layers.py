@@ -201,3 +201,32 @@ def test_each_failing_criterion_is_named():
     assert "over 39 finite positions" in crit["kl"].reason and "nan" not in crit["kl"].reason
     assert list(_criteria(torch.full_like(ref, float("nan")), ref, emu)) == ["finite"]
     assert not _criteria(_noisy(3, 0.5, ref), ref, emu)["kl"].ok  # 10x the noise
+
+
+def test_dsa_rows_judge_the_queries_that_choose_apart_from_the_short_ones():
+    """An indexer that keeps the lowest-scoring keys, on a prompt where most queries see at most top-k keys
+    (the H200's GLM-5: 128 of 200): pooled over every query its misses could not exceed the limit (12 of 60
+    rows at most, the limit 22%), judged over the queries that choose they do; a healthy engine's picks
+    (the reference's own top k) pass both groups, and a short query that drops a key it sees fails."""
+    from llmdoctor.checks.routing import dsa_misses, dsa_rows, routing_limit, selection_misses
+
+    rng = np.random.default_rng(1)
+    t_n, k = 60, 48
+    scores = rng.standard_normal((t_n, t_n))
+    scores[np.triu_indices(t_n, 1)] = -np.inf  # query t sees keys 0..t
+    emu = scores.copy()
+    order = np.argsort(-scores, axis=1, kind="stable")
+    for t in range(k, k + 6):  # the emulated run swaps the k-th and (k+1)-th keys of 6 choosing queries
+        a, b = order[t, k - 1], order[t, k]
+        emu[t, a], emu[t, b] = scores[t, b], scores[t, a]
+    lowest = np.argsort(np.nan_to_num(scores, neginf=np.inf), axis=1, kind="stable")[:, :k]
+    assert selection_misses(scores, lowest, k).mean() <= routing_limit(6 / t_n, t_n)  # pooled: cannot fail
+    (row,) = dsa_rows(1, k, {"indexer_score-0": scores}, {"indexer_score-0": emu}, {"top_k-0": lowest})
+    assert (row["queries"], row["short"]["queries"], row["disagreement"], row["noise"]) == (12, 48, 1.0, 0.5), row
+    assert "100% of the queries that choose (12" in dsa_misses(row), row
+    (healthy,) = dsa_rows(1, k, {"indexer_score-0": scores}, {"indexer_score-0": emu}, {"top_k-0": order[:, :k]})
+    assert dsa_misses(healthy) == "" and healthy["disagreement"] == 0.0, healthy
+    dropped = order[:, :k].copy()
+    dropped[10:20, 0] = -1  # ten short queries lose a key they see
+    (short,) = dsa_rows(1, k, {"indexer_score-0": scores}, {"indexer_score-0": emu}, {"top_k-0": dropped})
+    assert "of the queries that see at most top-k keys" in dsa_misses(short), short

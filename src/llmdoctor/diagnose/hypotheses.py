@@ -329,7 +329,7 @@ def h_dsa_selection(s: Session) -> list[Finding]:
     at the k-th score may go either way), against what the engine's own arithmetic explains (the
     emulated run's; checks/routing.py). A wrong indexer (rope on the wrong dims, a missing weight, the
     wrong scale) shows here before the attention output does."""
-    from ..checks.routing import dsa_rows
+    from ..checks.routing import dsa_misses, dsa_rows
 
     m = s.config().mla
     if len(s.tokens()) <= m.indexer.top_k:
@@ -341,7 +341,7 @@ def h_dsa_selection(s: Session) -> list[Finding]:
     rows = dsa_rows(s.config().n_layer, m.indexer.top_k, ref_caps, emu_caps, engine_caps)
     if not rows:
         raise Skip("the engine exposed no indexer selections (top_k)")
-    bad = [r for r in rows if r["disagreement"] > r["limit"]]
+    bad = [r for r in rows if dsa_misses(r)]
     if not bad:
         return [_finding("dsa-selection", s.inputs.engine, f"{len(rows)} indexer layers", "pass", confidence="high",
                          hypothesis="the engine's indexer selects the reference's keys",
@@ -356,8 +356,8 @@ def h_dsa_selection(s: Session) -> list[Finding]:
                      hypothesis="the engine's indexer selects the reference's keys",
                      metrics={"first_layer": first["layer"], **first}, evidence=rows,
                      explanation=f"the sparse-attention indexer selects other keys from layer {first['layer']}: "
-                                 f"{first['disagreement']:.0%} of queries (its arithmetic explains {first['limit']:.0%}); "
-                                 f"check the indexer's rope dims and order, k norm, head weights and scale")]
+                                 f"{dsa_misses(first)}; check the indexer's rope dims and order, k norm, head weights "
+                                 "and scale")]
 
 
 def h_moe_routing(s: Session) -> list[Finding]:
