@@ -138,6 +138,37 @@ def faults(python: str, out: Path, work: Path) -> list[dict]:
     return rows_out
 
 
+def dsa_fault(python: str, ckpt: Path, out: Path) -> dict:
+    """The tiny GLM-5 with layer 2's indexer head weights negated in the copy vLLM loads (the reference reads
+    the original): its indexer then keeps the lowest-scoring keys there, which only dsa-selection can see
+    (every reference run attends to the engine's picks). Found when the diagnosis fails dsa-selection at
+    layer 2. Run on the H200 2026-12-03: found, 100% of the 72 choosing queries against a limit of 91%."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from llmdoctor import diagnose as dg
+
+    bad = ckpt.parent / f"{ckpt.name}-indexer-negated"
+    shutil.copytree(ckpt, bad, dirs_exist_ok=True)
+    name = "model.layers.2.self_attn.indexer.weights_proj.weight"
+    for f in bad.glob("*.safetensors"):
+        t = load_file(f)
+        if name in t:
+            t[name] = torch.neg(t[name])
+            save_file(t, f, metadata={"format": "pt"})
+    t0 = time.perf_counter()
+    res = dg.run(dg.Inputs(hf=ckpt, engine="vllm", engine_hf=bad, engine_python=python, engine_dtype="bfloat16",
+                           token_ids=DSA_TOKENS, generate=0))
+    sel = next((f for f in res.findings if f.check == "dsa-selection"), None)
+    row = {"model": "glm-dsa", "tensor": name, "negated": True, "exit_code": res.exit_code, "verdict": res.verdict,
+           "dsa_selection": sel.status if sel else None, "metrics": sel.metrics if sel else None,
+           "found": bool(sel and sel.status == "fail" and sel.metrics.get("first_layer") == 2),
+           "seconds": round(time.perf_counter() - t0, 1)}
+    out.write_text(json.dumps([row], indent=1, default=str))  # a list: summary() lists it as planted faults
+    print(json.dumps(row, default=str), flush=True)
+    return row
+
+
 def _finding_line(f: dict) -> str:
     nums = {k: v for k, v in (f.get("metrics") or {}).items() if isinstance(v, (int, float, str)) and len(str(v)) < 40}
     why = (f.get("reason") or f.get("explanation") or "")[:200].replace("\n", " ")
@@ -193,9 +224,11 @@ if __name__ == "__main__":
         print(dsa_checkpoint(Path(args[0]) / "glm"))
     elif cmd == "faults":
         faults(args[0], Path(args[1]), Path(args[2]) if len(args) > 2 else Path("/tmp/vfaults"))
+    elif cmd == "dsa-fault":  # PYTHON CKPT OUT.json
+        dsa_fault(args[0], Path(args[1]), Path(args[2]))
     elif cmd == "dsa-tokens":
         print(",".join(map(str, DSA_TOKENS)))
     elif cmd == "summary":
         print(summary(Path(args[0])))
     else:
-        sys.exit(f"unknown command {cmd!r}: models | dsa-model | faults | dsa-tokens | summary")
+        sys.exit(f"unknown command {cmd!r}: models | dsa-model | faults | dsa-fault | dsa-tokens | summary")

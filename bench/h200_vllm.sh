@@ -73,6 +73,10 @@ dsa() {  # DIR: issue 22 part 4, the tiny GLM-5 (real MLA dims, indexer 64 x 128
         --engine-dtype bfloat16 --token-ids "$(python3 bench/h200_vllm.py dsa-tokens)" --generate 0 \
         --json-out "$1/glm-dsa-bfloat16.json" 2>&1 | tee "$OUT/glm-dsa-bfloat16.log" > "$1/glm-dsa-bfloat16.log"
     step "glm-dsa bfloat16: exit ${PIPESTATUS[0]}"
+    step "glm-dsa planted: layer 2's indexer head weights negated in the copy vLLM loads"
+    timeout "$(left)" python3 bench/h200_vllm.py dsa-fault /tmp/vpy "$M/glm/hf-glm" "$1/glm-dsa-planted.json" \
+        > "$1/glm-dsa-planted.log" 2>&1
+    step "glm-dsa planted: exit $? $(grep -o '"found": [a-z]*' "$1/glm-dsa-planted.json" 2>/dev/null)"
 }
 
 gpu_checks() {  # vLLM's kernels as subjects, the GPU tests, the explainer, the planted faults, into $G
