@@ -167,6 +167,10 @@ def test_logit_pair_noise_and_top1_margin():
     got = want.clone()
     got[5, 1] = 13.0  # the engine prefers token 1 where the reference prefers token 0 by 8
     assert top1_margin(got, want).tolist() == [0.0] * 5 + [8.0] + [0.0] * 34
+    got[5, 1] = 12.0  # a tie in the engine's logits (its argmax names token 0 or 1 by convention): no flip
+    assert top1_margin(got, want).tolist() == [0.0] * 40
+    got[5, 0], got[5, 1] = 11.0, 12.0  # token 1 alone on top again
+    assert top1_margin(got, want)[5] == 8.0
 
 
 def _criteria(engine, ref, emu) -> dict:

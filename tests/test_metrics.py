@@ -52,6 +52,9 @@ def test_kl_and_top1():
     lp = torch.log_softmax(want, -1)
     assert M.kl_divergence(torch.log_softmax(got, -1), lp, logprobs=True)[0] == pytest.approx(float(kl[0]))
     assert M.top1_agreement(got, want) == 0.5
+    # a tie in got at want's top-1 agrees, whichever of the tied tokens got's argmax names
+    assert M.top1_agreement(torch.tensor([[0.0, 2.0, 2.0]]), torch.tensor([[0.0, 1.0, 3.0]])) == 1.0
+    assert M.top1_agreement(torch.tensor([[2.0, 2.0, 1.0]]), torch.tensor([[0.0, 1.0, 3.0]])) == 0.0
 
 
 def test_bit_mismatch_and_ulps():

@@ -145,17 +145,27 @@ def kl_divergence(got: Any, want: Any, *, logprobs: bool = False, dim: int = -1)
 
 
 def top1_agreement(got: Any, want: Any, *, dim: int = -1) -> float:
-    """Fraction of distributions whose argmax agrees (logits or logprobs alike)."""
-    a, b = _t(got).argmax(dim=dim), _t(want).argmax(dim=dim)
-    return float((a == b).to(torch.float64).mean()) if a.numel() else 1.0
+    """Fraction of distributions whose top-1 agrees (logits or logprobs alike): want's argmax is among
+    got's maxima (top1_tied)."""
+    agree = top1_tied(got, want, dim=dim)
+    return float(agree.to(torch.float64).mean()) if agree.numel() else 1.0
+
+
+def top1_tied(got: Any, want: Any, *, dim: int = -1) -> torch.Tensor:
+    """bool per distribution: got reaches its maximum at want's top-1 token. An engine whose logits tie
+    (a bfloat16 output often rounds two close logits to one value) prefers neither token; its argmax
+    names the lower id by convention, which is no preference against want's."""
+    g, w = _t(got), _t(want)
+    return (g.gather(dim, w.argmax(dim=dim, keepdim=True)) >= g.amax(dim=dim, keepdim=True)).squeeze(dim)
 
 
 def top1_margin(got: Any, want: Any, *, dim: int = -1) -> torch.Tensor:
     """float64 per distribution: how much P_want prefers its own top-1 token over got's top-1, in
-    log-probability (the logit difference; 0 where the two top-1s agree)."""
+    log-probability (the logit difference; 0 where the two top-1s agree or got ties them, top1_tied)."""
     w = _t(want).to(torch.float64)
     a, b = w.argmax(dim=dim, keepdim=True), _t(got).argmax(dim=dim, keepdim=True)
-    return (w.gather(dim, a) - w.gather(dim, b)).squeeze(dim)
+    margin = (w.gather(dim, a) - w.gather(dim, b)).squeeze(dim)
+    return torch.where(top1_tied(got, want, dim=dim), torch.zeros_like(margin), margin)
 
 
 def logit_pair_noise(got: Any, want: Any, *, dim: int = -1) -> torch.Tensor:
