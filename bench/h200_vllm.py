@@ -224,6 +224,10 @@ if __name__ == "__main__":
         print(dsa_checkpoint(Path(args[0]) / "glm"))
     elif cmd == "faults":
         faults(args[0], Path(args[1]), Path(args[2]) if len(args) > 2 else Path("/tmp/vfaults"))
+    elif cmd == "every-type":  # PATH: check dequant's all-types GGUF (tests/gguf_builders.every_type_file)
+        from gguf_builders import every_type_file
+
+        print(every_type_file(Path(args[0])))
     elif cmd == "dsa-fault":  # PYTHON CKPT OUT.json
         dsa_fault(args[0], Path(args[1]), Path(args[2]))
     elif cmd == "dsa-tokens":
@@ -231,4 +235,4 @@ if __name__ == "__main__":
     elif cmd == "summary":
         print(summary(Path(args[0])))
     else:
-        sys.exit(f"unknown command {cmd!r}: models | dsa-model | faults | dsa-fault | dsa-tokens | summary")
+        sys.exit(f"unknown command {cmd!r}: models | dsa-model | faults | every-type | dsa-fault | dsa-tokens | summary")

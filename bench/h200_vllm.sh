@@ -10,8 +10,10 @@
 #               demo GGUF, each `diagnose --engine vllm --engine-python /tmp/vpy` in bfloat16 and float32
 #               (four engines at a time, each asking for a fifth of the GPU; the fourth lane is the dsa stage)
 #   dsa         issue 22 part 4: a tiny GLM-5 under vLLM's sparse MLA in bfloat16, diagnosed with the DSA
-#               selection check against vLLM's own indexer picks (the driver's top_k-i captures)
-#   gpu         vLLM's kernels as subjects (check dequant on the demo and the Q8_0 file, check attention on
+#               selection check against vLLM's own indexer picks (the driver's top_k-i captures); then the
+#               same with layer 2's indexer head weights negated in the copy vLLM loads (found by that check)
+#   types       check dequant --kernel vllm on a GGUF with every type (after setup; MODELS=0 is enough)
+#   gpu         vLLM's kernels as subjects (check dequant on the demo, the Q8_0 file and every type, check attention on
 #               llama-3-8b, deepseek-v3 and glm-5, the GPU tests of tests/test_vllm_kernels.py and the engine
 #               explainer's) and, meanwhile, the planted faults of the CPU suite under vLLM on CUDA; then
 #               summary.md over every stage
@@ -33,7 +35,7 @@ mkdir -p "$OUT" "$C" "$M" "$W"
 export PYTHONPATH="/tmp/site:$PWD/src:$PWD/tests" HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 export VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_ENABLE_V1_MULTIPROCESSING=0
 TOKENS=3,17,42,5,77,8,23,61,9,30,55,14,2,88,40,19  # tests/test_engine_vllm.py's TOKENS
-stage=${1:?stage: stash DIR | setup | diagnose | dsa | gpu | rows | rest | mini}
+stage=${1:?stage: stash DIR | setup | diagnose | dsa | gpu | rows | rest | types | mini}
 t0=$(date +%s)
 step() { echo "[$(( $(date +%s) - t0 )) s] $*" | tee -a "$W/$stage.steps"; }
 left() { local n=$(( ${CALL_S:-545} - ($(date +%s) - t0) )); echo $(( n > 1 ? n : 1 )); }  # seconds left of this call
@@ -79,6 +81,19 @@ dsa() {  # DIR: issue 22 part 4, the tiny GLM-5 (real MLA dims, indexer 64 x 128
     step "glm-dsa planted: exit $? $(grep -o '"found": [a-z]*' "$1/glm-dsa-planted.json" 2>/dev/null)"
 }
 
+dequant_vllm() {  # FILE: vLLM's GGUF dequant (the plugin's CUDA op, or its Triton kernels) on every block, into $G
+    local n
+    n=$(basename "$1" .gguf)
+    timeout "$(cap 220)" python3 -m llmdoctor.cli check dequant "$1" --kernel vllm --device cuda --all \
+        --json-out "$G/dequant-$n.json" > "$G/dequant-$n.log" 2>&1
+    step "check dequant $n: exit $?"
+}
+
+types() {  # every quantized type the plugin dequantizes (and the ones it does not: skipped with its table)
+    step "every type: $(python3 bench/h200_vllm.py every-type /tmp/vmodels/every_type.gguf 2>&1 | tail -1)"
+    (export PYTHONPATH="$PYTHONPATH:/tmp/vsite"; dequant_vllm /tmp/vmodels/every_type.gguf)
+}
+
 gpu_checks() {  # vLLM's kernels as subjects, the GPU tests, the explainer, the planted faults, into $G
     step "planted faults under vLLM (meanwhile)"
     LLMDOCTOR_VLLM_GPU_MEMORY_UTILIZATION=0.25 timeout "$(left)" python3 bench/h200_vllm.py faults /tmp/vpy \
@@ -98,11 +113,9 @@ gpu_checks() {  # vLLM's kernels as subjects, the GPU tests, the explainer, the 
     timeout "$(cap 200)" python3 bench/h200_fa_mla_probe.py "$G/fa-mla-probe.json" > "$G/fa-mla-probe.log" 2>&1 &
     step "check dequant"
     for f in "$M/llama-q8_0/llama-q8_0.gguf" "$M/demo/demo.gguf"; do
-        n=$(basename "$f" .gguf)
-        timeout "$(cap 220)" python3 -m llmdoctor.cli check dequant "$f" --kernel vllm --device cuda --all \
-            --json-out "$G/dequant-$n.json" > "$G/dequant-$n.log" 2>&1
-        step "check dequant $n: exit $?"
+        dequant_vllm "$f"
     done
+    types
     step "GPU tests"
     timeout "$(cap 180)" python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_vllm_kernels.py > "$G/gpu-tests.log" 2>&1
     step "GPU tests: $(grep -E 'passed|failed|skipped|error' "$G/gpu-tests.log" | tr '\n' ' ')"
@@ -224,6 +237,15 @@ rest)  # after diagnose: the rows still open (ROWS="demo-gguf:float32 ..."), the
     python3 bench/h200_vllm.py summary "$W" > /dev/null 2>&1 && cp "$W/summary.md" "$OUT/summary.md"
     ;;
 
+types)  # after setup (MODELS=0 is enough): check dequant --kernel vllm on every GGUF type
+    G="$W/types"
+    mkdir -p "$G"
+    types
+    step "end"
+    pack
+    python3 bench/h200_vllm.py summary "$W" > /dev/null 2>&1 && cp "$W/summary.md" "$OUT/summary.md"
+    ;;
+
 mini)  # the least a short pass needs after setup: the dsa stage, the FlashAttn MLA probe and the GPU tests
     G="$W/mini"
     mkdir -p "$G"
@@ -241,7 +263,7 @@ mini)  # the least a short pass needs after setup: the dsa stage, the FlashAttn 
     ;;
 
 *)
-    echo "unknown stage $stage (stash DIR | setup | diagnose | dsa | gpu | rows | rest | mini)" >&2
+    echo "unknown stage $stage (stash DIR | setup | diagnose | dsa | gpu | rows | rest | types | mini)" >&2
     exit 2
     ;;
 esac

@@ -152,3 +152,35 @@ def q8_0_copy(src: Path, dst: Path) -> Path:
     w.write_tensors_to_file()
     w.close()
     return dst
+
+
+def every_type_file(path: Path) -> Path:
+    """A GGUF with one [4, 16 blocks] tensor `t.<TYPE>` of every type gguf-py decodes: random blocks, with the
+    float16 scale fields (d, dmin, m) forced to finite values (check dequant's all-types file; on the H200
+    bench/h200_vllm.sh runs vLLM's GGUF dequant on it)."""
+    from llmdoctor.checks import layout_bugs
+
+    T = layout_bugs.T
+    rng = np.random.default_rng(0)
+    w = GGUFWriter(str(path), "llama")
+    for q in layout_bugs.reference_types():
+        bs, ts = GGML_QUANT_SIZES[q]
+        if q in (T.F32, T.F16, T.BF16):
+            values = rng.uniform(-4, 4, (4, 16 * bs)).astype(np.float32)
+            if q == T.BF16:  # raw bfloat16 bytes: the top halves of float32
+                w.add_tensor(f"t.{q.name}", (values.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8), raw_dtype=q)
+            else:
+                w.add_tensor(f"t.{q.name}", values if q == T.F32 else values.astype(np.float16))
+            continue
+        b = rng.integers(0, 256, (64, ts), dtype=np.uint8)
+        scales = {**layout_bugs.FIELDS.get(q, {}), **({"d": (ts - 2, ts)} if q in (T.TQ1_0, T.TQ2_0) else {})}
+        for name in ("d", "dmin", "m"):
+            if name in scales:
+                a = scales[name][0]
+                b[:, a:a + 2] = np.frombuffer(rng.uniform(-1, 1, 64).astype(np.float16).tobytes(), np.uint8).reshape(64, 2)
+        w.add_tensor(f"t.{q.name}", b.reshape(4, -1), raw_dtype=q)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 from bitcheck import bits_equal
+from gguf_builders import every_type_file
 from typer.testing import CliRunner
 
 from llmdoctor import faults
@@ -319,36 +320,7 @@ def test_isolated_round_trips_payloads_through_shared_file_or_socket(shared, mon
 
 @pytest.fixture(scope="module")
 def every_type_gguf(tmp_path_factory):
-    """A GGUF with one [4, 16 blocks] tensor of every type gguf-py decodes: random blocks, with the
-    float16 scale fields (d, dmin, m) forced to finite values."""
-    import gguf
-    from gguf import GGML_QUANT_SIZES
-
-    T = layout_bugs.T
-    rng = np.random.default_rng(0)
-    path = tmp_path_factory.mktemp("types") / "every_type.gguf"
-    w = gguf.GGUFWriter(str(path), "llama")
-    for q in layout_bugs.reference_types():
-        bs, ts = GGML_QUANT_SIZES[q]
-        if q in (T.F32, T.F16, T.BF16):
-            values = rng.uniform(-4, 4, (4, 16 * bs)).astype(np.float32)
-            if q == T.BF16:  # raw bfloat16 bytes: the top halves of float32
-                w.add_tensor(f"t.{q.name}", (values.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8), raw_dtype=q)
-            else:
-                w.add_tensor(f"t.{q.name}", values if q == T.F32 else values.astype(np.float16))
-            continue
-        b = rng.integers(0, 256, (64, ts), dtype=np.uint8)
-        scales = {**layout_bugs.FIELDS.get(q, {}), **({"d": (ts - 2, ts)} if q in (T.TQ1_0, T.TQ2_0) else {})}
-        for name in ("d", "dmin", "m"):
-            if name in scales:
-                a = scales[name][0]
-                b[:, a:a + 2] = np.frombuffer(rng.uniform(-1, 1, 64).astype(np.float16).tobytes(), np.uint8).reshape(64, 2)
-        w.add_tensor(f"t.{q.name}", b.reshape(4, -1), raw_dtype=q)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
+    return every_type_file(tmp_path_factory.mktemp("types") / "every_type.gguf")
 
 
 def test_ggml_agrees_with_gguf_py_on_every_type(every_type_gguf):
