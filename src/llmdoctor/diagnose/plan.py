@@ -112,9 +112,11 @@ PLAN: tuple[Hypothesis, ...] = (
                "Does the engine's sparse-attention indexer select the reference's keys?", ("indexer", "engine"),
                h.h_dsa_selection,
                "the keys the engine's indexer picks per query (llama.cpp's `top_k` nodes, transformers' indexer "
-               "outputs) must be among the reference's top k by the reference's own index scores, ties at the k-th "
-               "score either way (ReLU scores are often exactly 0); every reference run then attends to the "
-               "engine's picks, so a legitimate tie-break is not a divergence"),
+               "outputs, vLLM's `topk_indices_buffer`) must be among the reference's top k by the reference's own "
+               "index scores, ties at the k-th score either way (ReLU scores are often exactly 0), in no more "
+               "queries than the emulated run misses (the queries that choose judged apart from those that see at "
+               "most top-k keys and must keep them all); every reference run then attends to the engine's picks, "
+               "so a legitimate tie-break is not a divergence"),
     Hypothesis("moe-routing", "MoE routing", "Does the engine route tokens to the reference's experts?",
                ("moe", "engine", "consistent"), h.h_moe_routing,
                "the engine's chosen experts per MoE layer (llama.cpp's `ffn_moe_topk` nodes; transformers' router "
