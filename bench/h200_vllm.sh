@@ -237,13 +237,10 @@ rest)  # after diagnose: the rows still open (ROWS="demo-gguf:float32 ..."), the
     python3 bench/h200_vllm.py summary "$W" > /dev/null 2>&1 && cp "$W/summary.md" "$OUT/summary.md"
     ;;
 
-types)  # after setup (MODELS=0 is enough): check dequant --kernel vllm on every GGUF type
-    G="$W/types"
-    mkdir -p "$G"
+types)  # after setup (MODELS=0 is enough): check dequant --kernel vllm on every GGUF type, written straight
+    G="$OUT"  # to $OUT (what a call cut short at the device budget's end leaves there still comes back)
     types
     step "end"
-    pack
-    python3 bench/h200_vllm.py summary "$W" > /dev/null 2>&1 && cp "$W/summary.md" "$OUT/summary.md"
     ;;
 
 mini)  # the least a short pass needs after setup: the dsa stage, the FlashAttn MLA probe and the GPU tests
