@@ -374,3 +374,38 @@ def test_bound_has_teeth_bfloat16_arithmetic_returned_as_float16(demo, tmp_path)
     res = dequant.run(demo, kernel=f"{k}:dequant", only="blk.0.attn_output.weight")
     (f,) = res.findings
     assert f.status == "fail" and "beyond the float16 rounding bound" in f.reason
+
+
+OVERFLOW_KERNEL = (
+    "import torch, gguf\n"
+    "def fn(raw, qtype, shape, dtype=None):\n"
+    "    out = torch.from_numpy(gguf.quants.dequantize(raw.numpy(), qtype)).reshape(shape).to(torch.float16)\n"
+    "    if PLANT == 'sign':\n"
+    "        out[out.isinf()] = -out[out.isinf()]\n"
+    "    if PLANT == 'in-range':\n"
+    "        out[0, 1] = float('inf')\n"
+    "    return out\n")
+
+
+@pytest.mark.parametrize("plant", [None, "sign", "in-range"])
+def test_float16_overflow_beyond_its_range_is_reported_not_failed(plant, tmp_path):
+    """vLLM's GGUF dequant on the H200 (half precision) gave -inf where the reference is -94,552.5 (an IQ1_M
+    block of random scales): float16 has no such number, so ±inf is what a float16 kernel must give. Such
+    elements pass and are reported; an infinity of the wrong sign, or one where the reference fits float16,
+    still fails."""
+    from gguf import GGMLQuantizationType as Q
+    from gguf.quants import quantize
+    from gguf_builders import write_file
+
+    x = np.random.default_rng(0).uniform(-1, 1, (4, 64)).astype(np.float32)
+    x[0, 0], x[1, 3], x[0, 1] = 120000.0, -90000.0, 0.5  # blocks whose largest values exceed float16's 65,504
+    k = tmp_path / "kernel.py"
+    k.write_text(f"PLANT = {plant!r}\n" + OVERFLOW_KERNEL)
+    path = write_file(tmp_path / "big.gguf", metadata=False, tensors={"w": (Q.Q8_0, (64, 4), quantize(x, Q.Q8_0))})
+    (f,) = dequant.run(path, kernel=f"{k}:fn", all_blocks=True).findings
+    if plant is None:
+        assert f.status == "pass" and f.metrics["overflow_elements"] >= 2, (f.status, f.reason, f.metrics)
+        assert f.metrics["overflow_reference_max"] > 65504
+        assert "beyond float16's range" in f.explanation and "come out ±inf" in f.explanation, f.explanation
+    else:
+        assert f.status == "fail" and "NaN/inf where the reference is finite" in f.reason, (f.status, f.reason)

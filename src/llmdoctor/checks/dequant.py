@@ -8,7 +8,8 @@ compared blocks. Verdict per tensor, through `metrics`:
 - float32 output must be bit-exact;
 - reduced-precision output (float16/bfloat16, or float32 whose values are all float16/bfloat16
   numbers: computed in half precision) is judged by `reduced_precision_bound`;
-- NaN/inf where the reference is finite always fails.
+- NaN/inf where the reference is finite fails, except the infinity a reduced precision must give where
+  the reference lies beyond its finite range (float16 above 65,504: `Judge.overflowed`), which is reported.
 
 A failing tensor is explained by the first matching candidate of `layout_bugs`, else "unexplained"
 with the first differing elements as evidence.
@@ -118,7 +119,18 @@ class Judge:
         """bool [n]: elements that fail. got any float dtype; want float32 reference values."""
         if self.precision is None:
             return _exact_mismatch(got, want)
-        return metrics.over_budget(got, want, reduced_precision_bound(want, m, self.precision))
+        return (metrics.over_budget(got, want, reduced_precision_bound(want, m, self.precision))
+                & ~self.overflowed(got, want))
+
+    def overflowed(self, got: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
+        """bool [n]: the reference lies beyond the working precision's finite range (it rounds to ±inf
+        there: float16 from 65,520 on) and the kernel gives that same infinity, as arithmetic in that
+        precision must. Never with the bit-exact rule (float32 holds every reference value)."""
+        g, w = got.to(torch.float64).reshape(-1), want.reshape(-1)
+        if self.precision is None:
+            return torch.zeros_like(g, dtype=torch.bool)
+        edge = w.to(self.precision).to(torch.float64)  # ±inf where |want| rounds past the largest finite
+        return torch.isinf(edge) & torch.isfinite(w) & (g == edge)
 
 
 def _exact_mismatch(got: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
@@ -257,12 +269,16 @@ def _check_tensor(iso: Isolated, t: Any, kernel: str, n_blocks: int, all_blocks:
               **({} if precision is None else {
                   "precision": str(precision).removeprefix("torch."), "roundings": ROUNDINGS,
                   "formula": "|err| <= gamma_c(u)*(|d*q|+|m|) + c*eta_min + gamma_3(2^-24)*(|d*q|+|m|)"})}
-    stray = _nonfinite_elsewhere(out, tensor)
+    stray = _nonfinite_elsewhere(out, tensor, judge)
     if not tally.failing and not stray:
         how = ("bit-exact" if precision is None else "within float32 rounding" if precision == torch.float32
                else "reduced-precision arithmetic")
         expl = "" if precision is None else (
             f"{how} ({budget['precision']}): within the derived rounding bound, not a layout bug")
+        if tally.overflow:  # right for the kernel's precision, and worth a reader's eye: the weights do not fit it
+            expl += (f"; {tally.overflow} elements beyond {budget['precision']}'s range (|reference| up to "
+                     f"{tally.overflow_ref_max:.6g}) come out ±inf, as {budget['precision']} arithmetic must: "
+                     f"this tensor does not fit a {budget['precision']} dequantization")
         return finding("pass", how, metrics=mets, budget=budget, explanation=expl)
     if not tally.failing:
         return finding("fail", f"non-finite output where the reference is finite ({len(stray)} shown)",
@@ -289,7 +305,9 @@ class _Tally:
     n: int = 0
     mismatches: int = 0  # not bit-identical
     failing: int = 0  # judged bad (= mismatches when bit-exact is the rule)
-    nonfinite: int = 0  # NaN/inf where the reference is finite
+    nonfinite: int = 0  # NaN/inf where the reference is finite (other than `overflow`)
+    overflow: int = 0  # ±inf where the reference is beyond the working precision's range (Judge.overflowed)
+    overflow_ref_max: float = 0.0  # the largest |reference| among them
     sum_sq_err: float = 0.0
     sum_sq_ref: float = 0.0
     worst: tuple[float, int, float, float] = (-1.0, 0, 0.0, 0.0)  # (|diff|, flat row-major index in got, got, want)
@@ -307,7 +325,11 @@ class _Tally:
         self.n += want.numel()
         self.mismatches += int(mism.sum())
         self.failing += int(bad.sum())
-        self.nonfinite += int(metrics.nonfinite_where_finite(got, want).sum())
+        over = self.judge.overflowed(got, want)
+        self.nonfinite += int((metrics.nonfinite_where_finite(got, want) & ~over).sum())
+        if over.any():
+            self.overflow += int(over.sum())
+            self.overflow_ref_max = max(self.overflow_ref_max, float(want.reshape(-1)[over].abs().max()))
         err = diff.nan_to_num(math.inf)
         sq_err, sq_ref = metrics.sq_sums(got, want)
         self.sum_sq_err += sq_err
@@ -356,6 +378,8 @@ class _Tally:
             m["differing_bits"] = self.bits
         if self.judge.precision is not None:  # how much of the rounding bound the worst element uses
             m["bound_used"] = self.bound_used
+        if self.overflow:
+            m["overflow_elements"], m["overflow_reference_max"] = self.overflow, self.overflow_ref_max
         return m
 
 
@@ -375,14 +399,17 @@ def _compare(got: torch.Tensor, t: layout_bugs.Tensor, idx: np.ndarray, judge: J
     return tally
 
 
-def _nonfinite_elsewhere(out: Outcome, t: layout_bugs.Tensor) -> list[dict[str, Any]]:
-    """The kernel's non-finite elements (anywhere in the tensor) where the reference is finite."""
+def _nonfinite_elsewhere(out: Outcome, t: layout_bugs.Tensor, judge: Judge) -> list[dict[str, Any]]:
+    """The kernel's non-finite elements (anywhere in the tensor) where the reference is finite, but for
+    the infinities the judged precision must give (Judge.overflowed)."""
     at = np.asarray(out.header.get("nonfinite_at", []), dtype=np.int64)
     if not at.size:
         return []
-    ref = t.ref_elements(at)
-    return [{"element": _element(t.shape, int(i)), "got": g, "want": float(r)}
-            for i, g, r in zip(at, out.header["nonfinite_values"], ref) if np.isfinite(r)]
+    ref = np.asarray(t.ref_elements(at), dtype=np.float32)
+    got = np.asarray(out.header["nonfinite_values"], dtype=np.float64)
+    over = judge.overflowed(torch.from_numpy(got), torch.from_numpy(ref)).numpy()
+    return [{"element": _element(t.shape, int(i)), "got": float(g), "want": float(r)}
+            for i, g, r, o in zip(at, got, ref, over) if np.isfinite(r) and not o]
 
 
 def _diagnose(got: torch.Tensor, tally: _Tally, idx: np.ndarray, t: layout_bugs.Tensor,
