@@ -38,8 +38,10 @@ calls() {
     echo "call $i: carry=[]  command: bash bench/h200_vllm.sh setup     # reassemble, sha256, install, models"
     echo "call $((i + 1)): carry=[]  command: CALL_S=590 bash bench/h200_vllm.sh rows  # the demo GGUF float32 row alone (timeout_s=600)"
     echo "call $((i + 2)): carry=[]  command: ROWS=none bash bench/h200_vllm.sh rest  # the dsa stage and the gpu checks"
-    echo "          (kernels, FA MLA probe, GPU tests, planted faults, explainer)"
+    echo "          (kernels incl. every GGUF type, FA MLA probe, GPU tests, planted faults, explainer)"
     echo "call $((i + 3)): carry=[]  command: bash bench/h200_vllm.sh diagnose  # issue 22's whole table again, if time is left"
+    echo "# A short pass: the vLLM and wheels carries only (no demo), then \`MODELS=glm bash bench/h200_vllm.sh setup &&"
+    echo "#   bash bench/h200_vllm.sh dsa\` (~130 s) or \`MODELS=0 bash bench/h200_vllm.sh setup; bash bench/h200_vllm.sh types\` (~80 s)."
     echo "# Each refused start costs device time (90 s seen): ask \`status\` first and make one call at a time;"
     echo "# several run calls in one message are fine only while a machine is warm (session 8 lost 180 s otherwise)."
 }
