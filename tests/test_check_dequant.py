@@ -407,5 +407,13 @@ def test_float16_overflow_beyond_its_range_is_reported_not_failed(plant, tmp_pat
         assert f.status == "pass" and f.metrics["overflow_elements"] >= 2, (f.status, f.reason, f.metrics)
         assert f.metrics["overflow_reference_max"] > 65504
         assert "beyond float16's range" in f.explanation and "come out ±inf" in f.explanation, f.explanation
+        from rich.console import Console
+
+        from llmdoctor.report.terminal import render_dequant
+
+        console = Console(record=True, width=200)
+        render_dequant("fn", {}, [f], "passed", console=console)
+        text = console.export_text()
+        assert "note w: " in text and "come out ±inf" in text, text
     else:
         assert f.status == "fail" and "NaN/inf where the reference is finite" in f.reason, (f.status, f.reason)

@@ -120,7 +120,8 @@ def dsa_rows(n_layer: int, top_k: int, ref_caps: Mapping[str, Any], emu_caps: Ma
     """Per indexer layer, the engine's picks judged in two groups of queries: those that see more keys than
     they keep ("disagreement", "noise", "limit", "queries": where the indexer chooses) and those that see at
     most top_k keys and must keep them all ("short": the same four). A group's noise is the emulated run's
-    own top k against the same scores and its limit routing_limit over the group's size: pooled with the
+    own top k against the same scores; the choosing group's limit is routing_limit over its size, the short
+    group's the noise itself (their selection is determined: no rounding changes it). Pooled with the
     short rows, which a healthy engine never misses, the choosing rows' rate would be diluted below any limit
     (on the H200's GLM-5 prompt, 128 of 200 rows are short). A shared layer uses the last full layer's
     scores. llama.cpp's view of the selection that layer il's attention reads is "top_k-{il} (view)" (its
@@ -138,12 +139,14 @@ def dsa_rows(n_layer: int, top_k: int, ref_caps: Mapping[str, Any], emu_caps: Ma
             engine_bad, emu_bad = selection_misses(scores, engine_sel, top_k), selection_misses(scores, emu_sel, k)
             choosing = np.isfinite(np.asarray(scores, dtype=np.float64)).sum(axis=1) > k  # [T]
 
-            def group(mask):
+            def group(mask, limit):
                 n, noise = int(mask.sum()), float(emu_bad[mask].mean()) if mask.any() else 0.0
                 return {"disagreement": float(engine_bad[mask].mean()) if n else 0.0, "noise": noise,
-                        "limit": routing_limit(noise, n), "queries": n}
+                        "limit": limit(noise, n), "queries": n}
 
-            rows.append({"layer": il, **group(choosing), "short": group(~choosing)})
+            # a short query's selection is determined (every key it sees), which no rounding changes: it may
+            # miss no more than the emulated run does (none), without routing_limit's one-flip allowance
+            rows.append({"layer": il, **group(choosing, routing_limit), "short": group(~choosing, lambda p, n: p)})
     return rows
 
 

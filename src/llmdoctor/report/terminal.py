@@ -162,6 +162,9 @@ def render_dequant(kernel: str, by_type: dict[str, dict[str, Any]], findings: li
     if reduced:
         console.print(f"{len(reduced)} tensor(s) pass as reduced-precision arithmetic "
                       f"({reduced[0].budget.get('precision')}): within the derived rounding bound")
+    for f in reduced:  # a pass, yet no deployment computing in that precision gets these weights
+        if f.metrics.get("overflow_elements"):
+            console.print(f"[yellow]note[/yellow] {f.target}: {f.explanation.split('; ', 1)[-1]}")
     for f in findings:
         if f.status == "fail":
             console.print(f"[red]FAIL[/red] {f.target}: {f.reason}")
