@@ -55,6 +55,9 @@ def test_kl_and_top1():
     # a tie in got at want's top-1 agrees, whichever of the tied tokens got's argmax names
     assert M.top1_agreement(torch.tensor([[0.0, 2.0, 2.0]]), torch.tensor([[0.0, 1.0, 3.0]])) == 1.0
     assert M.top1_agreement(torch.tensor([[2.0, 2.0, 1.0]]), torch.tensor([[0.0, 1.0, 3.0]])) == 0.0
+    # a flat output (every token at the maximum) is no tie: it disagrees, and its margin counts
+    flat, peaked = torch.zeros(1, 4), torch.tensor([[0.0, 7.0, 6.0, 5.0]])  # flat's argmax: token 0
+    assert M.top1_agreement(flat, peaked) == 0.0 and float(M.top1_margin(flat, peaked)) == 7.0
 
 
 def test_bit_mismatch_and_ulps():

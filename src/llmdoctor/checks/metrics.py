@@ -152,11 +152,14 @@ def top1_agreement(got: Any, want: Any, *, dim: int = -1) -> float:
 
 
 def top1_tied(got: Any, want: Any, *, dim: int = -1) -> torch.Tensor:
-    """bool per distribution: got reaches its maximum at want's top-1 token. An engine whose logits tie
-    (a bfloat16 output often rounds two close logits to one value) prefers neither token; its argmax
-    names the lower id by convention, which is no preference against want's."""
+    """bool per distribution: got reaches its maximum at want's top-1 token, shared with one other token
+    at most. An engine whose two best logits tie (a bfloat16 output often rounds two close logits to one
+    value) prefers neither; its argmax names the lower id by convention, which is no preference against
+    want's. A maximum shared by more tokens is a flat output (the symptom this tool hunts), not a tie."""
     g, w = _t(got), _t(want)
-    return (g.gather(dim, w.argmax(dim=dim, keepdim=True)) >= g.amax(dim=dim, keepdim=True)).squeeze(dim)
+    top = g.amax(dim=dim, keepdim=True)
+    at_top = (g == top).sum(dim=dim, keepdim=True)
+    return ((g.gather(dim, w.argmax(dim=dim, keepdim=True)) >= top) & (at_top <= 2)).squeeze(dim)
 
 
 def top1_margin(got: Any, want: Any, *, dim: int = -1) -> torch.Tensor:
