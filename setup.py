@@ -16,9 +16,9 @@ setup(
             extra_compile_args=["-O2", "-ffp-contract=off", "-fno-fast-math"],
             optional=True,
         ),
-        Extension(  # the forensics accumulator's moment passes (checks/forensics.py; fixed summation order)
-            "llmdoctor.checks._forensics_native",
-            sources=["src/llmdoctor/checks/_forensics_native.c"],
+        Extension(  # the forensics accumulator's moment passes (checks/file/forensics.py; fixed summation order)
+            "llmdoctor.checks.file._forensics_native",
+            sources=["src/llmdoctor/checks/file/_forensics_native.c"],
             extra_compile_args=["-O2", "-funroll-loops", "-ffp-contract=off", "-fno-fast-math"],
             optional=True,
         ),

@@ -19,7 +19,7 @@ from pathlib import Path
 
 
 def run(a: argparse.Namespace) -> None:
-    from llmdoctor.checks import attention as ca
+    from llmdoctor.checks.kernels import attention as ca
     from llmdoctor.report.envelope import dumps, provenance
 
     t0 = time.perf_counter()

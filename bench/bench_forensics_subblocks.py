@@ -1,11 +1,11 @@
-"""The cost of the K-quant sub-block rule (checks/forensics.py: SubBlockStats) inside `verify`, against
+"""The cost of the K-quant sub-block rule (checks/file/forensics.py: SubBlockStats) inside `verify`, against
 the rest of verify's per-chunk work in the same run.
 
     python bench/bench_forensics_subblocks.py [--repeats 20] [--verify-runs 3]
 
 per_chunk: CPU ms (one thread, best of --repeats) of one verify chunk (1M values) of the demo's Q4_K and
 Q6_K tensors: the decode, the forensics accumulator with and without the sub-block counts, and the
-counts alone in C and in numpy. verify: `checks.verify.run` on the demo (CPU), alternating with and
+counts alone in C and in numpy. verify: `checks.file.verify.run` on the demo (CPU), alternating with and
 without the sub-block counts (the accumulator's `subblocks` dropped), wall and CPU seconds, best of
 --verify-runs each. Prints one JSON object with the ratios.
 """
@@ -19,8 +19,8 @@ import time
 import torch
 from gguf import GGMLQuantizationType as Q
 
-from llmdoctor.checks import forensics as FX
-from llmdoctor.checks import verify as V
+from llmdoctor.checks.file import forensics as FX
+from llmdoctor.checks.file import verify as V
 from llmdoctor.demo import model_path
 from llmdoctor.gguf import dequantize, open_gguf
 

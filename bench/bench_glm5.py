@@ -16,7 +16,7 @@ weights; rows whose length is no multiple of 256, attn_k_b's 192, in Q8_0 as lla
 no float model to quantize (a 6-layer GLM-5 is ~12 billion weights): the K-quant blocks are drawn directly as
 llama.cpp's quantizer writes them (Q4_K: 6-bit sub-block scale and min codes whose largest is 63 in every
 block, d spread log-normally, dmin = 7.5 d with min codes equal to scale codes, so that every sub-block is
-centered; Q6_K: int8 scales whose extreme is -128), so checks/forensics.py's block rules hold on the clean
+centered; Q6_K: int8 scales whose extreme is -128), so checks/file/forensics.py's block rules hold on the clean
 file. Weights come out with RMS 1/sqrt(fan-in), so activations stay O(1) through the layers.
 """
 

@@ -9,7 +9,7 @@ decodes finite; removed afterwards unless --keep). For each cache state (cold: t
 evicted first, see `evict`; warm: read once just before), in one run on the one file:
   read      the anchor: one sequential pass, os.readv into one reused 16 MiB buffer, in this process
   dd        the anchor of issue 23's table: `dd if=FILE of=/dev/null bs=16M`, a child
-  verify    checks.verify.run in a child process per device (what `llmdoctor verify` does, the
+  verify    checks.file.verify.run in a child process per device (what `llmdoctor verify` does, the
             forensics statistics included); with --manifest also `verify+manifest` (write_manifest:
             every tensor's sha256 in the same pass)
 Per verify run: the pass's GB/s (timed inside the child, as the command reports it) and with the
@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q, GGUFWriter
 
-from llmdoctor.checks.forensics import SCALE_FIELDS
+from llmdoctor.checks.file.forensics import SCALE_FIELDS
 from llmdoctor.gguf import open_gguf
 
 READ_BUFFER = 16 << 20
@@ -125,7 +125,7 @@ print(json.dumps({"pass_s": r.seconds, "bytes": r.bytes, "findings": len(r.findi
 """
 
 
-def verify_child(path: Path, device: str, manifest: bool, module: str = "llmdoctor.checks.verify") -> dict:
+def verify_child(path: Path, device: str, manifest: bool, module: str = "llmdoctor.checks.file.verify") -> dict:
     """One verify pass in a child process: its own figures, wall time with start-up, max RSS, CPU."""
     t0 = time.perf_counter()
     p = subprocess.Popen([sys.executable, "-c", CHILD, str(path), device, "1" if manifest else "0", module],
@@ -157,7 +157,7 @@ def agree(gb: float, devices: list[str]) -> dict:
     import torch
 
     from llmdoctor import faults
-    from llmdoctor.checks import verify as V
+    from llmdoctor.checks.file import verify as V
 
     with tempfile.TemporaryDirectory() as d:
         src = write_synthetic(Path(d) / "small.gguf", gb)
@@ -216,7 +216,7 @@ def main() -> int:
     ap.add_argument("--out", type=Path)
     ap.add_argument("--keep", action="store_true")
     ap.add_argument("--ab", metavar="MODULE", help="also time this module's run() (an A/B against another "
-                    "version of checks/verify.py, e.g. an earlier commit's copied to llmdoctor/checks/_verify_old.py)")
+                    "version of checks/file/verify.py, e.g. an earlier commit's copied to llmdoctor/checks/_verify_old.py)")
     ap.add_argument("--agree-gb", type=float, default=0.0, help="first, the devices' reports on a small "
                     "synthetic file of this size with a planted fault (see agree); 0: not run")
     a = ap.parse_args()

@@ -7,14 +7,14 @@ Each case is called as the adapter calls it, then with one thing changed:
   finite-tails   the same cache with every NaN row set to 0 (the rows a sequence owns unchanged)
   one-split      as-is, with FA3's key splitting off (num_splits=1)
   vllm-schedule  as-is, with the ahead-of-time scheduler metadata vLLM's FlashAttnMLA builder passes
-and each output is compared with the float64 reference on the bf16-rounded inputs (checks/attention.py).
+and each output is compared with the float64 reference on the bf16-rounded inputs (checks/kernels/attention.py).
 NaN only "as-is" and none with "finite-tails": the kernel reads keys past seq_lens at zero weight
 (0 x NaN); NaN gone with "one-split": FA3's split combine; gone with "vllm-schedule": the adapter
 (it passes no scheduler metadata). Prints one JSON line per (case, variant).
 Measured on the H200 2026-12-02 (vLLM 0.24.0): NaN as-is, with one split and with vLLM's schedule on
 mla-decode-long and mla-decode-long-keys (block size 64), none with finite tails (max error 0.0078 and
 0.0077, as the passing cases): the kernel, not the adapter. check attention now judges such a case on
-finite unused rows and reports the NaN as information (checks/attention.py `unused_rows_verdict`).
+finite unused rows and reports the NaN as information (checks/kernels/attention.py `unused_rows_verdict`).
 
     python bench/h200_fa_mla_probe.py [OUT.json]
 """
@@ -26,7 +26,7 @@ import sys
 
 import torch
 
-from llmdoctor.checks import attention as ca
+from llmdoctor.checks.kernels import attention as ca
 
 
 def main(out_path: str | None) -> list[dict]:

@@ -25,7 +25,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from llmdoctor.checks.metrics import topk_tail
-from llmdoctor.checks.probes import COUNT_PROMPT, THRESHOLDS, batch_requests, compare_completions, probe
+from llmdoctor.checks.endpoint.probes import COUNT_PROMPT, THRESHOLDS, batch_requests, compare_completions, probe
 from llmdoctor.subjects.endpoint import Endpoint
 
 

@@ -12,7 +12,7 @@ import json
 import resource
 import time
 
-from llmdoctor.checks import verify as V
+from llmdoctor.checks.file import verify as V
 
 
 def main() -> int:

@@ -158,7 +158,7 @@ def every_type_file(path: Path) -> Path:
     """A GGUF with one [4, 16 blocks] tensor `t.<TYPE>` of every type gguf-py decodes: random blocks, with the
     float16 scale fields (d, dmin, m) forced to finite values (check dequant's all-types file; on the H200
     bench/h200_vllm.sh runs vLLM's GGUF dequant on it)."""
-    from llmdoctor.checks import layout_bugs
+    from llmdoctor.checks.layout import layout_bugs
 
     T = layout_bugs.T
     rng = np.random.default_rng(0)

@@ -25,7 +25,7 @@ The layer table, lowest first; a module may import its own layer, any lower laye
     diagnose   the elimination plan over the checks, rendered by report/.
     faults     planted faults: may import anything below cli (they wrap kernels, engines, checks'
                inputs), and nothing below imports them: a check gets a planted fault handed in by its
-               caller (checks/sharding.py `run(..., plant=)`).
+               caller (checks/file/sharding.py `run(..., plant=)`).
     cli        the typer app: may import everything.
 
 Not asserted here (the lead's part of issue 21): checks/ reaching subjects/engines/ only through the
@@ -242,7 +242,7 @@ def test_the_rules_can_fail(tmp_path):
         "reference/forward.py": "import llmdoctor.subjects.kernels\n",  # reference -> subjects
         "subjects/kernels.py": "from llmdoctor.gguf import split\n",
         "checks/base.py": "",
-        "checks/sharding.py": "def plan():\n    from ..faults import get\n",  # checks -> faults
+        "checks/file/sharding.py": "def plan():\n    from ..faults import get\n",  # checks -> faults
         "checks/metrics.py": "ENTRY = 'llmdoctor.report.html:render'\n",  # checks -> report, by name
         "report/html.py": "from ..checks import base, metrics\n",  # report -> checks.metrics
         "faults/__init__.py": "_MODULES = ('llmdoctor.faults.sharding',)\n",
@@ -262,7 +262,7 @@ def test_the_rules_can_fail(tmp_path):
     bad = upward(graph)
     for want in ("gguf.reader -> checks.base (gguf is below checks)",
                  "reference.forward -> subjects.kernels (reference is below subjects)",
-                 "checks.sharding -> faults (checks is below faults)",
+                 "checks.file.sharding -> faults (checks is below faults)",
                  "checks.metrics -> report.html (checks is below report)",
                  "report.html -> checks.metrics (report knows only checks.base's findings)",
                  "faults.sharding -> cli (faults is below cli)",

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from llmdoctor.checks import attention as ca
+from llmdoctor.checks.kernels import attention as ca
 
 GLM = dataclasses.replace(ca.PRESETS["glm-5"], n_head=2, n_head_kv=2)
 RUNS = 5

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from llmdoctor import faults
-from llmdoctor.checks import attention as ca
+from llmdoctor.checks.kernels import attention as ca
 from llmdoctor.reference import attention as attn
 from llmdoctor.reference import attention_cases as ref
 from llmdoctor.reference import mla as mla_ref

@@ -13,7 +13,8 @@ from gguf_builders import every_type_file
 from typer.testing import CliRunner
 
 from llmdoctor import faults
-from llmdoctor.checks import dequant, layout_bugs
+from llmdoctor.checks.kernels import dequant
+from llmdoctor.checks.layout import layout_bugs
 from llmdoctor.cli import app
 from llmdoctor.demo import model_path
 from llmdoctor.errors import InputError

@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 
 import fixtures_mla as fx
 from llmdoctor import faults
-from llmdoctor.checks import mapping
+from llmdoctor.checks.layout import mapping
 from llmdoctor.cli import app
 from llmdoctor.faults.mapping import _rewrite
 from llmdoctor.gguf import layout, open_gguf

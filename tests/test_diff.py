@@ -13,7 +13,7 @@ import torch
 from typer.testing import CliRunner
 
 import fixtures_mla as fx
-from llmdoctor.checks import diff as D
+from llmdoctor.checks.file import diff as D
 from llmdoctor.cli import app
 from llmdoctor.gguf import open_gguf
 from split_builders import copy_model

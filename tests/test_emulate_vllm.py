@@ -348,7 +348,7 @@ def test_an_fp8_indexer_is_judged_by_its_own_noise(tmp_path):
     indexer that picks the lowest-scoring keys still fails under the FP8 budget."""
     import fixtures_mla
 
-    from llmdoctor.checks.routing import dsa_rows
+    from llmdoctor.checks.compute.routing import dsa_rows
     from llmdoctor.reference import load
 
     top_k = 16

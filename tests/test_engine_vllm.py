@@ -269,7 +269,7 @@ def test_the_weights_vllm_loaded_from_a_gguf_are_the_checkpoints(ckpts, vllm_pyt
     to the checkpoint's own, under its name; and weight_relation finds nothing to say about any."""
     from safetensors.numpy import load_file
 
-    from llmdoctor.checks.weight_relation import relate
+    from llmdoctor.checks.compute.weight_relation import relate
     from llmdoctor.subjects.engines.base import Deployment
 
     ckpt, gguf = ckpts["qwen2"]
@@ -317,7 +317,7 @@ def test_check_mapping_asks_the_gguf_plugins_own_map(ckpts, vllm_python, monkeyp
     imports vllm (the vLLM environment, first on PATH here): it agrees with ours on llama and qwen2 (a
     tied lm_head is expected from no file tensor); on DeepSeek-V3 the plugin 0.0.5 cannot build its map
     under transformers 5's fused experts, and its own error is the finding."""
-    from llmdoctor.checks import mapping
+    from llmdoctor.checks.layout import mapping
 
     monkeypatch.setenv("PATH", f"{Path(vllm_python).parent}{os.pathsep}{os.environ['PATH']}")
     for kind in ("llama", "qwen2"):
@@ -332,7 +332,7 @@ def test_check_mapping_asks_the_gguf_plugins_own_map(ckpts, vllm_python, monkeyp
 def test_check_attention_runs_vllms_cpu_kernel(vllm_python, monkeypatch):
     """check attention's `vllm` subject on the CPU is vLLM's CPU_ATTN kernel (through the driver in the
     `python` on PATH that imports vllm), and the explainer is vLLM's own selection for the shape."""
-    from llmdoctor.checks import attention as ca
+    from llmdoctor.checks.kernels import attention as ca
 
     monkeypatch.setenv("PATH", f"{Path(vllm_python).parent}{os.pathsep}{os.environ['PATH']}")
     shape = ca.PRESETS["llama-3-8b"]
@@ -467,7 +467,7 @@ def test_built_backends_keep_the_dsa_indexer_cache_out_of_the_selection(monkeypa
 
     import torch
 
-    from llmdoctor.checks.backends import mismatches
+    from llmdoctor.checks.compute.backends import mismatches
 
     _fake_vllm(monkeypatch)
     spec = importlib.util.spec_from_file_location("llmdoctor_vllm_driver_under_test", vllm_engine.DRIVER)
@@ -502,7 +502,7 @@ def test_built_backends_keep_the_dsa_indexer_cache_out_of_the_selection(monkeypa
 
 def test_engine_explainer_on_an_mla_shape_with_vllm_for_cpu(vllm_python, monkeypatch):
     """check attention's engine explainer for DeepSeek-V3's MLA shape: vLLM for CPU's own selection."""
-    from llmdoctor.checks import attention as ca
+    from llmdoctor.checks.kernels import attention as ca
 
     monkeypatch.setenv("PATH", f"{Path(vllm_python).parent}{os.pathsep}{os.environ['PATH']}")
     got = ca.engine_explainer(ca.PRESETS["deepseek-v3"], "bfloat16")

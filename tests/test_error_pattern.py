@@ -1,4 +1,4 @@
-"""checks/error_pattern.py: the spread of an engine's error over positions, heads and channels, read as
+"""checks/compute/error_pattern.py: the spread of an engine's error over positions, heads and channels, read as
 a class of cause (issue 22 part 3). Each class is planted on a synthetic capture [T, H, D]; the emulated
 run is the reference plus float32-sized noise, so every slice's limit is derived as in layer localization."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from llmdoctor.checks.error_pattern import error_pattern
+from llmdoctor.checks.compute.error_pattern import error_pattern
 
 T, H, D, ROPE = 12, 4, 16, 8
 

@@ -1,4 +1,4 @@
-"""Non-finite numbers are their own finding (checks/finite.py and diagnose's engine-finite step), never
+"""Non-finite numbers are their own finding (checks/compute/finite.py and diagnose's engine-finite step), never
 folded into a metric: planted NaN logits and activations."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ def test_planted_nan_is_its_own_finding():
     words, with counts and the first point; the metrics of other checks never carry it."""
     import numpy as np
 
-    from llmdoctor.checks import finite
+    from llmdoctor.checks.compute import finite
 
     rng = np.random.default_rng(0)
     ref = rng.standard_normal((54, 32))

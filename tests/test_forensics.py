@@ -1,4 +1,4 @@
-"""Weight forensics (checks/forensics.py): silent on the demo and on tiny HF-made models; finds the
+"""Weight forensics (checks/file/forensics.py): silent on the demo and on tiny HF-made models; finds the
 planted block-scale noise, an inf scale and a Q4_K d/dmin exchange; and, honestly, cannot see two
 layers' tensors exchanged or one tensor's rows shuffled (the statistics are invariant under both)."""
 
@@ -10,7 +10,7 @@ from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as QT
 
 from llmdoctor import faults
-from llmdoctor.checks import forensics as F
+from llmdoctor.checks.file import forensics as F
 from llmdoctor.gguf import open_gguf
 
 

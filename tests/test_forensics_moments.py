@@ -1,4 +1,4 @@
-"""The forensics accumulator's fast moments (checks/forensics.py: float32 passes centered on each
+"""The forensics accumulator's fast moments (checks/file/forensics.py: float32 passes centered on each
 chunk's mean, merged in float64; the C passes and the torch ones) agree with float64 within the bound
 derived in the module; its scale
 statistics (counts of codes) agree with the per-value arithmetic; its numbers are the same for any
@@ -13,7 +13,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as QT
 
-from llmdoctor.checks import forensics as F
+from llmdoctor.checks.file import forensics as F
 from llmdoctor.gguf import dequantize, open_gguf
 
 RMS_REL, MEAN_OVER_RMS, KURT_REL = 1.6e-4, 2.2e-4, 1e-3  # the module's derived bounds

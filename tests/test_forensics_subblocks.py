@@ -1,4 +1,4 @@
-"""Sub-block codes of K-quant blocks (checks/forensics.py, SUBBLOCKS): llama.cpp's own quantizer
+"""Sub-block codes of K-quant blocks (checks/file/forensics.py, SUBBLOCKS): llama.cpp's own quantizer
 (ggml_quantize_chunk, through llama-cpp-python's bundled ggml) keeps every pinned end on every kind of
 data, with and without an importance matrix where the source says so; the demo keeps them all; and a
 tensor whose sub-block scale bytes were changed (faults: subblock-scales) is named by `verify` and by
@@ -16,8 +16,8 @@ from gguf import GGMLQuantizationType as QT
 from typer.testing import CliRunner
 
 from llmdoctor import faults
-from llmdoctor.checks import forensics as F
-from llmdoctor.checks import verify
+from llmdoctor.checks.file import forensics as F
+from llmdoctor.checks.file import verify
 from llmdoctor.cli import app
 from gguf_builders import write_file
 

@@ -5,8 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from llmdoctor.checks.layers import (error_curve,
-                                     first_divergent_layer)
+from llmdoctor.checks.compute.layers import error_curve, first_divergent_layer
 
 N_LAYER = 6
 
@@ -76,7 +75,7 @@ def test_blow_up_diverges_even_when_the_budget_blows_up_too():
 def test_selection_disagreement_allows_ties_at_the_kth_score_only():
     import numpy as np
 
-    from llmdoctor.checks.routing import selection_disagreement
+    from llmdoctor.checks.compute.routing import selection_disagreement
 
     inf = float("-inf")
     scores = np.array([[1.0, inf, inf, inf],       # query 0 sees key 0 only
@@ -92,7 +91,7 @@ def test_selection_disagreement_allows_ties_at_the_kth_score_only():
 def test_selection_disagreement_is_its_definition_row_by_row():
     """The vectorized rule against its definition applied to one row at a time, on random scores with
     ties, masked (future) keys and picks that are duplicated, padded, out of range or masked."""
-    from llmdoctor.checks.routing import selection_disagreement
+    from llmdoctor.checks.compute.routing import selection_disagreement
 
     def by_definition(scores, sel, top_k, rel_tol=1e-5):
         finite = np.where(np.isfinite(scores), scores, -np.inf)
@@ -126,7 +125,7 @@ def test_selection_disagreement_is_its_definition_row_by_row():
 def test_selection_disagreement_catches_short_duplicated_padded_and_future_picks():
     import numpy as np
 
-    from llmdoctor.checks.routing import selection_disagreement
+    from llmdoctor.checks.compute.routing import selection_disagreement
 
     inf = float("-inf")
     scores = np.array([[1.0, inf, inf, inf], [2.0, 1.0, inf, inf], [3.0, 2.0, 1.0, inf], [3.0, 2.0, 1.0, 0.5]])
@@ -174,7 +173,7 @@ def test_logit_pair_noise_and_top1_margin():
 
 
 def _criteria(engine, ref, emu) -> dict:
-    from llmdoctor.checks.layers import distribution_criteria
+    from llmdoctor.checks.compute.layers import distribution_criteria
 
     return {c.name: c for c in distribution_criteria(engine, ref, emu)}
 
@@ -212,7 +211,7 @@ def test_dsa_rows_judge_the_queries_that_choose_apart_from_the_short_ones():
     (the H200's GLM-5: 128 of 200): pooled over every query its misses could not exceed the limit (12 of 60
     rows at most, the limit 22%), judged over the queries that choose they do; a healthy engine's picks
     (the reference's own top k) pass both groups, and a short query that drops a key it sees fails."""
-    from llmdoctor.checks.routing import dsa_misses, dsa_rows, routing_limit, selection_misses
+    from llmdoctor.checks.compute.routing import dsa_misses, dsa_rows, routing_limit, selection_misses
 
     rng = np.random.default_rng(1)
     t_n, k = 60, 48

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from llmdoctor import faults
-from llmdoctor.checks.layers import error_curve, first_divergent_layer
+from llmdoctor.checks.compute.layers import error_curve, first_divergent_layer
 from llmdoctor.reference import load
 from llmdoctor.reference.emulate import LLAMA_CPP_CPU
 from llmdoctor.subjects.engines import llama_cpp as engine

@@ -1,5 +1,5 @@
-"""What a lone model file reveals beyond its weights: metadata plausibility (checks/plausibility.py), the
-front end it carries (checks/frontend.py), diagnose's handling of inconsistent metadata, and the
+"""What a lone model file reveals beyond its weights: metadata plausibility (checks/file/plausibility.py), the
+front end it carries (checks/frontend/audit.py), diagnose's handling of inconsistent metadata, and the
 findings as SARIF 2.1.0 (report/sarif.py), validated against the schema subset in tests/data."""
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ from typer.testing import CliRunner
 from llmdoctor import diagnose as dg
 from llmdoctor.diagnose import hypotheses
 from llmdoctor import faults
-from llmdoctor.checks import frontend, plausibility
+from llmdoctor.checks.frontend.audit import audit as frontend
+from llmdoctor.checks.file import plausibility
 from llmdoctor.cli import app
 from llmdoctor.faults.mapping import _rewrite
 from llmdoctor.gguf import open_gguf

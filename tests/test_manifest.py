@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 
 from llmdoctor import diagnose as dg
 from llmdoctor.diagnose import hypotheses
-from llmdoctor.checks import manifest as MF
+from llmdoctor.checks.file import manifest as MF
 from llmdoctor.cli import app
 from llmdoctor.gguf import open_gguf
 from split_builders import copy_model

@@ -12,7 +12,7 @@ import pytest
 
 import fixtures_mla
 from llmdoctor import diagnose as dg
-from llmdoctor.checks.routing import routing_inadmissible, routing_limit, routing_tolerance
+from llmdoctor.checks.compute.routing import routing_inadmissible, routing_limit, routing_tolerance
 from llmdoctor.gguf import open_gguf
 
 IDS = [int(i) for i in np.random.default_rng(0).integers(1, 90, size=40)]

@@ -16,7 +16,7 @@ import pytest
 from typer.testing import CliRunner
 
 from llmdoctor.checks.metrics import topk_tail
-from llmdoctor.checks.probes import DEFAULT_STEPS, THRESHOLDS, batch_requests, counting_run, expected_stats, probe
+from llmdoctor.checks.endpoint.probes import DEFAULT_STEPS, THRESHOLDS, batch_requests, counting_run, expected_stats, probe
 from llmdoctor.reference.chat_template import render_chat_template
 from llmdoctor.cli import app
 from llmdoctor.demo import model_path
@@ -181,7 +181,7 @@ def test_a_completion_handed_to_another_request_is_named(server: str) -> None:
 
 
 def test_a_passed_over_end_token_is_found_and_a_followed_one_is_not() -> None:
-    from llmdoctor.checks.probes import _skipped_end_token
+    from llmdoctor.checks.endpoint.probes import _skipped_end_token
     from llmdoctor.subjects.endpoint import Completion
 
     tops = [{"": -0.14, "\n": -3.8}, {"I": -0.2, "": -2.0}]
@@ -237,7 +237,7 @@ def test_human_output_renders_every_finding_shape(capsys: pytest.CaptureFixture[
     shape (determinism findings carry kl without top1_agree: a KeyError once), the thresholds and the
     verdict with its symptoms."""
     from llmdoctor.checks.base import Finding
-    from llmdoctor.checks.probes import ProbeReport
+    from llmdoctor.checks.endpoint.probes import ProbeReport
     from llmdoctor.report.terminal import render_probe
 
     fs = [Finding("probe", "s", "repeat", "pass", metrics={"kl": 1e-4, "max_abs_dlogprob": 0.01, "same_text": True}),
@@ -334,7 +334,7 @@ def test_logprobs_by_token_id_where_the_server_honours_it(honours_ids: bool, det
 def test_comparisons_use_ids_where_both_answers_have_them() -> None:
     """Two answers whose top-1 differs in id but not in text ("a" is ids 1 and 2): by id it is a
     difference, by text (what a text-keyed server shows) it is not."""
-    from llmdoctor.checks.probes import _id_lookup, compare_completions
+    from llmdoctor.checks.endpoint.probes import _id_lookup, compare_completions
     from llmdoctor.subjects.endpoint import Completion
 
     def answer(top_ids: dict[int, float]) -> Completion:

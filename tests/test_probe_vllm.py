@@ -12,7 +12,7 @@ from typing import Iterator
 
 import pytest
 
-from llmdoctor.checks.probes import probe
+from llmdoctor.checks.endpoint.probes import probe
 from llmdoctor.demo import model_path
 from llmdoctor.subjects.engines import vllm as vllm_engine
 from servers import free_port, serve

@@ -12,7 +12,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from llmdoctor.checks import sharding
+from llmdoctor.checks.file import sharding
 from llmdoctor.faults import get as get_fault
 from llmdoctor.faults.sharding import plant
 from llmdoctor.gguf import open_gguf

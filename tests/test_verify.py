@@ -18,7 +18,7 @@ from typer.testing import CliRunner
 from gguf import GGMLQuantizationType as QT
 
 from llmdoctor import faults
-from llmdoctor.checks import verify as V
+from llmdoctor.checks.file import verify as V
 from llmdoctor.cli import app
 from llmdoctor.gguf import open_gguf
 from split_builders import copy_model
@@ -176,7 +176,7 @@ def test_one_native_call_per_chunk_gives_the_per_piece_report(which, request, mo
     """The chunk decoded and gathered in one native call (forensics' add_decoded) gives, to the bit, the
     report of the per-piece path (dequantize, scan and moments piece by piece): the planted file's
     inf scales (pieces the C pass hands back) included."""
-    from llmdoctor.checks import forensics as F
+    from llmdoctor.checks.file import forensics as F
 
     path = request.getfixturevalue(which)
     if F.native_decoding(QT.Q4_K) is None:
@@ -201,7 +201,7 @@ def test_a_worker_error_ends_the_pass(subset, monkeypatch):
             raise RuntimeError("planted decoder failure")
         return real(raw, qtype, *a, **kw)
 
-    from llmdoctor.checks import forensics as F
+    from llmdoctor.checks.file import forensics as F
 
     monkeypatch.setattr(V, "dequantize", broken)
     monkeypatch.setattr(F, "native_decoding", lambda qtype: None)  # the per-piece path: V.dequantize decodes

@@ -10,8 +10,8 @@ import pytest
 from typer.testing import CliRunner
 
 from llmdoctor import faults
-from llmdoctor.checks import verify as V
-from llmdoctor.checks import verify_ranks as VR
+from llmdoctor.checks.file import verify as V
+from llmdoctor.checks.file import verify_ranks as VR
 from llmdoctor.gguf import open_gguf
 from split_builders import copy_model
 

@@ -12,7 +12,7 @@ import types
 import pytest
 import torch
 
-from llmdoctor.checks import attention as ca
+from llmdoctor.checks.kernels import attention as ca
 from llmdoctor.reference.attention_cases import gather_pages
 from llmdoctor.subjects import attention as subj
 from llmdoctor.subjects.engines import vllm as vk

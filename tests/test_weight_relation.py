@@ -1,4 +1,4 @@
-"""Naming the cause of a divergence by the engine's own weights (issue 22 part 3): checks/weight_relation.py
+"""Naming the cause of a divergence by the engine's own weights (issue 22 part 3): checks/compute/weight_relation.py
 relates a tensor the engine holds after its loader to the file's, and diagnose's layer localization
 confirms a differing tensor by swapping the engine's version into the reference."""
 
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from llmdoctor.checks.weight_relation import relate, rope_layout_rows
+from llmdoctor.checks.compute.weight_relation import relate, rope_layout_rows
 from llmdoctor.gguf.layout import rope_permute
 
 

@@ -140,7 +140,7 @@ def check_dequant(
     """Does a dequant kernel give the reference's numbers? Names the layout bug when not."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from .checks import dequant
+    from .checks.kernels import dequant
     from .checks.base import exit_code
 
     if blocks is not None and all_blocks:
@@ -182,7 +182,7 @@ def check_mapping(
     sarif_path: Optional[Path] = sarif_option(),
 ) -> None:
     """Do the GGUF and the HF model describe the same network? Names, shapes, types, metadata, numbers."""
-    from .checks import mapping
+    from .checks.layout import mapping
     from .checks.base import exit_code
 
     path = model_file(file)
@@ -219,8 +219,8 @@ def probe(
     json_path: Optional[Path] = json_path_option(),
 ) -> None:
     """Black-box checks of a live OpenAI-compatible endpoint: healthy, degraded, garbage or inconclusive."""
-    from .checks.probes import DEFAULT_STEPS
-    from .checks.probes import probe as run_probe
+    from .checks.endpoint.probes import DEFAULT_STEPS
+    from .checks.endpoint.probes import probe as run_probe
 
     import httpx
 
@@ -303,7 +303,7 @@ def diagnose(
             print(f"{f.name}\t{f.description}")
         return
     if manifest is not None:
-        from .checks.manifest import load
+        from .checks.file.manifest import load
 
         load(manifest)  # a bad manifest is bad input, found before the diagnosis
     if generate < 0:
@@ -408,7 +408,7 @@ def check_attention(
     sarif_path: Optional[Path] = sarif_option(),
 ) -> None:
     """Attention kernels (prefill, MLA decode, sparse MLA) against the float64 reference, case by case."""
-    from .checks import attention as ca
+    from .checks.kernels import attention as ca
     from .checks.base import exit_code
 
     shape = ca.load_shape(preset, config, gguf_file)
@@ -515,12 +515,12 @@ def verify(
     sarif_path: Optional[Path] = sarif_option(),
 ) -> None:
     """Decode every block of every tensor: finite values, per-tensor statistics, forensics; exit 1 on a fault."""
-    from .checks import verify as V
+    from .checks.file import verify as V
     from .checks.base import count, exit_code
 
     path = model_file(file)
     if manifest is not None:
-        from .checks.manifest import load
+        from .checks.file.manifest import load
 
         load(manifest)  # a bad manifest is bad input, found before the pass
     check_writable(manifest_out)
@@ -531,7 +531,7 @@ def verify(
             if gpus is None:
                 res = V.run(path, device=device, progress=step, manifest=manifest, write_manifest=write)
             else:  # torch.distributed: NCCL on GPUs, gloo on the CPU; each rank verifies its share
-                from .checks import verify_ranks
+                from .checks.file import verify_ranks
 
                 res = verify_ranks.run(path, gpus, device=device, manifest=manifest, write_manifest=write)
     except KeyboardInterrupt:
@@ -565,7 +565,7 @@ def manifest_cmd(
     out: Optional[Path] = typer.Option(None, "--out", help="Write the manifest to PATH (default: stdout)."),
 ) -> None:
     """Per-tensor sha256 and metadata digests of a known-good copy, for `verify/diagnose --manifest`."""
-    from .checks import manifest as MF
+    from .checks.file import manifest as MF
     from .gguf import open_gguf
 
     check_writable(out)
@@ -593,7 +593,7 @@ def diff(
     json_path: Optional[Path] = json_path_option(),
 ) -> None:
     """Are A and B the same model? Metadata and tensors added, removed or changed, with the numbers."""
-    from .checks import diff as D
+    from .checks.file import diff as D
     from .checks.base import count, exit_code
 
     for p in (a, b):
@@ -641,7 +641,7 @@ def check_sharding(
 ) -> None:
     """Is the model sharded across T tensor-parallel ranks as the engine's rules say? Saved shards, and a
     reference TP forward (each rank only its shards, the engine's collectives) against one device."""
-    from .checks import sharding
+    from .checks.file import sharding
     from .checks.base import exit_code
     from .faults import all_faults
     from .faults.sharding import plant
@@ -714,7 +714,7 @@ def check_forensics(
 ) -> None:
     """What a lone file betrays: non-finite block scales or weights, and tensors whose block scales or
     weight statistics stand out from their role siblings (blk.N.attn_output vs every other attn_output)."""
-    from .checks import forensics
+    from .checks.file import forensics
 
     path = model_file(file)
     with terminal.stderr.status("decoding every tensor"):
@@ -732,7 +732,7 @@ def check_metadata(
     sarif_path: Optional[Path] = sarif_option(),
 ) -> None:
     """Is the metadata consistent with the tensors (hard faults), and near the architecture's published values?"""
-    from .checks import plausibility
+    from .checks.file import plausibility
     from .gguf import open_gguf
 
     path = model_file(file)
@@ -752,7 +752,7 @@ def check_frontend(
     sarif_path: Optional[Path] = sarif_option(),
 ) -> None:
     """The chat template (sandbox escapes, BOS) and the vocab (special ids, types, merges, llama.cpp decode parity)."""
-    from .checks import frontend
+    from .checks.frontend import audit as frontend
     from .gguf import open_gguf
 
     path = model_file(file)

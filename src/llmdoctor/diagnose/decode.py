@@ -1,6 +1,6 @@
 """The decode-path hypothesis: the engine generates greedily from the prompt through its KV cache, the
 reference teacher-forces prompt + that continuation, and the engine's own prefill of the same tokens is the
-control (checks/decode.py judges). A divergence only in the decode steps is the decode path's, named with
+control (checks/compute/decode.py judges). A divergence only in the decode steps is the decode path's, named with
 the first generated step that goes wrong and, where the engine exposes the decode steps' activations, the
 layer and op; a divergence the prefill shows too is the prefill's (engine-vs-reference), not reported twice."""
 
@@ -15,7 +15,7 @@ HYPOTHESIS = "the engine's decode path (KV cache, decode kernels) computes what 
 
 
 def h_decode_path(s: Session) -> list[Finding]:
-    from ..checks import decode
+    from ..checks.compute import decode
 
     n = s.inputs.generate
     if n < 2:
@@ -81,7 +81,7 @@ def _localize(s: Session, first: int, p: int, ref_caps: dict, emu_caps: dict, id
     """The first divergent layer and op of the decode steps from `first` on: the engine generates once more
     with its decode steps' activations captured (the same tokens, or it says so), compared row by row with
     the reference's and the emulated run's activations at the same positions (layers.py's noise model)."""
-    from ..checks.layers import CURVE_POINTS, error_curve, first_divergent_layer, off_by
+    from ..checks.compute.layers import CURVE_POINTS, error_curve, first_divergent_layer, off_by
 
     try:
         again = s.generation(captures=True)

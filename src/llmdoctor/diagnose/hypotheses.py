@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from ..checks.base import Finding
-from ..checks.layers import off_by
+from ..checks.compute.layers import off_by
 from ..subjects.engines.base import EngineError, torch_dtype_name
 from .session import Session, Skip
 
@@ -24,9 +24,9 @@ def _finding(check: str, subject: str, target: str, status: str, **kw: Any) -> F
 
 def h_file_integrity(s: Session) -> list[Finding]:
     """The file parses under the hardened reader, every weight decodes to finite numbers, and no tensor
-    stands out from its role siblings (checks/forensics.py: block scales and weight statistics). When
+    stands out from its role siblings (checks/file/forensics.py: block scales and weight statistics). When
     the reference reads this same file, one more finding says what that cannot see."""
-    from ..checks import forensics
+    from ..checks.file import forensics
     from ..gguf import GGUFError
 
     try:
@@ -78,7 +78,7 @@ def _manifest_findings(s: Session, g: Any) -> list[Finding]:
     """With --manifest: every tensor and metadata key that differs from the known-good copy's manifest."""
     if s.inputs.manifest is None:
         return []
-    from ..checks.manifest import compare
+    from ..checks.file.manifest import compare
 
     s.progress("hashing every tensor against the manifest")
     return compare(g, s.inputs.manifest)
@@ -120,11 +120,12 @@ def _meta_value(v: Any) -> Any:
 
 
 def h_metadata(s: Session) -> list[Finding]:
-    """Metadata plausibility (checks/plausibility.py): hard inconsistencies between the hyperparameters
+    """Metadata plausibility (checks/file/plausibility.py): hard inconsistencies between the hyperparameters
     and the tensors (the steps that need a consistent model are then skipped), and advisories for values
     far from the architecture's published configs; then the front end the file carries
-    (checks/frontend.py): chat template, vocab, and llama.cpp's decoding of a sample of tokens."""
-    from ..checks import frontend, plausibility
+    (checks/frontend/audit.py): chat template, vocab, and llama.cpp's decoding of a sample of tokens."""
+    from ..checks.frontend import audit as frontend
+    from ..checks.file import plausibility
 
     g = s.gguf()
     out = plausibility.run(g, s.inputs.gguf)
@@ -138,9 +139,9 @@ def h_metadata(s: Session) -> list[Finding]:
 
 
 def h_mapping(s: Session) -> list[Finding]:
-    """GGUF<->HF names, shapes, quant types and metadata semantics (checks/mapping.py); with --hf DIR
+    """GGUF<->HF names, shapes, quant types and metadata semantics (checks/layout/mapping.py); with --hf DIR
     also each tensor's numbers. The passing numeric findings are summarized in one."""
-    from ..checks import mapping
+    from ..checks.layout import mapping
 
     s.progress("name map, shapes and metadata vs " + (str(s.inputs.hf) if s.inputs.hf else "the file's own metadata"))
     res = mapping.run(s.inputs.gguf, s.inputs.hf, consumer=s.inputs.engine)
@@ -180,7 +181,7 @@ DEQUANT_BLOCKS = 32  # blocks compared per tensor: first, last and 30 seeded one
 
 def h_dequant(s: Session) -> list[Finding]:
     """The engine's dequant kernel against the reference, on every tensor of the file."""
-    from ..checks import dequant
+    from ..checks.kernels import dequant
 
     kernel = s.dequant_kernel()
     s.progress(f"dequant kernel {kernel!r} vs the reference")
@@ -240,8 +241,8 @@ def h_fp16_overflow(s: Session) -> list[Finding]:
 
 def h_engine_finite(s: Session) -> list[Finding]:
     """inf/NaN in the engine's logits or captured activations where the reference's are finite: their own
-    finding in words (checks/finite.py), never a "KL nan" or an "off by nan"."""
-    from ..checks import finite
+    finding in words (checks/compute/finite.py), never a "KL nan" or an "off by nan"."""
+    from ..checks.compute import finite
 
     ran = s.engine_run()
     ref, ref_caps, _ = s.reference("float32")
@@ -254,7 +255,7 @@ def h_engine_finite(s: Session) -> list[Finding]:
 def h_engine_vs_reference(s: Session) -> list[Finding]:
     """The engine's next-token distributions match the reference within the engine's own noise: every
     criterion (finite logits, KL, top-1) against what the emulated run's arithmetic explains
-    (checks/layers.py `distribution_criteria`); the failing criteria are named."""
+    (checks/compute/layers.py `distribution_criteria`); the failing criteria are named."""
     from ..checks import metrics as M
 
     ref, _, _ = s.reference("float32")
@@ -287,8 +288,8 @@ def h_engine_vs_reference(s: Session) -> list[Finding]:
 def h_engine_backends(s: Session) -> list[Finding]:
     """Which attention backends the engine (vLLM) selects for this model, dtype and platform, asked of its
     own selection code in the deployment's interpreter, against the backends the running engine built
-    (checks/backends.py). The finding lists what each backend setting would select instead."""
-    from ..checks.backends import mismatches
+    (checks/compute/backends.py). The finding lists what each backend setting would select instead."""
+    from ..checks.compute.backends import mismatches
 
     engine = s.engine()
     try:  # the run asks the selection under the config the engine was built with
@@ -327,9 +328,9 @@ def h_dsa_selection(s: Session) -> list[Finding]:
     """Per layer with a DSA indexer (GLM-5 glm-dsa): whether the keys the engine's indexer selects for
     each query (`top_k-{i}`) are among the reference's top k by the reference's own index scores (ties
     at the k-th score may go either way), against what the engine's own arithmetic explains (the
-    emulated run's; checks/routing.py). A wrong indexer (rope on the wrong dims, a missing weight, the
+    emulated run's; checks/compute/routing.py). A wrong indexer (rope on the wrong dims, a missing weight, the
     wrong scale) shows here before the attention output does."""
-    from ..checks.routing import dsa_misses, dsa_rows
+    from ..checks.compute.routing import dsa_misses, dsa_rows
 
     m = s.config().mla
     if len(s.tokens()) <= m.indexer.top_k:
@@ -363,11 +364,11 @@ def h_dsa_selection(s: Session) -> list[Finding]:
 def h_moe_routing(s: Session) -> list[Finding]:
     """Per MoE layer: whether the experts the engine chose (`ffn_moe_topk-{i}`) are a top-k choice the
     reference's selection scores allow, within what the engine's own arithmetic moves a score (the
-    emulated run's score error, checks/routing.py). Every reference run takes the engine's choices
+    emulated run's score error, checks/compute/routing.py). Every reference run takes the engine's choices
     (Session.reference_extra), so a near-tie flip is neither a routing fault nor a divergence
     downstream. A missing score-correction bias, a wrong grouped top-k or a wrong gating function
     chooses experts the scores do not allow."""
-    from ..checks.routing import moe_rows, router_inputs_differ
+    from ..checks.compute.routing import moe_rows, router_inputs_differ
 
     engine_caps = s.engine_run().captures
     _, ref_caps, _ = s.reference("float32")
@@ -466,7 +467,7 @@ def _held_weights(s: Session, point) -> dict[str, Any]:
     or {"skipped": why}. A differing tensor is confirmed by substitution: the reference run with the
     engine's version of it (mapped back to the file's layout) reproduces the engine's divergence."""
     from ..checks import metrics as M
-    from ..checks.weight_relation import relate
+    from ..checks.compute.weight_relation import relate
     from ..gguf import layout
     from ..reference import load
     from ..subjects.engines.base import EngineError, EngineUnavailable, NotOffered
@@ -515,8 +516,8 @@ def _held_weights(s: Session, point) -> dict[str, Any]:
 
 def _error_pattern(s: Session, point):
     """The spread of the engine's error at its first divergent point over positions, heads and channels
-    (checks/error_pattern.py), or None when that point is not finite or not in every run."""
-    from ..checks.error_pattern import error_pattern
+    (checks/compute/error_pattern.py), or None when that point is not finite or not in every run."""
+    from ..checks.compute.error_pattern import error_pattern
 
     name = f"{point.point}-{point.layer}"
     engine, ref, emu = s.engine_run().captures, s.reference("float32")[1], s.budget_reference()[1]
@@ -581,8 +582,8 @@ def substitutions(s: Session, point) -> list[dict[str, Any]]:
 
 
 def h_attention(s: Session) -> list[Finding]:
-    """`check attention` of the given kernel on this model's attention shape (checks/attention.py)."""
-    from ..checks import attention
+    """`check attention` of the given kernel on this model's attention shape (checks/kernels/attention.py)."""
+    from ..checks.kernels import attention
 
     shape = attention.shape_from_config(s.config(), Path(s.reference_path()).name)
     dtype = torch_dtype_name(s.inputs.engine_dtype) if s.inputs.engine_dtype else "float32"
@@ -602,8 +603,8 @@ def h_attention(s: Session) -> list[Finding]:
 
 
 def h_symptom_bisection(s: Session) -> list[Finding]:
-    """Black-box probes of the endpoint (checks/probes.py), against the reference when --gguf is given."""
-    from ..checks.probes import probe
+    """Black-box probes of the endpoint (checks/endpoint/probes.py), against the reference when --gguf is given."""
+    from ..checks.endpoint.probes import probe
 
     rep = probe(s.inputs.endpoint, gguf=s.inputs.gguf, seed=s.inputs.seed, progress=s.progress)
     if rep.verdict == "inconclusive" and not any(f.status == "fail" for f in rep.findings):
@@ -619,11 +620,11 @@ def h_symptom_bisection(s: Session) -> list[Finding]:
 
 def h_front_end(s: Session) -> list[Finding]:
     """The deployment's own tokenization of a fixed set of prompts and a chat against the reference's
-    (checks/frontend_engine.py). Where they differ, the compute runs twice on the first differing prompt,
+    (checks/frontend/engine.py). Where they differ, the compute runs twice on the first differing prompt,
     the engine on its own tokens (what users get) and on the reference's (the compute alone), each against
     the reference on the reference's tokens at the last position (the next token a user sees), so that the
     report can tell a front-end fault from a layer's."""
-    from ..checks import frontend_engine as fe
+    from ..checks.frontend import engine as fe
 
     from ..errors import InputError
 

@@ -133,7 +133,7 @@ PLAN: tuple[Hypothesis, ...] = (
                h.h_engine_finite,
                "inf/NaN in the engine's logits or captured activations where the reference is finite, its own "
                "finding in words (\"engine logits NaN at 54 of 54 positions\", the first non-finite capture point; "
-               "`checks/finite.py`), never folded into a KL or an error"),
+               "`checks/compute/finite.py`), never folded into a KL or an error"),
     Hypothesis("engine-vs-reference", "engine vs reference", "Does the engine compute the model's distribution?",
                ("engine", "consistent"), h.h_engine_vs_reference,
                "every position's next-token distribution, each criterion against the engine's noise (the emulated "

@@ -124,10 +124,10 @@ class Session:
         return self.once("tokens", make)
 
     def inconsistency(self) -> str | None:
-        """The first hard metadata problem of the GGUF (checks/plausibility.py), or None: a model whose
+        """The first hard metadata problem of the GGUF (checks/file/plausibility.py), or None: a model whose
         metadata contradicts its tensors is neither built nor run."""
         def make():
-            from ..checks.plausibility import hard_problems
+            from ..checks.file.plausibility import hard_problems
 
             problems = hard_problems(self.gguf()) if self.inputs.gguf is not None else []
             return problems[0].message if problems else None
@@ -267,9 +267,9 @@ class Session:
 
     def prefill_criteria(self) -> list:
         """The engine's next-token distributions of the prompt against the reference's, each criterion against
-        the emulated run's noise (checks/layers.py `distribution_criteria`), computed once: engine-vs-reference
+        the emulated run's noise (checks/compute/layers.py `distribution_criteria`), computed once: engine-vs-reference
         reports them, the decode path asks whether the prefill already disagrees (float64 over [T, V]: seconds)."""
-        from ..checks.layers import distribution_criteria
+        from ..checks.compute.layers import distribution_criteria
 
         return self.once("prefill-criteria", lambda: distribution_criteria(
             torch.as_tensor(self.engine_run().logits), self.reference("float32")[0], self.budget_reference()[0],
@@ -334,9 +334,9 @@ class Session:
 
     def divergence(self):
         """(error curve, first divergent layer or None, its point) of the engine's activations against
-        the reference, noise-aware (checks/layers.py)."""
+        the reference, noise-aware (checks/compute/layers.py)."""
         def make():
-            from ..checks.layers import CURVE_POINTS, error_curve, first_divergent_layer
+            from ..checks.compute.layers import CURVE_POINTS, error_curve, first_divergent_layer
 
             engine_caps = self.engine_run().captures
             _, ref_caps, _ = self.reference("float32")

@@ -1,4 +1,4 @@
-"""Corrupted copies of a GGUF: the damage weight forensics (checks/forensics.py) is asked to see.
+"""Corrupted copies of a GGUF: the damage weight forensics (checks/file/forensics.py) is asked to see.
 
 Every builder has the signature `build(src, out_dir, *, tensor=..., seed=0) -> Path`: it copies `src`
 (opened read-only) into `out_dir` and patches bytes of the copy in place (same size, same layout).
@@ -17,7 +17,7 @@ import numpy as np
 from gguf import GGMLQuantizationType as QT
 from gguf import GGUFValueType as VT
 
-from ..checks.forensics import SCALE_FIELDS, SUBBLOCKS
+from ..checks.file.forensics import SCALE_FIELDS, SUBBLOCKS
 from ..gguf import open_gguf
 from . import register
 
@@ -128,7 +128,7 @@ def q4k_d_dmin_swap(src: Path, out_dir: Path, *, tensor: str | None = None) -> P
 def subblock_scales(src: Path, out_dir: Path, *, tensor: str | tuple[str, ...] = "blk.1.ffn_down.weight",
                     fraction: float = 0.05, seed: int = 0) -> Path:
     """In `fraction` of each named tensor's blocks (at least one, chosen at random), one byte of the
-    sub-block codes (checks/forensics.py's SUBBLOCKS: where each K-quant keeps them) XORed with a random
+    sub-block codes (checks/file/forensics.py's SUBBLOCKS: where each K-quant keeps them) XORed with a random
     nonzero byte. `tensor`: one name or several (one copy, each patched)."""
     names = (tensor,) if isinstance(tensor, str) else tuple(tensor)
     dst, mm, info = _patch(src, out_dir, "subblock-scales", names[0])

@@ -5,7 +5,7 @@ Each fault's `build()` returns a `--kernel` spec ("llmdoctor.faults.kernels:<fun
 is what the `check dequant` report must contain; `DEMO_TARGET[name]` is an `--only` glob of demo-model
 tensors on which the fault shows.
 
-The layout bugs are written independently of `checks/layout_bugs.py`: small torch decoders of the
+The layout bugs are written independently of `checks/layout/layout_bugs.py`: small torch decoders of the
 demo model's types (Q8_0, Q5_0, Q4_K, Q6_K; block structs of ggml-common.h) with a switch per bug,
 evaluated in the same float32 operation order as gguf-py so that the correct path is bit-exact.
 The same decoders evaluated in float16 are the correct half-precision kernels.

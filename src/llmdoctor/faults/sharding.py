@@ -1,6 +1,6 @@
 """Planted tensor-parallel sharding faults: an engine plan (reference/tensor_parallel.py `Plan`) that
 holds or joins its shards wrongly. `build(plan)` wraps the rules' plan and returns the faulty one;
-`check sharding` (checks/sharding.py) must find the first divergent layer and name `expect`. Its
+`check sharding` (checks/file/sharding.py) must find the first divergent layer and name `expect`. Its
 caller hands it `plant`, which its ranks call to build a fault's plan by name.
 """
 
@@ -17,7 +17,7 @@ KIND = "sharding"
 
 
 def plant(name: str, plan: tp.Plan) -> tp.Plan:
-    """The rules' `plan` with the planted fault `name` (checks/sharding.py `Plant`)."""
+    """The rules' `plan` with the planted fault `name` (checks/file/sharding.py `Plant`)."""
     return get(name).build(plan)
 
 

@@ -10,7 +10,7 @@ from typing import Any, Mapping
 import numpy as np
 import torch
 
-from . import metrics
+from .. import metrics
 
 
 def _same(got: np.ndarray, want: np.ndarray, tol: float) -> bool:
@@ -20,7 +20,7 @@ def _same(got: np.ndarray, want: np.ndarray, tol: float) -> bool:
 def rope_layout_rows(n_rows: int, n_head: int) -> dict[str, np.ndarray]:
     """The row orders the RoPE pair layout produces, per head: {"permuted": convert_hf_to_gguf's permute
     (rotate-half -> adjacent pairs), "unpermuted": its inverse} as index arrays (got[i] = want[idx[i]])."""
-    from ..gguf.layout import rope_permute, rope_unpermute
+    from ...gguf.layout import rope_permute, rope_unpermute
 
     rows = torch.arange(n_rows, dtype=torch.float64)[:, None]
     return {"permuted": rope_permute(rows, n_head)[:, 0].long().numpy(),

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from . import metrics
+from .. import metrics
 from .layers import FLOOR, K, Criterion, distribution_criteria
 
 

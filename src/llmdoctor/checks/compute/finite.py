@@ -14,7 +14,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from .base import Finding
+from ..base import Finding
 
 HYPOTHESIS = "the engine computes finite numbers where the reference does"
 _LAYER = re.compile(r"-(\d+)")

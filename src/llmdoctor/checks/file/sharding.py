@@ -45,11 +45,11 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from ..errors import InputError
-from ..reference import forward as fw
-from ..reference import tensor_parallel as tp
-from . import metrics
-from .base import Finding
+from ...errors import InputError
+from ...reference import forward as fw
+from ...reference import tensor_parallel as tp
+from .. import metrics
+from ..base import Finding
 
 CHECK = "sharding"
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
@@ -130,9 +130,9 @@ def _as_held(got: torch.Tensor, plan: tp.Plan, name: str) -> torch.Tensor:
 
 def _stored_bound(want: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """|engine - reference| allowed for a stored weight: the float32 dequantization's own roundings
-    (checks/dequant.py REFERENCE_ROUNDINGS: an engine may evaluate a GGUF block's d*q - m in another
+    (checks/kernels/dequant.py REFERENCE_ROUNDINGS: an engine may evaluate a GGUF block's d*q - m in another
     order), plus one rounding into a narrower dtype the engine stores (e.g. bfloat16)."""
-    from .dequant import REFERENCE_ROUNDINGS
+    from ..kernels.dequant import REFERENCE_ROUNDINGS
 
     b = metrics.rounding_bound(want, torch.float32, REFERENCE_ROUNDINGS)
     return b + metrics.rounding_bound(want, dtype, 1) if dtype != torch.float32 else b
@@ -290,7 +290,7 @@ def reference(path: Path, ids: torch.Tensor, rules: tp.Rules, *, n_layer: int | 
     """`stored`: tensors the engine holds in a narrower dtype, rounded to it here too (tp.StoredAs)."""
     import dataclasses
 
-    from ..reference import load
+    from ...reference import load
 
     t0 = time.perf_counter()
     with load(path, dtype=dtype, device=device) as model:
@@ -406,8 +406,8 @@ def _differs_on(plan: tp.Plan, reference: tp.Plan, name: str, rank: int, t: int,
 
 def worker(rank: int, t: int, device: torch.device, job: Job) -> list[PlanResult] | None:
     """One rank: every plan of the job, point by point; rank 0 judges and returns the results."""
-    from ..gguf import open_gguf
-    from ..reference.config import from_gguf
+    from ...gguf import open_gguf
+    from ...reference.config import from_gguf
 
     g = open_gguf(job.path)
     cfg = from_gguf(g)
@@ -516,8 +516,8 @@ def run(path: Path, t: int, *, rules: str = "vllm", engine_shards: Path | None =
     """Saved shards (when given) and the tensor-parallel forward of every plan: the engine's saved
     shards, else the rules' own (a self-check of the collectives); `faults` adds planted engine plans,
     each built on the ranks by `plant` (faults/sharding.py `plant`)."""
-    from ..gguf import open_gguf
-    from ..reference.config import from_gguf
+    from ...gguf import open_gguf
+    from ...reference.config import from_gguf
 
     if t < 2:
         raise InputError(f"--tp {t}: tensor parallelism needs at least 2 ranks")

@@ -2,7 +2,7 @@
 
 The tensors, in file order (shard by shard for a split model), are cut into N contiguous runs of about
 equal bytes, so that each rank reads one stretch of the file sequentially, as the single pass does.
-Rank r runs verify's own pass (checks/verify.py `run`, restricted to its share by its `tensors`
+Rank r runs verify's own pass (checks/file/verify.py `run`, restricted to its share by its `tensors`
 argument) on GPU r (NCCL) or as one CPU process (gloo); its `combine` hook gathers every rank's
 per-tensor reports (with their sha256, where a manifest is asked for) and forensic statistics on rank
 0, which then builds the report one device would have built: per-tensor findings in file order, the
@@ -19,9 +19,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..errors import InputError
-from ..gguf import open_gguf
-from ..reference import tensor_parallel as tp
+from ...errors import InputError
+from ...gguf import open_gguf
+from ...reference import tensor_parallel as tp
 
 
 def shares(path: Path, n: int) -> list[list[str]]:

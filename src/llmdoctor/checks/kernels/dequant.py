@@ -29,11 +29,12 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType as T
 
-from ..errors import InputError
-from ..gguf import open_gguf
-from ..subjects.isolation import Isolated, LoadFailed, Outcome
-from . import layout_bugs, metrics
-from .base import Finding
+from ...errors import InputError
+from ...gguf import open_gguf
+from ...subjects.isolation import Isolated, LoadFailed, Outcome
+from ..layout import layout_bugs
+from .. import metrics
+from ..base import Finding
 
 CHECK = "dequant"
 DEFAULT_BLOCKS = 256
@@ -174,7 +175,7 @@ def run(path: Path, *, kernel: str = "torch", device: str = "cpu", dtype: Option
         timeout: float = DEFAULT_TIMEOUT,
         on_tensor: Optional[Callable[[int, int, str], None]] = None) -> Result:
     """Check `kernel` against the reference on the tensors of `path` (see the module docstring)."""
-    from ..subjects.kernels import validate_spec
+    from ...subjects.kernels import validate_spec
 
     validate_spec(kernel)
     if dtype is not None and dtype not in DTYPES:

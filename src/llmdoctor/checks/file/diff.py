@@ -8,7 +8,7 @@ value and the block holding it in each file, and both sha256.
 
 A GGUF against an HF checkpoint directory: the mapping check's name map, shapes and numeric
 comparison (gguf/layout.py's inverse transforms, under the band `check mapping` derives: see
-checks/mapping.py), whose findings are reported as they are.
+checks/layout/mapping.py), whose findings are reported as they are.
 """
 
 from __future__ import annotations
@@ -22,10 +22,10 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from ..gguf import open_gguf
-from ..gguf.reader import GGUFFile, TensorInfo
-from . import metrics as M
-from .base import Finding
+from ...gguf import open_gguf
+from ...gguf.reader import GGUFFile, TensorInfo
+from .. import metrics as M
+from ..base import Finding
 from .manifest import model_keys, short_value, tensor_sha256, value_digest
 
 CHECK = "diff"
@@ -81,7 +81,7 @@ def _first_byte_difference(a: TensorInfo, b: TensorInfo) -> int | None:
 def _numeric(a: TensorInfo, b: TensorInfo) -> dict[str, Any]:
     """Decode both (rows of CHUNK_VALUES at a time) and compare: max |a - b|, rel L2 of b against a,
     the first differing value."""
-    from ..gguf.dequant import dequantize
+    from ...gguf.dequant import dequantize
 
     shape = a.shape
     row = shape[-1]
@@ -158,7 +158,7 @@ def run(a: Path, b: Path, *, progress: Progress = lambda done, total, name: None
     """Compare model A (a GGUF or any shard of a set) with B (the same, or an HF checkpoint directory)."""
     t0 = time.perf_counter()
     if Path(b).is_dir():
-        from . import mapping
+        from ..layout import mapping
 
         res = mapping.run(a, b)
         keep = [f for f in res.findings if f.target.split("/")[0] in ("names", "shape", "numeric", "collision")]

@@ -2,7 +2,7 @@
 (and of a chat through its chat template) against the reference's, from the model file.
 
 Any engine behind the engine interface serves (`tokenize_all`: llama.cpp as its server tokenizes, transformers
-and vLLM with the tokenizer folder they load, an endpoint through its tokenize route); `checks/frontend.py`
+and vLLM with the tokenizer folder they load, an endpoint through its tokenize route); `checks/frontend/audit.py`
 is the file-level audit of the vocab and template themselves.
 
 The reference: the GGUF's tokenizer (reference/tokenizer.py, at llama.cpp parity) as llama.cpp's server
@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from .base import Finding
+from ..base import Finding
 
 CHAT = [{"role": "user", "content": "What is the capital of France? Answer in one word."}]
 
@@ -59,7 +59,7 @@ class ReferenceFrontEnd:
         self.path = Path(path)
         self.template: str | None = None
         if self.path.is_dir():
-            from ..reference.hf_tokenizer import HFTokenizer
+            from ...reference.hf_tokenizer import HFTokenizer
 
             self.hf = HFTokenizer(self.path).tok
             self.gguf = None
@@ -67,8 +67,8 @@ class ReferenceFrontEnd:
             self.template = getattr(self.hf, "chat_template", None) or None
             self.name = f"the checkpoint's ({self.path})"
         else:
-            from ..gguf import open_gguf
-            from ..reference.tokenizer import Tokenizer
+            from ...gguf import open_gguf
+            from ...reference.tokenizer import Tokenizer
 
             with open_gguf(self.path) as g:
                 self.gguf = tokenizer or Tokenizer.from_gguf(g)
@@ -113,7 +113,7 @@ class ReferenceFrontEnd:
         if self.template is None:
             return None
         if self.gguf is not None:
-            from ..reference.chat_template import render_chat_template
+            from ...reference.chat_template import render_chat_template
 
             tok = self.gguf
             text = render_chat_template(self.template, messages,
@@ -186,7 +186,7 @@ def bos_problem(row: Row, ref: ReferenceFrontEnd) -> str | None:
 def compare(engine: Any, ref: ReferenceFrontEnd, diagnosis_prompt: str,
             progress: Callable[[str], None] = lambda s: None) -> list[Row]:
     """Every prompt through the engine's front end (`engine.tokenize_all`) and the reference's."""
-    from ..subjects.engines.base import NotOffered
+    from ...subjects.engines.base import NotOffered
 
     texts = prompts(diagnosis_prompt, ref.specials())
     progress(f"{engine.name}'s tokenizer on {len(texts)} prompts and a chat")
@@ -255,7 +255,7 @@ def describe(row: Row, ref: ReferenceFrontEnd) -> str:
 
 
 def _front_end(engine: Any) -> dict[str, Any]:
-    from ..subjects.engines.base import EngineError
+    from ...subjects.engines.base import EngineError
 
     try:
         return engine.front_end()

@@ -31,7 +31,7 @@ from typing import Any
 
 from gguf import MODEL_TENSOR, TENSOR_NAMES, Keys
 
-from .base import Finding
+from ..base import Finding
 
 CHECK = "metadata"
 HYPOTHESIS = "the metadata is consistent with itself and with the tensors"

@@ -27,10 +27,10 @@ from typing import Any, Callable
 import numpy as np
 from gguf import GGUFValueType
 
-from ..errors import InputError
-from ..gguf.reader import GGUFFile, MetadataField, StringArray, TensorInfo
-from ..gguf.split import SPLIT_KEYS
-from .base import Finding
+from ...errors import InputError
+from ...gguf.reader import GGUFFile, MetadataField, StringArray, TensorInfo
+from ...gguf.split import SPLIT_KEYS
+from ..base import Finding
 
 SCHEMA = "llmdoctor.manifest/1"
 CHECK = "manifest"

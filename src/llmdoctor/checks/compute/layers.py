@@ -31,7 +31,7 @@ from typing import Any, Mapping
 
 import torch
 
-from . import metrics
+from .. import metrics
 
 K = 3.0
 FLOOR = 1e-6

@@ -38,11 +38,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
-from ..errors import InputError
-from ..reference.chat_template import render_chat_template
-from ..subjects.endpoint import Completion, Endpoint, EndpointError
-from .base import Finding
-from .metrics import grouped_logsumexp, logsumexp, spearman, topk_tail
+from ...errors import InputError
+from ...reference.chat_template import render_chat_template
+from ...subjects.endpoint import Completion, Endpoint, EndpointError
+from ..base import Finding
+from ..metrics import grouped_logsumexp, logsumexp, spearman, topk_tail
 
 # ---------------------------------------------------------------------------------------------
 # thresholds, derived from what the healthy llama-cpp-python 0.3.36 server measures here with the
@@ -693,12 +693,12 @@ class Prober:
                    hypothesis="the server's token ids equal the GGUF tokenizer's for every probe text")
 
     def front_end_check(self) -> None:
-        """diagnose's front-end check (checks/frontend_engine.py) with the endpoint as the engine: its
+        """diagnose's front-end check (checks/frontend/engine.py) with the endpoint as the engine: its
         tokenize route (which one, and the add-special asked for, in the finding) on the same prompts, held to
         the GGUF's tokenizer."""
-        from ..subjects.engines.base import Deployment
-        from ..subjects.engines.endpoint import EndpointEngine
-        from . import frontend_engine as fe
+        from ...subjects.engines.base import Deployment
+        from ...subjects.engines.endpoint import EndpointEngine
+        from ..frontend import engine as fe
 
         if self.gguf is None:
             self._find("front-end", "skip", reason="needs --gguf (the reference's tokenizer)")
@@ -955,7 +955,7 @@ def _leading(ids: list[int], bos: int | None):
 
 
 def _gguf_chat_template(path: Path) -> str | None:
-    from ..gguf import open_gguf
+    from ...gguf import open_gguf
 
     with open_gguf(path) as g:
         t = g.get("tokenizer.chat_template")
@@ -992,7 +992,7 @@ class _Reference:
     counting run, and a second run on the same file (tests, a re-probe) asks for the same texts."""
 
     def __init__(self, path: Path):
-        from ..reference.tokenizer import Tokenizer
+        from ...reference.tokenizer import Tokenizer
 
         self.path = path
         self.tok = Tokenizer.from_gguf(path)
@@ -1007,8 +1007,8 @@ class _Reference:
 
     def last_logprobs(self, seqs: list[list[int]]) -> dict[tuple[int, ...], Any]:
         """{ids: log-probs [V] after ids}; one forward pass per sequence that is no prefix of a longer one."""
-        from ..reference import load
-        from ..reference.forward import log_softmax
+        from ...reference import load
+        from ...reference.forward import log_softmax
 
         missing = [list(s) for s in {tuple(s) for s in seqs} if s not in self.rows]
         if missing:

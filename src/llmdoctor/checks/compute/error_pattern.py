@@ -1,7 +1,7 @@
 """How an engine's error at its first divergent op is spread over positions, heads and channels, read as
 a cause, as check attention reads a kernel's error pattern (issue 22).
 
-Every slice (a position, a head, a channel) is judged like a whole point (checks/layers.py): its error
+Every slice (a position, a head, a channel) is judged like a whole point (checks/compute/layers.py): its error
 rel_l2(engine, ref) against K x the emulated run's error on that same slice plus the float32 floor. The
 pattern of the slices beyond their noise names a class of cause:
 
@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from . import metrics
+from .. import metrics
 from .layers import FLOOR, K
 
 

@@ -57,14 +57,14 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as QT
 from gguf import quants
 
-from ..errors import InputError
-from ..hf_config import config_path, read_hf_config, text_config
-from ..reference.config_hf import hf_config, main_layers, nextn_layers
-from ..gguf import layout, open_gguf
-from ..reference.checkpoint import SafetensorsDir
-from ..reference.config import ModelConfig, from_gguf, from_hf
-from . import metrics as M
-from .base import Finding
+from ...errors import InputError
+from ...hf_config import config_path, read_hf_config, text_config
+from ...reference.config_hf import hf_config, main_layers, nextn_layers
+from ...gguf import layout, open_gguf
+from ...reference.checkpoint import SafetensorsDir
+from ...reference.config import ModelConfig, from_gguf, from_hf
+from .. import metrics as M
+from ..base import Finding
 
 CHECK = "mapping"
 BAND_K = 2.0
@@ -263,7 +263,7 @@ def _types(gg: dict[str, Any], consumer: str | None = None) -> list[Finding]:
     quantized DSA indexer (its trait `quantized_indexer`: llama.cpp runs Q8_0 / Q4_0 indexer weights and
     agrees with the reference, tests/test_moe_routing.py; the transformers engine dequantizes every
     tensor) passes it."""
-    from ..subjects.engines import engine_class
+    from ...subjects.engines import engine_class
 
     indexer_ok = consumer is not None and engine_class(consumer).traits.quantized_indexer
     out = []
@@ -408,7 +408,7 @@ def _rows(t: Any) -> torch.Tensor | None:
 
 
 def _dequant(t: Any, rows: torch.Tensor | None = None) -> torch.Tensor:
-    from ..gguf import dequantize
+    from ...gguf import dequantize
 
     if rows is None:
         return dequantize(t.data, t.type, t.shape, device="cpu")
@@ -559,7 +559,7 @@ def _numeric_experts(r: layout.Rule, t: Any, hf: HFSide) -> Finding:
     """A stacked-experts tensor [E, out, in] one expert at a time (the memory of one expert): slot e
     against checkpoint expert e, under the band of expert 0 (the experts of one tensor share their
     distribution). A failing slot is then matched against the layer's other experts (stored out of order)."""
-    from ..gguf import dequantize
+    from ...gguf import dequantize
 
     slab = t.nbytes // t.shape[0]
 
@@ -620,8 +620,8 @@ def _engine(engine: str | None, path: Path, p: layout.Plan, gg: dict[str, Any], 
     parameter, asked in the deployment's interpreter) diffed against ours."""
     if engine is None:
         return []
-    from ..subjects.engines import create
-    from ..subjects.engines.base import Deployment, EngineError, EngineUnavailable, NotOffered
+    from ...subjects.engines import create
+    from ...subjects.engines.base import Deployment, EngineError, EngineUnavailable, NotOffered
 
     subject = create(engine, Deployment(model=Path(path)))
     who, key = subject.title, f"engine/{subject.name}"

@@ -25,7 +25,7 @@ parts that run at once:
 Per piece: its sum (finite <=> every value finite, but for an overflow, which the exact test then
 settles); only a piece that holds a non-finite value is searched for its first bad block,
 whose file offset (in the shard that holds it) is reported. The forensics module's statistics
-(`checks/forensics.py`: its streaming `Accumulator`) are fed the same piece, raw blocks and decoded
+(`checks/file/forensics.py`: its streaming `Accumulator`) are fed the same piece, raw blocks and decoded
 values, and its sibling comparison runs at the end: its findings are verify's too, and its per-tensor
 statistics (rms, mean, max |w|, kurtosis, block scales) are verify's per-tensor report.
 
@@ -57,11 +57,11 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType as QT
 
-from ..errors import InputError
-from ..gguf import open_gguf
-from ..gguf.dequant import dequantize
-from ..gguf.reader import GGUFFile, TensorInfo
-from .base import Finding
+from ...errors import InputError
+from ...gguf import open_gguf
+from ...gguf.dequant import dequantize
+from ...gguf.reader import GGUFFile, TensorInfo
+from ..base import Finding
 
 CHECK = "verify"
 # Output values decoded per piece, into one buffer per worker reused for every piece: 1M float32
@@ -119,7 +119,7 @@ class Result:
     seconds: float
     device: str
     shards: list[str] = field(default_factory=list)
-    manifest: dict[str, Any] | None = None  # checks/manifest.py's document, from this pass's hashes
+    manifest: dict[str, Any] | None = None  # checks/file/manifest.py's document, from this pass's hashes
 
     @property
     def gb_per_s(self) -> float:
@@ -585,10 +585,10 @@ def run(path: Path, *, device: str = "cpu", progress: Progress = lambda done, to
         combine: Callable[[list, list], tuple[list, list] | None] | None = None) -> Result | None:
     """Verify every tensor of the model at `path` (any shard of a split set) on `device`.
 
-    `manifest`: also compare the file with that manifest (checks/manifest.py), and `write_manifest`:
+    `manifest`: also compare the file with that manifest (checks/file/manifest.py), and `write_manifest`:
     return the file's manifest in Result.manifest; either way the tensors' sha256 are computed in the
     same pass, from the same reads.
-    Spread over ranks (checks/verify_ranks.py): `tensors` restricts the pass to a rank's share, and
+    Spread over ranks (checks/file/verify_ranks.py): `tensors` restricts the pass to a rank's share, and
     `combine(reports, stats)` gathers every rank's before the findings are built, returning them all
     on the rank that reports and None on the others (run then returns None)."""
     if device not in ("cpu", "cuda"):
@@ -615,7 +615,7 @@ def run(path: Path, *, device: str = "cpu", progress: Progress = lambda done, to
         findings = [r.finding() for r in reports]
         if fx is None:
             findings.append(Finding(CHECK, "forensics", "all", "skip",
-                                    reason="skipped: the forensics module (checks/forensics.py) is not available"))
+                                    reason="skipped: the forensics module (checks/file/forensics.py) is not available"))
         else:
             findings += fx.compare(stats, file=g.path)
         doc = None

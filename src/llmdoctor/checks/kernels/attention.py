@@ -57,14 +57,14 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from ..errors import InputError
-from ..reference import attention as attn
-from ..reference import attention_cases as ref
-from ..reference import mla as mla_ref
-from ..subjects import attention as subj
-from ..subjects.isolation import Isolated, LoadFailed, Outcome
-from . import metrics
-from .base import Finding
+from ...errors import InputError
+from ...reference import attention as attn
+from ...reference import attention_cases as ref
+from ...reference import mla as mla_ref
+from ...subjects import attention as subj
+from ...subjects.isolation import Isolated, LoadFailed, Outcome
+from .. import metrics
+from ..base import Finding
 
 CHECK = "attention"
 K_FLOOR = 4.0
@@ -121,12 +121,12 @@ def load_shape(preset: Optional[str], config: Optional[Path], gguf_file: Optiona
     given = [x for x in (preset, config, gguf_file) if x is not None]
     if len(given) > 1:
         raise InputError("give one of --preset, --config, --gguf")
-    from ..reference import config as cfgmod
+    from ...reference import config as cfgmod
 
     if config is not None:
         return shape_from_config(cfgmod.from_hf(config), str(config))
     if gguf_file is not None:
-        from ..gguf import open_gguf
+        from ...gguf import open_gguf
 
         with open_gguf(gguf_file) as g:
             return shape_from_config(cfgmod.from_gguf(g), str(gguf_file))
@@ -480,7 +480,7 @@ def rounding_bound(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: t
 
 
 F32_U = 2.0 ** -24  # float32's unit roundoff (metrics.unit_roundoff(torch.float32))
-F32_RULE = ("float32 rounding bound of attention in any summation order (checks.attention.rounding_bound: "
+F32_RULE = ("float32 rounding bound of attention in any summation order (checks.kernels.attention.rounding_bound: "
             "γ_n in the keys and the head size, Higham §3.1), per element")
 
 
@@ -1063,8 +1063,8 @@ def builtin_subjects(names: str, device: str, shape: Optional[Shape] = None) -> 
 def engine_explainer(shape: Shape, dtype: str) -> dict[str, Any]:
     """Which attention backends the engine that selects them at run time (vLLM) selects for this shape
     and dtype: its own selection code, asked through the engine interface; {"skipped": why} elsewhere."""
-    from ..subjects.engines import engine_class, selectable
-    from ..subjects.engines.base import Deployment, EngineError, EngineUnavailable
+    from ...subjects.engines import engine_class, selectable
+    from ...subjects.engines.base import Deployment, EngineError, EngineUnavailable
 
     m = shape.mla
     head = (m.kv_lora_rank + m.qk_rope) if m else shape.head_dim
@@ -1078,7 +1078,7 @@ def engine_explainer(shape: Shape, dtype: str) -> dict[str, Any]:
 
 
 def count_line(findings: list[Finding]) -> str:
-    from .base import count
+    from ..base import count
 
     c = count(findings)
     return f"{c['passed']} passed, {c['failed']} failed, {c['skipped']} skipped"

@@ -10,7 +10,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from . import metrics
+from .. import metrics
 from .layers import K, PointError, off_by
 
 # Capture points of a layer that come before its MoE router (which reads the normed FFN input).
@@ -75,7 +75,7 @@ def routing_inadmissible(scores: Any, chosen: Any, k: int, tol: float, n_group: 
     scores: float [T, E]; chosen: int [T, k]."""
     import torch
 
-    from ..reference.arch_deepseek import group_scores
+    from ...reference.arch_deepseek import group_scores
 
     sc = np.asarray(scores, dtype=np.float64)
     sel = np.asarray(chosen, dtype=np.int64)

@@ -7,7 +7,7 @@ Chat template (`tokenizer.chat_template`, a Jinja2 program written by whoever ma
   through `|attr('...')` or a subscript), `.mro`, the globals whose functions carry `__globals__`
   (`cycler`, `joiner`, `lipsum`), `self` (the template reference), `namespace` used as anything but a
   call (its class is the way in), and `import` / `include` / `extends` (a chat template has no loader);
-- BOS: rendered in the sandbox (checks/probes.py's renderer, as transformers' apply_chat_template
+- BOS: rendered in the sandbox (checks/endpoint/probes.py's renderer, as transformers' apply_chat_template
   does) on a two-turn conversation. BOS more than once is a fault (the model sees a document start
   mid-prompt); never BOS while `add_bos_token` is true is a fault for every engine that tokenizes the
   rendered prompt without special tokens (transformers' apply_chat_template, vLLM's chat path). A
@@ -32,7 +32,7 @@ from typing import Any, Callable, Iterator
 
 from gguf import Keys, TokenType
 
-from .base import Finding
+from ..base import Finding
 
 _K = Keys.Tokenizer
 _DUNDER = re.compile(r"__\w+__")
@@ -83,7 +83,7 @@ def template_escapes(template: str) -> list[dict[str, Any]]:
 
 def bos_usage(template: str, bos: str, eos: str) -> dict[str, Any]:
     """How often the rendered two-turn conversation contains the BOS text, and where."""
-    from ..reference.chat_template import render_chat_template
+    from ...reference.chat_template import render_chat_template
 
     msgs = [{"role": "user", "content": "Hello."}, {"role": "assistant", "content": "Hi."},
             {"role": "user", "content": "Count to three."}]
@@ -200,8 +200,8 @@ def engine_pieces(path: str | Path) -> Iterator[Callable[[int, bool], bytes] | N
     """The built-in GGUF engine's (llama.cpp's) rendering of single tokens from the file's vocab, through
     the engine interface: `pieces(token_id, special) -> bytes`; None when it cannot be had (no
     llama-cpp-python, or it cannot read this vocab: parity is then a skip)."""
-    from ..subjects.engines import DEFAULT_FOR_GGUF, create
-    from ..subjects.engines.base import Deployment
+    from ...subjects.engines import DEFAULT_FOR_GGUF, create
+    from ...subjects.engines.base import Deployment
 
     try:
         pieces = create(DEFAULT_FOR_GGUF, Deployment(model=Path(path))).piece_reader()
@@ -247,8 +247,8 @@ def parity(tok: Any, engine_piece: Callable[[int, bool], bytes], *, engine: str 
 def run(g: Any, file: str | Path = "", engine_piece: Callable[[int, bool], bytes] | None = None,
         sample: int | None = None) -> list[Finding]:
     """Template, tokenizer and (with `engine_piece`) decode parity findings for an open GGUFFile."""
-    from ..errors import GGUFError, LLMDoctorError
-    from ..reference.tokenizer import Tokenizer
+    from ...errors import GGUFError, LLMDoctorError
+    from ...reference.tokenizer import Tokenizer
 
     tok, out = None, []
     if g.fields.get(_K.LIST) is not None:

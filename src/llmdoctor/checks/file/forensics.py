@@ -45,8 +45,8 @@ from gguf import GGMLQuantizationType as QT
 from gguf.constants import QK_K
 from gguf.quants import Q4_K
 
-from ..native import load_extension
-from .base import Finding
+from ...native import load_extension
+from ..base import Finding
 
 CHECK = "forensics"
 
@@ -478,7 +478,7 @@ _NATIVE_ABI = 4  # llmd_fx_abi() of the C code this module calls
 
 def _load_native() -> ctypes.CDLL | None:
     """The C passes (built by setup.py as an optional extension), or None: then the torch passes."""
-    lib, _ = load_extension("llmdoctor.checks._forensics_native", "llmd_fx_abi", _NATIVE_ABI)
+    lib, _ = load_extension("llmdoctor.checks.file._forensics_native", "llmd_fx_abi", _NATIVE_ABI)
     if lib is None:
         return None
     lib.llmd_fx_scan.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
@@ -506,7 +506,7 @@ def native_decoding(qtype: QT | int) -> tuple[int, int] | None:
     the native libraries (forensics', dequantization's) do not both have it."""
     if _NATIVE is None:
         return None
-    from ..gguf import dequant_native
+    from ...gguf import dequant_native
 
     return dequant_native.kernel_address(qtype)
 
@@ -774,7 +774,7 @@ CHUNK_VALUES = 1 << 20  # values per chunk (verify's chunk): two float32 scratch
 def tensor_stats(t: Any, values: torch.Tensor | None = None) -> TensorStats:
     """Statistics of a whole tensor (a reader TensorInfo), chunk by chunk; `values` when already
     dequantized (float32, any shape, block order)."""
-    from ..gguf import dequantize
+    from ...gguf import dequantize
 
     acc = Accumulator(t.name, t.type)
     bs, ts = t.block_size, t.type_size
@@ -961,7 +961,7 @@ def _imatrix_recorded(file: str | Path) -> bool:
     """Whether the file's metadata says an importance matrix was used (False where there is no file)."""
     if not file or not Path(file).is_file():
         return False
-    from ..gguf import open_gguf
+    from ...gguf import open_gguf
 
     with open_gguf(file) as g:
         return any(k.startswith(IMATRIX_KEYS) for k in g.fields)
@@ -1076,7 +1076,7 @@ HYPOTHESIS = "every tensor's block scales and weights look like its role sibling
 def analyze(path: str | Path, weights: Any = None) -> tuple[list[Finding], list[TensorStats]]:
     """Every tensor of the file: statistics and findings. `weights`: an optional cache with
     has(name) / get(name) of already dequantized tensors (the reference's), reused."""
-    from ..gguf import open_gguf
+    from ...gguf import open_gguf
 
     with open_gguf(path) as g:
         stats = [tensor_stats(t, weights.get(t.name) if weights is not None and weights.has(t.name) else None)

@@ -1,0 +1,1 @@
+"""Checks of a live OpenAI-compatible endpoint, black-box (probes)."""

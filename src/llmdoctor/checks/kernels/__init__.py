@@ -1,0 +1,1 @@
+"""Checks of single kernels against the reference: dequantization and attention."""
