@@ -171,7 +171,7 @@ def bench(sweep: bool, log: list) -> list[dict]:
     dev = torch.device("cuda")
     src = torch.randn(OUT_ELEMS, device=dev)
     dst = torch.empty_like(src)
-    t_copy = triton.testing.do_bench(lambda: dst.copy_(src), warmup=50, rep=300, return_mode="median")
+    t_copy = triton.testing.do_bench(lambda: dst.copy_(src), warmup=50, rep=300, return_mode="median")  # noqa: F821 (before the del)
     copy_gbs = 2 * src.numel() * 4 / (t_copy * 1e-3) / 1e9
     log.append(f"copy: {t_copy * 1e3:.1f} us for 2 x 1 GiB -> {copy_gbs:.0f} GB/s (read + write)")
     t_fill = triton.testing.do_bench(lambda: dst.fill_(1.0), warmup=50, rep=300, return_mode="median")
@@ -196,7 +196,7 @@ def bench(sweep: bool, log: list) -> list[dict]:
         results = []
         ref_bits = None
         for bb, w in configs:
-            fn = lambda: dequant_cuda.launch(blocks, q, bb=bb, num_warps=w, out=o)  # noqa: E731
+            fn = lambda: dequant_cuda.launch(blocks, q, bb=bb, num_warps=w, out=o)  # noqa: E731, F821 (before the del)
             fn()
             torch.cuda.synchronize()
             bits = o.view(torch.int32)

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from rerun import cpu_load, first_difference, run_json, stable  # noqa: E402  (shared with the tests)
+from rerun import cpu_load, first_difference, run_json, stable  # shared with the tests
 
 @dataclass
 class Outcome:

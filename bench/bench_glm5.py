@@ -36,11 +36,11 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as QT, MODEL_TENSOR
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-import fixtures_mla  # noqa: E402  (the converter's metadata for a glm-dsa config)
-from kquant_blocks import q4_k_blocks, q6_k_blocks  # noqa: E402  (blocks as llama.cpp's quantizer writes them)
+import fixtures_mla  # the converter's metadata for a glm-dsa config
+from kquant_blocks import q4_k_blocks, q6_k_blocks  # blocks as llama.cpp's quantizer writes them
 
-from llmdoctor.reference.device_cache import human  # noqa: E402
-from llmdoctor.reference.forward import tensor_name  # noqa: E402
+from llmdoctor.reference.device_cache import human
+from llmdoctor.reference.forward import tensor_name
 
 # GLM-5 (transformers GlmMoeDsaConfig defaults, zai-org/GLM-5), layers and routed experts reduced.
 GLM5 = dict(vocab_size=154880, hidden_size=6144, intermediate_size=12288, moe_intermediate_size=2048,

@@ -164,8 +164,8 @@ def agree(gb: float, devices: list[str]) -> dict:
         bad = faults.get("scale-inf").build(src, Path(d), tensor="blk.0.t2.weight", block=3)
         runs = {dev: V.run(bad, device=dev, write_manifest=True) for dev in devices
                 if dev != "cuda" or torch.cuda.is_available()}
-    key = lambda r: [(t.name, t.values, t.non_finite, t.first_bad_block, t.first_bad_offset, t.sha256)
-                     for t in r.tensors]  # noqa: E731
+    key = lambda r: [(t.name, t.values, t.non_finite, t.first_bad_block, t.first_bad_offset, t.sha256)  # noqa: E731
+                     for t in r.tensors]
     status = lambda r: [(f.check, f.target, f.status) for f in r.findings]  # noqa: E731
     first = next(iter(runs.values()))
     out = {"devices": list(runs), "bad_tensors": [t.name for t in first.tensors if t.non_finite],
@@ -199,7 +199,8 @@ def summary(result: dict) -> str:
                 rows.append(f"| {r['run']} | {r['cache']} | {mode} | {r['read']} | {r['dd']} | {v['error'][:80]} | | | |")
                 continue
             rows.append(f"| {r['run']} | {r['cache']} | {mode} | {r['read']} | {r['dd']} | {v['GB/s']} ({v['wall_GB/s']}) "
-                        f"| **{v['ratio']}** ({v['wall_ratio']}) | {v['max_rss_GB']} | {v['pass_cpu_s_per_GB']} ({v['cpu_s_per_GB']}) |")
+                        f"| **{v['ratio']}** ({v['wall_ratio']}) | {v['max_rss_GB']} "
+                        f"| {v['pass_cpu_s_per_GB']} ({v['cpu_s_per_GB']}) |")
     head = f"agreement of the devices on a planted file: {json.dumps(result['agree'])}\n\n" if "agree" in result else ""
     return head + f"file {result['file']} ({result['bytes'] / 1e9:.1f} GB), {result['cpus']} CPUs, evicted by " \
            f"{result.get('evicted_by')}, load average before {result['load_average_before']}\n\n" + "\n".join(rows) + "\n"

@@ -10,7 +10,8 @@ afterwards unless --keep. For each N, with the file's pages evicted before each 
           per file) with 16 MiB preads: the aggregate rate the disk gives N sequential readers
   verify  checks.file.verify_ranks.run(path, N, device): the command's own path, process start included
 Printed: one JSON object with, per N, both rates, verify / read, and the scaling efficiency
-(rate_N / (N * rate_1), rate_1 the per-rank rate of the first N in --ranks). Results go to bench/RESULTS.md by hand, with the machine.
+(rate_N / (N * rate_1), rate_1 the per-rank rate of the first N in --ranks). Results go to bench/RESULTS.md by hand,
+with the machine.
 """
 
 from __future__ import annotations
@@ -25,10 +26,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_verify import evict, write_synthetic  # noqa: E402
+from bench_verify import evict, write_synthetic
 
-from llmdoctor.checks.file import verify_ranks  # noqa: E402
-from llmdoctor.gguf import open_gguf  # noqa: E402
+from llmdoctor.checks.file import verify_ranks
+from llmdoctor.gguf import open_gguf
 
 READ_BUFFER = 16 << 20
 

@@ -26,8 +26,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-from gguf_builders import exercise, seed_files  # noqa: E402
-from split_builders import copy_model  # noqa: E402
+from gguf_builders import exercise, seed_files
+from split_builders import copy_model
 
 _U64 = [0, 1, 2**31, 2**32 - 1, 2**40, 2**63, 2**64 - 1]
 

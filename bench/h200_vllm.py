@@ -91,7 +91,7 @@ def models(out: Path, demo: Path | None) -> dict[str, str]:
         got["demo"] = str(demo)
     try:  # last: the other rows do not wait on a transformers that lacks glm_moe_dsa
         got["glm"] = str(dsa_checkpoint(out / "glm"))
-    except Exception as e:  # noqa: BLE001 - recorded; the dsa lane then fails naming it
+    except Exception as e:  # recorded; the dsa lane then fails naming it
         got["glm"] = f"not built: {type(e).__name__}: {e}"
     (out / "models.json").write_text(json.dumps(got, indent=1))
     print(json.dumps(got), f"({time.perf_counter() - t0:.0f} s)")
@@ -122,7 +122,7 @@ def faults(python: str, out: Path, work: Path) -> list[dict]:
             try:
                 res = dg.run(dg.Inputs(hf=src, engine="vllm", engine_hf=bad, engine_python=python, engine_dtype=dtype,
                                        token_ids=TOKENS))
-            except Exception as e:  # noqa: BLE001 - recorded, the next row still runs
+            except Exception as e:  # recorded, the next row still runs
                 rows_out.append({"model": kind, "dtype": dtype, "error": f"{type(e).__name__}: {e}"})
                 print(json.dumps(rows_out[-1]), flush=True)
                 continue

@@ -45,7 +45,7 @@ def _margin(c) -> float:
 def batch_noise(ep: Endpoint, k: int, repeats: int, concurrency: int) -> None:
     reqs = batch_requests(concurrency)
     alone = [ep.complete(p, max_tokens=n, logprobs=k) for p, n in reqs]
-    for i, (c, (p, n)) in enumerate(zip(alone, reqs)):
+    for i, (c, (p, _)) in enumerate(zip(alone, reqs)):
         print(f"batch request {i + 1}: {p[-20:]!r} -> {c.text!r}, smallest top-1 margin {_margin(c):.2f} nats")
     worst_kl = worst_d = 0.0
     differ = 0
@@ -102,7 +102,7 @@ def main() -> None:
         anchor = greedy()
         runs = []
         t0 = time.perf_counter()
-        for i in range(repeats):
+        for _ in range(repeats):
             ep.complete("Hello", max_tokens=1)  # cold: the cache holds something else
             runs.append(("cold", greedy()))
             runs.append(("warm", greedy()))  # warm: the same prompt is cached

@@ -23,7 +23,7 @@ def main() -> int:
     a = ap.parse_args()
     rows = []
     for n in [int(x) for x in a.workers.split(",")]:
-        V._workers = lambda n=n: n  # noqa: E731  (the pass's worker count; readers unchanged)
+        V._workers = lambda n=n: n  # the pass's worker count; readers unchanged
         c0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
         r = V.run(a.file, write_manifest=a.manifest)
         wall = time.perf_counter() - t0

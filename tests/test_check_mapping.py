@@ -205,7 +205,8 @@ def test_many_to_one_collision():
     p = layout.plan("llama", ["model.embed_tokens.weight", "transformer.wte.weight"], {"num_hidden_layers": 1,
                                                                                        "num_attention_heads": 1})
     [f] = mapping._collisions(p)
-    assert f.status == "fail" and f.explanation == "model.embed_tokens.weight and transformer.wte.weight all map onto token_embd.weight"
+    assert f.status == "fail"
+    assert f.explanation == "model.embed_tokens.weight and transformer.wte.weight all map onto token_embd.weight"
 
 
 def test_gguf_tensor_without_hf_parameter(mla, tmp_path):
@@ -278,7 +279,8 @@ def test_glm_nextn_block(mla, tmp_path):
     save_file(mtp, str(d / "mtp.safetensors"))
     res = mapping.run(path, d / "config.json")
     assert failed(res) == []
-    assert "blk.3.nextn.eh_proj.weight" in [e.get("derived") for e in next(f for f in res.findings if f.target == "names").evidence]
+    names = next(f for f in res.findings if f.target == "names")
+    assert "blk.3.nextn.eh_proj.weight" in [e.get("derived") for e in names.evidence]
     res = mapping.run(path, d)
     assert failed(res) == [] and "numeric/blk.3.nextn.eh_proj.weight" in {f.target for f in res.findings}
     assert failed(mapping.run(path)) == []

@@ -20,7 +20,6 @@ transformers is run with our selection so the logits compare on the same sparse 
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import pytest
 import torch

@@ -21,7 +21,7 @@ from llmdoctor.reference import tensor_parallel as tp
 from llmdoctor.reference.config import from_gguf
 
 sys.path.insert(0, str(Path(__file__).parent))
-import fixtures_mla as fx  # noqa: E402
+import fixtures_mla as fx
 
 
 @pytest.fixture(scope="module")

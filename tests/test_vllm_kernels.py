@@ -148,7 +148,7 @@ def test_an_mla_kernel_on_the_cpu_is_a_load_skip_with_the_reason():
 def _vllm_here() -> None:
     try:
         import vllm  # noqa: F401
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
         pytest.skip(f"skipped: vLLM is not importable beside llmdoctor ({type(e).__name__}: {e})")
 
 

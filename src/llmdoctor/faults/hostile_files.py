@@ -34,14 +34,16 @@ def kv_str(key: str, value: str) -> bytes:
 
 def tinfo(name: str | bytes, ne: tuple[int, ...], ttype: int, offset: int, n_dims: int | None = None) -> bytes:
     nd = len(ne) if n_dims is None else n_dims
-    return s(name) + struct.pack("<I", nd) + b"".join(struct.pack("<Q", d & (2**64 - 1)) for d in ne) + struct.pack("<IQ", ttype, offset)
+    dims = b"".join(struct.pack("<Q", d & (2**64 - 1)) for d in ne)
+    return s(name) + struct.pack("<I", nd) + dims + struct.pack("<IQ", ttype, offset)
 
 
 def header(n_tensors: int, n_kv: int, version: int = 3) -> bytes:
     return b"GGUF" + struct.pack("<IQQ", version, n_tensors, n_kv)
 
 
-def gguf_file(kvs: list[bytes], infos: list[bytes], data: bytes = b"", n_tensors: int | None = None, n_kv: int | None = None) -> bytes:
+def gguf_file(kvs: list[bytes], infos: list[bytes], data: bytes = b"",
+              n_tensors: int | None = None, n_kv: int | None = None) -> bytes:
     """Header + KVs + tensor infos, padded to the default alignment, then `data`."""
     head = header(len(infos) if n_tensors is None else n_tensors, len(kvs) if n_kv is None else n_kv)
     body = head + b"".join(kvs) + b"".join(infos)

@@ -32,13 +32,16 @@ def _fmt(v: Any) -> str:
     return _e(v)
 
 
+def _metrics_note(f: dict) -> str:
+    shown = list((f.get("metrics") or {}).items())[:6]
+    return "<br><span class=small>" + ", ".join(f"{_e(k)}={_fmt(v)}" for k, v in shown) + "</span>" if shown else ""
+
+
 def _findings_table(fs: list[dict]) -> str:
     rows = "".join(
         f"<tr><td class='{f['status']}'>{_e(f['status'])}</td><td><code>{_e(f['check'])}</code></td>"
         f"<td>{_e(f['subject'])}</td><td>{_e(f['target'])}</td>"
-        f"<td>{_e(f.get('explanation') or f.get('reason') or '')}"
-        f"{'<br><span class=small>' + ', '.join(f'{_e(k)}={_fmt(v)}' for k, v in list(f.get('metrics', {}).items())[:6]) + '</span>' if f.get('metrics') else ''}"
-        f"</td></tr>"
+        f"<td>{_e(f.get('explanation') or f.get('reason') or '')}{_metrics_note(f)}</td></tr>"
         for f in fs)
     return f"<table><tr><th></th><th>check</th><th>subject</th><th>target</th><th>evidence</th></tr>{rows}</table>"
 

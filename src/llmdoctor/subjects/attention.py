@@ -211,7 +211,7 @@ def _flex(device: str) -> dict[str, Callable]:
         try:
             o, extra = flex(padded(q, pq), padded(k, pk), padded(v, pk), score_mod=score_mod, block_mask=block,
                             scale=scale, enable_gqa=k.shape[1] != q.shape[1], **kw)
-        except Exception as e:  # noqa: BLE001 - compile errors come wrapped in several classes
+        except Exception as e:  # compile errors come wrapped in several classes
             if not any(m in str(e) for m in _CANNOT_RUN):
                 raise
             raise Unsupported(f"flex cannot compile q {tuple(q.shape)} v {tuple(v.shape)}: "

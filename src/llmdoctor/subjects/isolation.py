@@ -83,7 +83,7 @@ def _child(fd: int) -> None:
         bulk = None
     try:
         handler = _resolve(factory)(*args)
-    except BaseException as e:  # noqa: BLE001 - every load failure is reported to the parent
+    except BaseException as e:  # every load failure is reported to the parent
         conn.send({"ok": False, "kind": type(e).__name__, "message": str(e) or type(e).__name__})
         return
     conn.send({"ok": True, "bulk": bulk is not None})
@@ -102,7 +102,7 @@ def _child(fd: int) -> None:
         t0 = time.perf_counter()
         try:
             reply, data = handler(header, payload)
-        except BaseException as e:  # noqa: BLE001 - a raising subject is a result, not a crash
+        except BaseException as e:  # a raising subject is a result, not a crash
             tb = traceback.extract_tb(e.__traceback__)
             where = f" at {os.path.basename(tb[-1].filename)}:{tb[-1].lineno}" if tb else ""
             reply, data = {"status": "raised", "message": f"{type(e).__name__}: {e}{where}"}, b""

@@ -414,10 +414,10 @@ class Prober:
 
     def batch(self) -> None:
         """`concurrency` ragged requests (batch_requests) each alone first (the knowledge probes'
-        answers where they are the same request), then all in flight together, each started 50 ms after the one before (so each joins a batch already running and
-        the numbering is the arrival order). Every batched answer is judged against its own request
-        run alone (compare_completions); one that differs is matched against the other requests'
-        answers alone, so that a completion handed to the wrong request is named as such."""
+        answers where they are the same request), then all in flight together, each started 50 ms after the one
+        before (so each joins a batch already running and the numbering is the arrival order). Every batched answer
+        is judged against its own request run alone (compare_completions); one that differs is matched against the
+        other requests' answers alone, so that a completion handed to the wrong request is named as such."""
         reqs = batch_requests(self.concurrency)
         alone: list[Completion] = []
         for i, (prompt, n) in enumerate(reqs):

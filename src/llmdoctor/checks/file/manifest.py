@@ -25,7 +25,6 @@ from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
-from gguf import GGUFValueType
 
 from ...errors import InputError
 from ...gguf.reader import GGUFFile, MetadataField, StringArray, TensorInfo

@@ -6,8 +6,8 @@ Rank r runs verify's own pass (checks/file/verify.py `run`, restricted to its sh
 argument) on GPU r (NCCL) or as one CPU process (gloo); its `combine` hook gathers every rank's
 per-tensor reports (with their sha256, where a manifest is asked for) and forensic statistics on rank
 0, which then builds the report one device would have built: per-tensor findings in file order, the
-forensics' sibling comparison over all tensors, the manifest comparison and document. The processes are started by llmdoctor itself (reference/tensor_parallel.launch:
-torch.multiprocessing spawn; NCCL with NVLink multicast off).
+forensics' sibling comparison over all tensors, the manifest comparison and document. The processes are started
+by llmdoctor itself (reference/tensor_parallel.launch: torch.multiprocessing spawn; NCCL with NVLink multicast off).
 """
 
 from __future__ import annotations

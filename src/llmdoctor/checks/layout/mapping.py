@@ -277,7 +277,8 @@ def _types(gg: dict[str, Any], consumer: str | None = None) -> list[Finding]:
             out.append(_finding(f"type/{name}", "fail",
                                 f"{name} is {t.type.name}: engines load the DSA indexer's weights unquantized (the "
                                 "seed's vLLM loader raised KeyError on them). Fix: dequantize it to F16/F32 at load, "
-                                "or keep indexer tensors F16/F32 when quantizing", evidence=[{"gguf": name, "type": t.type.name}]))
+                                "or keep indexer tensors F16/F32 when quantizing",
+                                evidence=[{"gguf": name, "type": t.type.name}]))
         elif len(t.ne) == 1 or (len(t.ne) > 1 and all(d == 1 for d in t.ne[1:])):
             out.append(_finding(f"type/{name}", "fail",
                                 f"{name} is a 1-D tensor stored {t.type.name}: norms and biases are consumed as F32 "

@@ -88,7 +88,8 @@ class Deployment:
 
     @property
     def is_gguf(self) -> bool:
-        return self.model is not None and not self.model.is_dir()  # a GGUF is a file (a split set: its first shard), a checkpoint a folder
+        # a GGUF is a file (a split set: its first shard), a checkpoint a folder
+        return self.model is not None and not self.model.is_dir()
 
 
 @dataclass(frozen=True)

@@ -277,9 +277,9 @@ def arithmetic(runner) -> dict:
             if not out["gguf_plugin"]["cuda_ops_built"]:  # why its CUDA extension did not load
                 try:
                     import vllm_gguf_plugin._C_gguf  # noqa: F401
-                except Exception as e:  # noqa: BLE001
+                except Exception as e:
                     out["gguf_plugin"]["cuda_ops_error"] = f"{type(e).__name__}: {e}"[:500]
-        except Exception as e:  # noqa: BLE001 - reported, not fatal: the budget then says it cannot tell
+        except Exception as e:  # reported, not fatal: the budget then says it cannot tell
             out["gguf_plugin"] = {"error": f"{type(e).__name__}: {e}"}
     out["triton"] = _triton_f32_default()
     return out
@@ -290,7 +290,7 @@ def _triton_f32_default() -> dict:
     (its knob) or the NVIDIA backend's `default_dot_input_precision`."""
     try:
         import triton
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
         return {"error": f"{type(e).__name__}: {e}"}
     out = {"version": str(getattr(triton, "__version__", "?")),
            "TRITON_F32_DEFAULT": os.environ.get("TRITON_F32_DEFAULT")}
@@ -298,13 +298,13 @@ def _triton_f32_default() -> dict:
         from triton import knobs
 
         out["knob"] = knobs.language.fp32_default
-    except Exception:  # noqa: BLE001 - an older Triton reads the environment variable itself
+    except Exception:  # an older Triton reads the environment variable itself
         out["knob"] = None
     try:
         from triton.backends.nvidia.compiler import CUDAOptions
 
         out["nvidia_default"] = CUDAOptions.default_dot_input_precision
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
         out["nvidia_default"] = None
         out["nvidia_error"] = f"{type(e).__name__}: {e}"
     out["f32_dot"] = out["knob"] or out["TRITON_F32_DEFAULT"] or out["nvidia_default"]
@@ -452,7 +452,7 @@ def _selection(vllm_config, head_size: int, dtype, *, use_mla: bool, use_sparse:
     with set_current_vllm_config(vllm_config):
         try:
             decode = get_attn_backend(head_size, dtype, cache_dtype, use_mla=use_mla, use_sparse=use_sparse).get_name()
-        except Exception as e:  # noqa: BLE001 - vLLM's refusal is the answer
+        except Exception as e:  # vLLM's refusal is the answer
             return {"decode": None, "prefill": None, "error": f"{type(e).__name__}: {e}"}
         prefill = decode
         if use_mla:
@@ -463,7 +463,7 @@ def _selection(vllm_config, head_size: int, dtype, *, use_mla: bool, use_sparse:
                                   "get_mla_prefill_backend") from None
             try:  # the config itself, never None: vLLM 0.24 reads its attention_config unconditionally
                 prefill = get_mla_prefill_backend(vllm_config).__name__
-            except Exception as e:  # noqa: BLE001 - vLLM's refusal is the answer
+            except Exception as e:  # vLLM's refusal is the answer
                 return {"decode": decode, "prefill": None, "error": f"prefill: {type(e).__name__}: {e}"}
     return {"decode": decode, "prefill": prefill}
 
@@ -514,7 +514,7 @@ def explain_config(vllm_config) -> dict:
             vllm_config.attention_config, backend=member))
         try:
             got = selection(cfg)
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             got = {"error": f"{type(e).__name__}: {e}"}
         if got != chosen:
             knobs[member.name] = got
@@ -714,7 +714,7 @@ def cmd_tokenize(req: dict) -> dict:
             _, prompt = renderer.render_messages(conv, ChatParams(chat_template_kwargs={**served, "tokenize": False}))
             _, engine_prompts = renderer.render_chat([conv], ChatParams(chat_template_kwargs=served))
             chats.append({"text": prompt.get("prompt"), "ids": [int(t) for t in engine_prompts[0]["prompt_token_ids"]]})
-        except Exception as e:  # noqa: BLE001 - vLLM's refusal (no chat template) is the answer, quoted
+        except Exception as e:  # vLLM's refusal (no chat template) is the answer, quoted
             chats.append({"error": f"{type(e).__name__}: {str(e).strip()[:500]}"})
     tok = renderer.get_tokenizer()
     return {"texts": texts, "chats": chats,
@@ -767,7 +767,7 @@ def handle(request: Path) -> int:
     except ShapeUnsupported as e:
         (out / "error.json").write_text(json.dumps({"kind": "shape", "message": str(e)}))
         return 3
-    except Exception as e:  # noqa: BLE001 - vLLM's own error, quoted by the parent
+    except Exception as e:  # vLLM's own error, quoted by the parent
         (out / "error.json").write_text(json.dumps({"kind": type(e).__name__, "message": str(e).strip()[:2000],
                                                     "traceback": traceback.format_exc()[-4000:]}))
         return 3
