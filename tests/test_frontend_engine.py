@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from llmdoctor.checks.frontend.audit import engine as fe
+from llmdoctor.checks.frontend import engine as fe
 from llmdoctor.faults import frontend as ff
 from llmdoctor.faults import get
 from llmdoctor.subjects.engines import create

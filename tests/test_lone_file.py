@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 from llmdoctor import diagnose as dg
 from llmdoctor.diagnose import hypotheses
 from llmdoctor import faults
-from llmdoctor.checks.frontend.audit import audit as frontend
+from llmdoctor.checks.frontend import audit as frontend
 from llmdoctor.checks.file import plausibility
 from llmdoctor.cli import app
 from llmdoctor.faults.mapping import _rewrite
