@@ -159,6 +159,7 @@ def every_type_file(path: Path) -> Path:
     float16 scale fields (d, dmin, m) forced to finite values (check dequant's all-types file; on the H200
     bench/h200_vllm.sh runs vLLM's GGUF dequant on it)."""
     from llmdoctor.checks.layout import layout_bugs
+    from llmdoctor.gguf.block_layout import BLOCKS
 
     T = layout_bugs.T
     rng = np.random.default_rng(0)
@@ -173,11 +174,9 @@ def every_type_file(path: Path) -> Path:
                 w.add_tensor(f"t.{q.name}", values if q == T.F32 else values.astype(np.float16))
             continue
         b = rng.integers(0, 256, (64, ts), dtype=np.uint8)
-        scales = {**layout_bugs.FIELDS.get(q, {}), **({"d": (ts - 2, ts)} if q in (T.TQ1_0, T.TQ2_0) else {})}
-        for name in ("d", "dmin", "m"):
-            if name in scales:
-                a = scales[name][0]
-                b[:, a:a + 2] = np.frombuffer(rng.uniform(-1, 1, 64).astype(np.float16).tobytes(), np.uint8).reshape(64, 2)
+        for f in BLOCKS[q].fields:
+            if f.encoding == "f16":
+                b[:, f.offset:f.end] = np.frombuffer(rng.uniform(-1, 1, 64).astype(np.float16).tobytes(), np.uint8).reshape(64, 2)
         w.add_tensor(f"t.{q.name}", b.reshape(4, -1), raw_dtype=q)
     w.write_header_to_file()
     w.write_kv_data_to_file()

@@ -15,6 +15,7 @@ from typer.testing import CliRunner
 from llmdoctor import faults
 from llmdoctor.checks.kernels import dequant
 from llmdoctor.checks.layout import layout_bugs
+from llmdoctor.gguf.block_layout import BLOCKS
 from llmdoctor.cli import app
 from llmdoctor.demo import model_path
 from llmdoctor.errors import InputError
@@ -265,9 +266,9 @@ def test_block_candidates_change_the_output_and_are_told_apart(tname):
     rng = np.random.default_rng(1)
     b = rng.integers(0, 256, (64, ts), dtype=np.uint8)
     for name in ("d", "dmin", "m"):
-        if name in layout_bugs.FIELDS[q]:
-            a, _ = layout_bugs.FIELDS[q][name]
-            b[:, a:a + 2] = np.frombuffer(rng.uniform(0.01, 1, 64).astype(np.float16).tobytes(), np.uint8).reshape(64, 2)
+        f = BLOCKS[q].get(name)
+        if f is not None:
+            b[:, f.offset:f.end] = np.frombuffer(rng.uniform(0.01, 1, 64).astype(np.float16).tobytes(), np.uint8).reshape(64, 2)
     t = layout_bugs.Tensor(q, (8, 8 * bs), b.reshape(-1))
     idx = np.arange(64)
     ref = layout_bugs.reference(q, b)
@@ -281,11 +282,6 @@ def test_block_candidates_change_the_output_and_are_told_apart(tname):
         assert found is c, (c.name, found and found.name)
         named.add(c.name)
     assert named == BYTE_CANDIDATES_BY_TYPE[tname]
-
-
-def test_k4_scale_packing_round_trips():
-    s = np.random.default_rng(0).integers(0, 256, (100, 12), dtype=np.uint8)
-    assert np.array_equal(layout_bugs._pack_k4_scales(*layout_bugs._unpack_k4_scales(s)), s)
 
 
 # ----------------------------------------------------------------------------- isolation

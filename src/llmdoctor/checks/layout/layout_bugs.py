@@ -13,8 +13,7 @@ are of three kinds:
 - index maps: the output is the reference with elements moved (transposed, rows shifted or wrapped)
   or with the last block left unwritten.
 
-Block layouts follow the block structs of ggml-common.h as decoded by gguf-py's quants.py; the byte
-ranges below are those structs' field offsets.
+Block layouts (where each type keeps d, dmin, the sub-block scales, qs, ...) are gguf/block_layout.py's.
 """
 
 from __future__ import annotations
@@ -26,22 +25,8 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 from gguf import quants
 
-# Field byte ranges [start, end) inside one block, per type (ggml-common.h struct order).
-FIELDS: dict[T, dict[str, tuple[int, int]]] = {
-    T.Q4_0: {"d": (0, 2), "qs": (2, 18)},
-    T.Q4_1: {"d": (0, 2), "m": (2, 4), "qs": (4, 20)},
-    T.Q5_0: {"d": (0, 2), "qh": (2, 6), "qs": (6, 22)},
-    T.Q5_1: {"d": (0, 2), "m": (2, 4), "qh": (4, 8), "qs": (8, 24)},
-    T.Q8_0: {"d": (0, 2), "qs": (2, 34)},
-    T.Q2_K: {"scales": (0, 16), "qs": (16, 80), "d": (80, 82), "dmin": (82, 84)},
-    T.Q3_K: {"hmask": (0, 32), "qs": (32, 96), "scales": (96, 108), "d": (108, 110)},
-    T.Q4_K: {"d": (0, 2), "dmin": (2, 4), "scales": (4, 16), "qs": (16, 144)},
-    T.Q5_K: {"d": (0, 2), "dmin": (2, 4), "scales": (4, 16), "qh": (16, 48), "qs": (48, 176)},
-    T.Q6_K: {"ql": (0, 128), "qh": (128, 192), "scales": (192, 208), "d": (208, 210)},
-    T.IQ4_NL: {"d": (0, 2), "qs": (2, 18)},
-    T.IQ4_XS: {"d": (0, 2), "scales_h": (2, 4), "scales_l": (4, 8), "qs": (8, 136)},
-    **{t: {"d": (0, 2)} for t in (T.IQ2_XXS, T.IQ2_XS, T.IQ2_S, T.IQ3_XXS, T.IQ3_S, T.IQ1_S, T.IQ1_M)},
-}
+from ...gguf.block_layout import BLOCKS, pack_k4_scales, subblock_codes
+
 # The fields holding quants (zeroing them leaves only the min term m of y = d·q + m).
 QUANT_FIELDS = ("qs", "qh", "ql", "hmask")
 # Types whose dequantized value is d·q + m with a nonzero per-block/sub-block m.
@@ -68,9 +53,9 @@ def min_part(qtype: int, blocks: np.ndarray) -> Optional[np.ndarray]:
         return None
     z = np.array(blocks, copy=True)
     for name in QUANT_FIELDS:
-        if name in FIELDS[qtype]:
-            a, b = FIELDS[qtype][name]
-            z[:, a:b] = 0
+        f = BLOCKS[qtype].get(name)
+        if f is not None:
+            z[:, f.offset:f.end] = 0
     return reference(qtype, z)
 
 
@@ -122,7 +107,10 @@ class Candidate:
 # ----------------------------------------------------------------------------- byte transforms
 
 def _field(qtype: T, name: str) -> Optional[tuple[int, int]]:
-    return FIELDS.get(qtype, {}).get(name)
+    """[start, end) of the field `name` in `qtype`'s block, None where it has none."""
+    lay = BLOCKS.get(qtype)
+    f = lay.get(name) if lay is not None else None
+    return None if f is None else (f.offset, f.end)
 
 
 def _byte_candidate(name: str, detail: str, fn: Callable[[T, np.ndarray], bool]) -> Candidate:
@@ -144,7 +132,7 @@ _REVERSED_BITS = np.array([int(f"{i:08b}"[::-1], 2) for i in range(256)], np.uin
 def _swap_nibbles(qtype: T, b: np.ndarray) -> bool:
     if qtype not in _NIBBLE_FIELD:
         return False
-    a, e = FIELDS[qtype][_NIBBLE_FIELD[qtype]]
+    a, e = _field(qtype, _NIBBLE_FIELD[qtype])
     b[:, a:e] = (b[:, a:e] << 4) | (b[:, a:e] >> 4)
     return True
 
@@ -166,27 +154,11 @@ def _misplace_qh(qtype: T, b: np.ndarray) -> bool:
     return True
 
 
-def _unpack_k4_scales(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """6-bit scales and mins [k, 8] of Q4_K/Q5_K from their 12 packed bytes (get_scale_min_k4)."""
-    lo, mid, hi = s[:, 0:4], s[:, 4:8], s[:, 8:12]
-    sc = np.concatenate([lo & 0x3F, (hi & 0x0F) | ((lo >> 2) & 0x30)], axis=1)
-    mn = np.concatenate([mid & 0x3F, (hi >> 4) | ((mid >> 2) & 0x30)], axis=1)
-    return sc, mn
-
-
-def _pack_k4_scales(sc: np.ndarray, mn: np.ndarray) -> np.ndarray:
-    """Inverse of `_unpack_k4_scales`: [k, 8] + [k, 8] -> uint8 [k, 12]."""
-    lo = (sc[:, :4] & 0x3F) | ((sc[:, 4:] & 0x30) << 2)
-    mid = (mn[:, :4] & 0x3F) | ((mn[:, 4:] & 0x30) << 2)
-    hi = (sc[:, 4:] & 0x0F) | ((mn[:, 4:] & 0x0F) << 4)
-    return np.concatenate([lo, mid, hi], axis=1).astype(np.uint8)
-
-
 def _swap_scale_min(qtype: T, b: np.ndarray) -> bool:
     f = _field(qtype, "scales")
     if qtype in (T.Q4_K, T.Q5_K):
-        sc, mn = _unpack_k4_scales(b[:, f[0]:f[1]])
-        b[:, f[0]:f[1]] = _pack_k4_scales(mn, sc)
+        codes = subblock_codes(b, qtype)
+        b[:, f[0]:f[1]] = pack_k4_scales(codes["mins"], codes["scales"])
     elif qtype == T.Q2_K:  # low nibble scale, high nibble min
         s = b[:, f[0]:f[1]]
         b[:, f[0]:f[1]] = (s << 4) | (s >> 4)
@@ -198,8 +170,8 @@ def _swap_scale_min(qtype: T, b: np.ndarray) -> bool:
 def _reverse_subblock_scales(qtype: T, b: np.ndarray) -> bool:
     f = _field(qtype, "scales")
     if qtype in (T.Q4_K, T.Q5_K):
-        sc, mn = _unpack_k4_scales(b[:, f[0]:f[1]])
-        b[:, f[0]:f[1]] = _pack_k4_scales(sc[:, ::-1], mn[:, ::-1])
+        codes = subblock_codes(b, qtype)
+        b[:, f[0]:f[1]] = pack_k4_scales(codes["scales"][:, ::-1], codes["mins"][:, ::-1])
     elif qtype in (T.Q2_K, T.Q6_K):  # one byte per sub-block
         b[:, f[0]:f[1]] = b[:, f[0]:f[1]][:, ::-1]
     else:
@@ -208,16 +180,17 @@ def _reverse_subblock_scales(qtype: T, b: np.ndarray) -> bool:
 
 
 def _negate_d(qtype: T, b: np.ndarray) -> bool:
-    f = _field(qtype, "d")
-    if f is None:
+    lay = BLOCKS.get(qtype)
+    f = lay.get("d") if lay is not None else None
+    if f is None or f.encoding != "f16":
         return False
-    b[:, f[0] + 1] ^= 0x80  # sign bit of the little-endian float16
+    b[:, f.offset + 1] ^= 0x80  # sign bit of the little-endian float16
     return True
 
 
 def _swap_d_dmin(qtype: T, b: np.ndarray) -> bool:
     d = _field(qtype, "d")
-    m = _field(qtype, "dmin") or (_field(qtype, "m") if qtype in (T.Q4_1, T.Q5_1) else None)
+    m = _field(qtype, "dmin") or _field(qtype, "m")
     if d is None or m is None:
         return False
     b[:, d[0]:d[1]], b[:, m[0]:m[1]] = b[:, m[0]:m[1]].copy(), b[:, d[0]:d[1]].copy()
@@ -232,9 +205,11 @@ def _unsigned(t: Tensor, idx: np.ndarray) -> Optional[np.ndarray]:
         return None
     b = t.blocks(idx)
     ref = reference(t.qtype, b)
-    d = np.ascontiguousarray(b[:, 0:2]).view(np.float16).astype(np.float32)  # [k, 1]
+    lay = BLOCKS[t.qtype]
+    d = np.ascontiguousarray(b[:, lay["d"].offset:lay["d"].end]).view(np.float16).astype(np.float32)  # [k, 1]
     if t.qtype == T.Q8_0:
-        shift = np.where(b[:, 2:34].view(np.int8) < 0, np.float32(256), np.float32(0))
+        qs = lay["qs"]
+        shift = np.where(b[:, qs.offset:qs.end].view(np.int8) < 0, np.float32(256), np.float32(0))
     else:
         shift = np.float32(8 if t.qtype == T.Q4_0 else 16)
     return ref + shift * d
