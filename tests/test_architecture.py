@@ -242,7 +242,7 @@ def test_the_rules_can_fail(tmp_path):
         "reference/forward.py": "import llmdoctor.subjects.kernels\n",  # reference -> subjects
         "subjects/kernels.py": "from llmdoctor.gguf import split\n",
         "checks/base.py": "",
-        "checks/file/sharding.py": "def plan():\n    from ..faults import get\n",  # checks -> faults
+        "checks/file/sharding.py": "def plan():\n    from ...faults import get\n",  # checks -> faults
         "checks/metrics.py": "ENTRY = 'llmdoctor.report.html:render'\n",  # checks -> report, by name
         "report/html.py": "from ..checks import base, metrics\n",  # report -> checks.metrics
         "faults/__init__.py": "_MODULES = ('llmdoctor.faults.sharding',)\n",
