@@ -1,5 +1,6 @@
-"""Attention subjects: the kernel contracts of `llmdoctor check attention`, built-in adapters, and
-the handler that serves one subject in an isolated child (`subjects.isolation.Isolated`).
+"""Attention subjects: the kernel contracts of `llmdoctor check attention`, built-in adapters, the
+handler that serves one subject in an isolated child (`subjects.isolation.Isolated`) and its client
+(`IsolatedAttention`, what the check's caller hands it), and the engine's own backend selection.
 
 Contracts (issue 6; semantics, with their sources, in reference/attention_cases.py: causal =
 bottom-right, a row with no visible key gives 0 and an infinite lse, seq_lens include the current
@@ -27,10 +28,13 @@ import io
 import time
 import warnings
 import zlib
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 
+from ..errors import InputError
+from ..outcomes import AttentionReply
+from .isolation import Isolated
 from .kernels import KernelUnavailable, Unsupported, load as load_spec, validate_spec
 
 CONTRACTS: dict[str, tuple[str, ...]] = {
@@ -50,6 +54,21 @@ VLLM_MLA: dict[str, tuple[str, ...]] = {"vllm-flashmla": ("mla-decode", "mla-spa
 BUILTINS = (*SDPA_BACKENDS, "flex", "flash-attn", "flashinfer", "vllm", *VLLM_MLA)
 # a name that stands for several subjects (`--subjects vllm`: its dense kernel and its MLA kernels)
 GROUPS: dict[str, tuple[str, ...]] = {"vllm": ("vllm", *VLLM_MLA)}
+
+
+def builtin_subjects(names: str, contracts: Optional[set[str]] = None) -> list[tuple[str, Optional[str]]]:
+    """(name, None) per built-in of --subjects: all | a comma list of built-in names (a group name stands for
+    its members). With `contracts` (those a shape's cases call), a built-in whose contracts are fixed
+    (vLLM's MLA kernels) is left out where it offers none of them."""
+    if names == "all":
+        picked = list(BUILTINS)
+    else:
+        picked = []
+        for n in (n.strip() for n in names.split(",") if n.strip()):
+            if n not in BUILTINS:
+                raise InputError(f"--subjects {n!r}: expected all or some of {', '.join(BUILTINS)}")
+            picked += [m for m in GROUPS.get(n, (n,)) if m not in picked]
+    return [(n, None) for n in picked if contracts is None or n not in VLLM_MLA or contracts & set(VLLM_MLA[n])]
 
 
 # ----------------------------------------------------------------------------- shared adapter pieces
@@ -403,6 +422,64 @@ def serve(spec: str, device: str, contract: str | None) -> Callable:
                  "crc32": zlib.crc32(data)}, data)
 
     return handle
+
+
+class IsolatedAttention:
+    """The attention subject `spec` (under `contract`: a user kernel's; None: a built-in's own) served in an
+    isolated child (`serve`). Context manager; `start` raises LoadFailed when the child cannot load it."""
+
+    def __init__(self, spec: str, contract: Optional[str], *, device: str = "cpu", timeout: float = 300.0):
+        self._iso = Isolated("llmdoctor.subjects.attention:serve", (spec, device, contract), call_timeout=timeout)
+
+    def __enter__(self) -> "IsolatedAttention":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def start(self) -> None:
+        self._iso.start()
+
+    def close(self) -> None:
+        self._iso.close()
+
+    @property
+    def restarts(self) -> int:
+        """Fresh children started after a crash or hang."""
+        return self._iso.restarts
+
+    def call(self, contract: str, args: list[Any], kwargs: dict[str, Any], out_shape: tuple[int, ...],
+             lse_shape: tuple[int, ...]) -> AttentionReply:
+        """One contract call; tensors travel through the CPU and come back on the device of the first
+        tensor in `args`. The bytes are checked by crc32 both ways: a verdict needs intact bytes."""
+        dev = next(a.device for a in args if isinstance(a, torch.Tensor))
+        args = [a.cpu() if isinstance(a, torch.Tensor) else a for a in args]
+        payload = pack({"args": args, "kwargs": kwargs})
+        r = self._iso.call({"contract": contract, "out_shape": list(out_shape), "lse_shape": list(lse_shape),
+                            "crc32": zlib.crc32(payload)}, payload)
+        if r.status != "ok":
+            return AttentionReply(r.status, r.message, seconds=r.seconds)
+        if zlib.crc32(r.payload) != r.header.get("crc32"):
+            return AttentionReply("transport", "the reply's bytes arrived changed (crc32 differs)", seconds=r.seconds)
+        res = unpack(r.payload)
+        lse = None if res["lse"] is None else res["lse"].to(dev)
+        return AttentionReply("ok", out=res["out"].to(dev), lse=lse, seconds=r.header.get("seconds", r.seconds))
+
+
+def engine_backends(head_size: int, dtype: str, *, use_mla: bool, use_sparse: bool) -> dict[str, Any]:
+    """Which attention backends the engine that selects them at run time (vLLM) selects for this head size
+    (MLA: the latent cache row) and dtype: its own selection code, asked through the engine interface;
+    {"skipped": why} elsewhere."""
+    from .engines import engine_class, selectable
+    from .engines.base import Deployment, EngineError, EngineUnavailable
+
+    engine = next(engine_class(n) for n in selectable() if engine_class(n).traits.selects_backends)(Deployment())
+    try:
+        return engine.select_backend(head_size, dtype, use_mla=use_mla, use_sparse=use_sparse)
+    except EngineUnavailable as e:
+        return {"skipped": f"{engine.title} is not available: {e}"}
+    except EngineError as e:
+        return {"skipped": f"{engine.title}'s selection could not run: {e}"}
 
 
 def _violation(x: Any, shape: tuple[int, ...], what: str) -> str:

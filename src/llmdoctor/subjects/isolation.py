@@ -30,29 +30,10 @@ import sys
 import tempfile
 import time
 import traceback
-from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any, Optional
 
-
-@dataclass
-class Outcome:
-    """What happened to one call. status: ok | raised | crashed | timeout (the handler's own reply
-    header may carry a finer status, e.g. 'unsupported')."""
-
-    status: str
-    message: str = ""
-    header: dict[str, Any] = field(default_factory=dict)
-    payload: bytearray = field(default_factory=bytearray)
-    seconds: float = 0.0
-
-
-class LoadFailed(Exception):
-    """The child could not build its handler: `kind` is the exception's class name, `args[0]` its message."""
-
-    def __init__(self, kind: str, message: str):
-        super().__init__(message)
-        self.kind = kind
+from ..outcomes import LoadFailed, Outcome
 
 
 def _resolve(factory: str) -> Any:

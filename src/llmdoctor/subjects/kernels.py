@@ -1,4 +1,5 @@
-"""The one dequant-kernel loader: built-in kernels and `module:function` specs.
+"""The one dequant-kernel loader: built-in kernels and `module:function` specs, served in an isolated
+child (`serve`) through `IsolatedKernel` (what `check dequant`'s caller hands it, and op substitution's).
 
 Every kernel follows the contract of `llmdoctor check dequant` (issue 3):
     fn(raw: torch.Tensor, qtype: int, shape: tuple[int, ...]) -> torch.Tensor
@@ -20,6 +21,7 @@ from __future__ import annotations
 import ctypes
 import importlib
 import importlib.util
+import math
 import os
 import time
 from pathlib import Path
@@ -28,6 +30,8 @@ from typing import Any, Callable, Optional
 import torch
 
 from ..errors import InputError
+from ..outcomes import Outcome
+from .isolation import Isolated
 from .kernel_errors import KernelUnavailable, Unsupported
 
 Kernel = Callable[..., torch.Tensor]
@@ -218,6 +222,42 @@ def serve(spec: str, device: str, dtype: Optional[str]) -> Callable:
             torch.set_num_threads(threads)
 
     return handle
+
+
+class IsolatedKernel:
+    """The kernel `spec` served in an isolated child (`serve`), for `check dequant` and op substitution.
+    A malformed spec raises InputError at once (before any child starts). Context manager; `start` raises
+    LoadFailed when the child cannot build the kernel."""
+
+    def __init__(self, spec: str, *, device: str = "cpu", dtype: Optional[str] = None, timeout: float = 120.0):
+        validate_spec(spec)
+        self.spec = spec
+        self._iso = Isolated("llmdoctor.subjects.kernels:serve", (spec, device, dtype), call_timeout=timeout)
+
+    def __enter__(self) -> "IsolatedKernel":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def start(self) -> None:
+        self._iso.start()
+
+    def close(self) -> None:
+        self._iso.close()
+
+    @property
+    def restarts(self) -> int:
+        """Fresh children started after a crash or hang."""
+        return self._iso.restarts
+
+    def dequantize(self, raw: Any, qtype: int, shape: list[int], block_size: int,
+                   blocks: Optional[Any] = None) -> Outcome:
+        """One tensor's bytes (`raw`, a buffer) through the kernel; the reply holds the blocks at indices
+        `blocks` (None: all) as raw bytes of the output's dtype (`serve`)."""
+        n_blocks = len(blocks) if blocks is not None else math.prod(shape) // block_size
+        return self._iso.call({"qtype": qtype, "shape": shape, "block_size": block_size, "blocks": blocks}, raw,
+                              reply_hint=n_blocks * block_size * 4)  # float32-sized reply
 
 
 def _reply(out: torch.Tensor, blocks: Any, bs: int, seconds: float) -> tuple[dict, Any]:

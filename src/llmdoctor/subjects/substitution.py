@@ -2,7 +2,7 @@
 reproduces an engine's divergence. `KernelDequantizer` makes a dequant kernel spec (the one kernel
 loader, subjects/kernels.py) the reference's dequantizer; `PrefillAttention` makes an attention
 subject under the `prefill` contract (subjects/attention.py) the reference's attention. Both run
-isolated in a child process (subjects/isolation.py).
+isolated in a child process, through the clients `IsolatedKernel` and `IsolatedAttention`.
 """
 
 from __future__ import annotations
@@ -11,8 +11,9 @@ import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
+from .attention import IsolatedAttention
 from .engines.base import EngineError
-from .isolation import Isolated
+from .kernels import IsolatedKernel
 
 
 class KernelDequantizer:
@@ -20,23 +21,20 @@ class KernelDequantizer:
 
     def __init__(self, spec: str, *, device: str = "cpu", call_timeout: float = 300.0):
         self.spec = spec
-        self._iso = Isolated("llmdoctor.subjects.kernels:serve", (spec, device, None), call_timeout=call_timeout)
+        self._kernel = IsolatedKernel(spec, device=device, timeout=call_timeout)
 
     def __enter__(self) -> "KernelDequantizer":
-        self._iso.start()
+        self._kernel.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self._iso.close()
+        self._kernel.close()
 
     def __call__(self, raw: np.ndarray, qtype: int, shape: tuple[int, ...], *,
                  device: str | torch.device = "cpu") -> torch.Tensor:
         q = GGMLQuantizationType(int(qtype))
-        block = GGML_QUANT_SIZES[q][0]
-        n = int(np.prod(shape))
         payload = np.ascontiguousarray(raw, dtype=np.uint8).reshape(-1)  # a private copy for the child
-        out = self._iso.call({"qtype": int(q), "shape": list(shape), "block_size": block, "blocks": None},
-                             payload.copy(), reply_hint=n * 8)
+        out = self._kernel.dequantize(payload.copy(), int(q), list(shape), GGML_QUANT_SIZES[q][0])
         if out.status != "ok":
             raise EngineError(f"kernel {self.spec!r} on a {q.name} tensor {tuple(shape)}: {out.status}: {out.message}")
         dtype = getattr(torch, out.header["dtype"])
@@ -50,20 +48,17 @@ class PrefillAttention:
 
     def __init__(self, spec: str, *, device: str = "cpu", call_timeout: float = 300.0):
         self.spec = spec
-        self._iso = Isolated("llmdoctor.subjects.attention:serve", (spec, device, "prefill"),
-                             call_timeout=call_timeout)
+        self._subject = IsolatedAttention(spec, "prefill", device=device, timeout=call_timeout)
 
     def __enter__(self) -> "PrefillAttention":
-        self._iso.start()
+        self._subject.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self._iso.close()
+        self._subject.close()
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float,
                  window: int | None = None, softcap: float | None = None) -> torch.Tensor:
-        from . import attention as subj
-
         t, h, _ = q.shape
         s = k.shape[0]
         cu_q = torch.tensor([0, t], dtype=torch.int32)
@@ -73,9 +68,8 @@ class PrefillAttention:
             kwargs["window_left"] = window - 1  # the contract's window_left counts keys before the query
         if softcap:
             kwargs["softcap"] = softcap
-        args = [q.cpu(), k.cpu(), v.cpu(), cu_q, cu_k, t, s, scale, True]
-        out = self._iso.call({"contract": "prefill", "out_shape": [t, h, v.shape[-1]], "lse_shape": [h, t]},
-                             subj.pack({"args": args, "kwargs": kwargs}))
-        if out.status != "ok":
-            raise EngineError(f"attention {self.spec!r} (prefill, T={t}): {out.status}: {out.message}")
-        return subj.unpack(out.payload)["out"].to(device=q.device, dtype=q.dtype)
+        got = self._subject.call("prefill", [q, k, v, cu_q, cu_k, t, s, scale, True], kwargs, (t, h, v.shape[-1]),
+                                 (h, t))
+        if got.status != "ok":
+            raise EngineError(f"attention {self.spec!r} (prefill, T={t}): {got.status}: {got.message}")
+        return got.out.to(dtype=q.dtype)
