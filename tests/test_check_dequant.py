@@ -20,6 +20,7 @@ from llmdoctor.cli import app
 from llmdoctor.demo import model_path
 from llmdoctor.errors import InputError
 from llmdoctor.faults.kernels import DEMO_TARGET
+from llmdoctor.subjects.kernels import IsolatedKernel
 
 LAYOUT = ["nibble_swap", "qh_misplaced", "scale_min_swap", "subblock_order", "d_sign", "dmin_half",
           "unsigned_quants", "transposed", "rows_shifted", "rows_wrapped", "tail_unwritten", "wrong_type"]
@@ -31,7 +32,7 @@ def demo():
 
 
 def _run(demo, name, **kw):
-    return dequant.run(demo, kernel=faults.get(name).build(), only=DEMO_TARGET[name], **kw)
+    return dequant.run(demo, IsolatedKernel, kernel=faults.get(name).build(), only=DEMO_TARGET[name], **kw)
 
 
 @pytest.mark.parametrize("name", LAYOUT)
@@ -56,7 +57,7 @@ def test_faulty_subject_is_reported_and_the_check_goes_on(demo, name):
 
 
 def test_hanging_kernel_times_out(demo):
-    res = dequant.run(demo, kernel=faults.get("hangs").build(), only="blk.0.attn_k.weight", timeout=2)
+    res = dequant.run(demo, IsolatedKernel, kernel=faults.get("hangs").build(), only="blk.0.attn_k.weight", timeout=2)
     (f,) = res.findings
     assert f.status == "fail" and "kernel hung" in f.reason
 
@@ -64,7 +65,7 @@ def test_hanging_kernel_times_out(demo):
 @pytest.mark.parametrize("name,dtype", [("half_precision", None), ("half_precision_f32_out", None),
                                         ("half_precision", "float16")])
 def test_correct_half_kernel_passes_as_reduced_precision(demo, name, dtype):
-    res = dequant.run(demo, kernel=faults.get(name).build(), dtype=dtype, only="blk.0.*")
+    res = dequant.run(demo, IsolatedKernel, kernel=faults.get(name).build(), dtype=dtype, only="blk.0.*")
     assert all(f.status == "pass" for f in res.findings)
     reduced = [f for f in res.findings if f.reason == "reduced-precision arithmetic"]
     assert {f.metrics["type"] for f in reduced} >= {"Q5_0", "Q4_K", "Q6_K", "Q8_0"}
@@ -72,13 +73,13 @@ def test_correct_half_kernel_passes_as_reduced_precision(demo, name, dtype):
 
 
 def test_reference_kernel_passes_bit_exact(demo):
-    res = dequant.run(demo, kernel="reference", only="blk.0.*")
+    res = dequant.run(demo, IsolatedKernel, kernel="reference", only="blk.0.*")
     assert res.findings and all(f.status == "pass" and f.reason == "bit-exact" for f in res.findings)
 
 
 @pytest.mark.parametrize("kernel", ["torch", "native"])
 def test_our_kernels_pass_bit_exact(demo, kernel):
-    res = dequant.run(demo, kernel=kernel, only="blk.0.*")
+    res = dequant.run(demo, IsolatedKernel, kernel=kernel, only="blk.0.*")
     assert not [f for f in res.findings if f.status == "fail"], [f.reason for f in res.findings]
     assert all(f.reason for f in res.findings if f.status == "skip")
     passed = [f for f in res.findings if f.status == "pass"]
@@ -109,13 +110,13 @@ def test_lossy_conversion_is_not_excused_as_reduced_precision(tmp_path):
     k.write_text(LOSSY_F16)
     path = write_file(tmp_path / "f16.gguf", metadata=False,
                       tensors={"w": (Q.F16, (256,), np.random.default_rng(0).standard_normal(256).astype(np.float16))})
-    res = dequant.run(path, kernel=f"{k}:fn", blocks=256)
+    res = dequant.run(path, IsolatedKernel, kernel=f"{k}:fn", blocks=256)
     assert [f.status for f in res.findings] == ["fail"], [(f.status, f.reason) for f in res.findings]
 
 
 def test_ggml_agrees_with_gguf_py_on_the_demo_file(demo):
     """Cross-checks the oracle (gguf-py) against the C code llama.cpp runs, on every tensor."""
-    res = dequant.run(demo, kernel="ggml", blocks=64)
+    res = dequant.run(demo, IsolatedKernel, kernel="ggml", blocks=64)
     by_status = {s: [f for f in res.findings if f.status == s] for s in ("pass", "fail", "skip")}
     assert not by_status["fail"]
     assert len(by_status["pass"]) == 127  # every quantized tensor
@@ -217,7 +218,7 @@ def test_cli_unavailable_kernel_is_skipped_with_reason_and_exit_2():
 
 def test_run_validates_before_starting(demo):
     with pytest.raises(InputError):
-        dequant.run(demo, kernel="torch", dtype="float8")
+        dequant.run(demo, IsolatedKernel, kernel="torch", dtype="float8")
 
 
 def test_kernel_from_a_py_file_and_an_unexplained_error(demo, tmp_path):
@@ -230,7 +231,7 @@ def test_kernel_from_a_py_file_and_an_unexplained_error(demo, tmp_path):
         "    out = torch.from_numpy(gguf.quants.dequantize(raw.numpy(), qtype)).reshape(shape).clone()\n"
         "    out[0, 5] = torch.nextafter(out[0, 5], torch.tensor(9.0))\n"
         "    return out\n")
-    res = dequant.run(demo, kernel=f"{k}:dequant", only="blk.0.attn_v.weight")
+    res = dequant.run(demo, IsolatedKernel, kernel=f"{k}:dequant", only="blk.0.attn_v.weight")
     (f,) = res.findings
     assert f.status == "fail" and f.reason.endswith("unexplained") and "1 of" in f.reason
     assert f.evidence[0]["element"] == [0, 5]
@@ -322,7 +323,7 @@ def every_type_gguf(tmp_path_factory):
 
 def test_ggml_agrees_with_gguf_py_on_every_type(every_type_gguf):
     """The oracle against llama.cpp's C code on random blocks of every type, every block compared."""
-    res = dequant.run(every_type_gguf, kernel="ggml", all_blocks=True)
+    res = dequant.run(every_type_gguf, IsolatedKernel, kernel="ggml", all_blocks=True)
     fails = [(f.target, f.reason) for f in res.findings if f.status == "fail"]
     assert not fails
     passed = {f.metrics["type"] for f in res.findings if f.status == "pass"}
@@ -332,7 +333,7 @@ def test_ggml_agrees_with_gguf_py_on_every_type(every_type_gguf):
 
 def test_q4_1_decoded_as_q4_0_is_named(every_type_gguf):
     """The issue's example of a wrong type assumed: a Q4_1 tensor decoded as Q4_0."""
-    res = dequant.run(every_type_gguf, kernel=faults.get("wrong_type").build(), only="t.Q4_1")
+    res = dequant.run(every_type_gguf, IsolatedKernel, kernel=faults.get("wrong_type").build(), only="t.Q4_1")
     (f,) = res.findings
     assert f.status == "fail" and "layout bug: wrong type assumed (Q4_0)" in f.reason
 
@@ -368,7 +369,7 @@ def test_bound_has_teeth_bfloat16_arithmetic_returned_as_float16(demo, tmp_path)
     k.write_text("import torch\nfrom llmdoctor.faults.kernels import _decode\n"
                  "def dequant(raw, qtype, shape, dtype=None):\n"
                  "    return _decode(raw, qtype, shape, ct=torch.bfloat16).half()\n")
-    res = dequant.run(demo, kernel=f"{k}:dequant", only="blk.0.attn_output.weight")
+    res = dequant.run(demo, IsolatedKernel, kernel=f"{k}:dequant", only="blk.0.attn_output.weight")
     (f,) = res.findings
     assert f.status == "fail" and "beyond the float16 rounding bound" in f.reason
 
@@ -399,7 +400,7 @@ def test_float16_overflow_beyond_its_range_is_reported_not_failed(plant, tmp_pat
     k = tmp_path / "kernel.py"
     k.write_text(f"PLANT = {plant!r}\n" + OVERFLOW_KERNEL)
     path = write_file(tmp_path / "big.gguf", metadata=False, tensors={"w": (Q.Q8_0, (64, 4), quantize(x, Q.Q8_0))})
-    (f,) = dequant.run(path, kernel=f"{k}:fn", all_blocks=True).findings
+    (f,) = dequant.run(path, IsolatedKernel, kernel=f"{k}:fn", all_blocks=True).findings
     if plant is None:
         assert f.status == "pass" and f.metrics["overflow_elements"] >= 2, (f.status, f.reason, f.metrics)
         assert f.metrics["overflow_reference_max"] > 65504

@@ -142,6 +142,7 @@ def check_dequant(
 
     from .checks.kernels import dequant
     from .checks.base import exit_code
+    from .subjects.kernels import IsolatedKernel
 
     if blocks is not None and all_blocks:
         raise InputError("--blocks and --all exclude each other")
@@ -153,7 +154,7 @@ def check_dequant(
         def on_tensor(i: int, n: int, name: str) -> None:
             bar.update(task, completed=i, total=n, description=f"dequant {kernel}: {name}")
 
-        res = dequant.run(path, kernel=kernel, device=device, dtype=dtype, only=only,
+        res = dequant.run(path, IsolatedKernel, kernel=kernel, device=device, dtype=dtype, only=only,
                           blocks=dequant.DEFAULT_BLOCKS if blocks is None else blocks, all_blocks=all_blocks, seed=seed,
                           timeout=timeout, on_tensor=on_tensor)
     code = exit_code(res.findings, required_ran=res.loaded)

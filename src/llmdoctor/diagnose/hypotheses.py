@@ -182,10 +182,11 @@ DEQUANT_BLOCKS = 32  # blocks compared per tensor: first, last and 30 seeded one
 def h_dequant(s: Session) -> list[Finding]:
     """The engine's dequant kernel against the reference, on every tensor of the file."""
     from ..checks.kernels import dequant
+    from ..subjects.kernels import IsolatedKernel
 
     kernel = s.dequant_kernel()
     s.progress(f"dequant kernel {kernel!r} vs the reference")
-    res = dequant.run(s.inputs.gguf, kernel=kernel, blocks=DEQUANT_BLOCKS, seed=s.inputs.seed)
+    res = dequant.run(s.inputs.gguf, IsolatedKernel, kernel=kernel, blocks=DEQUANT_BLOCKS, seed=s.inputs.seed)
     failed, compared = _fold(res.findings, "dequant", f"the dequant kernel {kernel!r} is right",
                              f"kernel {kernel!r} compared no tensor")
     if failed:

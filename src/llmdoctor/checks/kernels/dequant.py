@@ -1,9 +1,10 @@
 """`llmdoctor check dequant`: does a dequant kernel give the reference's numbers on this file?
 
-The kernel (a `subjects.kernels` spec) runs in an isolated child and receives every selected tensor
-whole, as an engine calls it; sampling only decides which blocks are compared (seeded, always the
-first and the last block). The reference (gguf-py, `layout_bugs.reference`) is computed only for the
-compared blocks. Verdict per tensor, through `metrics`:
+The kernel (a `subjects.kernels` spec, opened by the caller: `open_kernel`, e.g.
+subjects.kernels.IsolatedKernel, a child process) receives every selected tensor whole, as an engine
+calls it; sampling only decides which blocks are compared (seeded, always the first and the last
+block). The reference (gguf-py, `layout_bugs.reference`) is computed only for the compared blocks.
+Verdict per tensor, through `metrics`:
 
 - float32 output must be bit-exact;
 - reduced-precision output (float16/bfloat16, or float32 whose values are all float16/bfloat16
@@ -31,7 +32,7 @@ from gguf import GGMLQuantizationType as T
 
 from ...errors import InputError
 from ...gguf import open_gguf
-from ...subjects.isolation import Isolated, LoadFailed, Outcome
+from ...outcomes import LoadFailed, Outcome
 from ..layout import layout_bugs
 from .. import metrics
 from ..base import Finding
@@ -170,14 +171,15 @@ def _select(g: Any, only: Optional[str]) -> list[Any]:
     return tensors
 
 
-def run(path: Path, *, kernel: str = "torch", device: str = "cpu", dtype: Optional[str] = None,
-        only: Optional[str] = None, blocks: int = DEFAULT_BLOCKS, all_blocks: bool = False, seed: int = 0,
-        timeout: float = DEFAULT_TIMEOUT,
+def run(path: Path, open_kernel: Callable[..., Any], *, kernel: str = "torch", device: str = "cpu",
+        dtype: Optional[str] = None, only: Optional[str] = None, blocks: int = DEFAULT_BLOCKS,
+        all_blocks: bool = False, seed: int = 0, timeout: float = DEFAULT_TIMEOUT,
         on_tensor: Optional[Callable[[int, int, str], None]] = None) -> Result:
-    """Check `kernel` against the reference on the tensors of `path` (see the module docstring)."""
-    from ...subjects.kernels import validate_spec
-
-    validate_spec(kernel)
+    """Check `kernel` against the reference on the tensors of `path` (see the module docstring).
+    `open_kernel(kernel, device=, dtype=, timeout=)` gives the kernel as a context manager with `start()`
+    (raises LoadFailed), `dequantize(raw, qtype, shape, block_size, blocks) -> Outcome` and `restarts`
+    (subjects.kernels.IsolatedKernel; a malformed spec raises InputError there, before anything else)."""
+    child = open_kernel(kernel, device=device, dtype=dtype, timeout=timeout)
     if dtype is not None and dtype not in DTYPES:
         raise InputError(f"--dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
     if device not in ("cpu", "cuda"):
@@ -195,21 +197,20 @@ def run(path: Path, *, kernel: str = "torch", device: str = "cpu", dtype: Option
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the comparisons here are small: thread hand-offs would cost more than they save
     try:
-        _run(res, path, only, blocks, all_blocks, seed, timeout, on_tensor)
+        _run(res, child, path, only, blocks, all_blocks, seed, on_tensor)
     finally:
         torch.set_num_threads(threads)
     res.seconds = time.perf_counter() - t0
     return res
 
 
-def _run(res: Result, path: Path, only: Optional[str], blocks: int, all_blocks: bool, seed: int,
-         timeout: float, on_tensor: Optional[Callable[[int, int, str], None]]) -> None:
-    kernel, device, dtype = res.kernel, res.device, res.dtype
-    with open_gguf(path) as g, Isolated("llmdoctor.subjects.kernels:serve", (kernel, device, dtype),
-                                        call_timeout=timeout) as iso:
+def _run(res: Result, child: Any, path: Path, only: Optional[str], blocks: int, all_blocks: bool, seed: int,
+         on_tensor: Optional[Callable[[int, int, str], None]]) -> None:
+    kernel = res.kernel
+    with open_gguf(path) as g, child:
         tensors = _select(g, only)
         try:
-            iso.start()
+            child.start()
         except LoadFailed as e:
             if e.kind == "InputError":
                 raise InputError(str(e)) from None
@@ -224,16 +225,16 @@ def _run(res: Result, path: Path, only: Optional[str], blocks: int, all_blocks: 
                 f = Finding(CHECK, kernel, t.name, "skip", reason=dead)
             else:
                 try:
-                    f = _check_tensor(iso, t, kernel, blocks, all_blocks, seed)
+                    f = _check_tensor(child, t, kernel, blocks, all_blocks, seed)
                 except LoadFailed as e:  # the fresh child after a crash could not start
                     dead = f"kernel could not be restarted after a crash: {e}"
                     f = Finding(CHECK, kernel, t.name, "skip", reason=dead)
             res.findings.append(f)
             _add_to_summary(res.by_type, t.type.name, f)
-        res.restarts = iso.restarts
+        res.restarts = child.restarts
 
 
-def _check_tensor(iso: Isolated, t: Any, kernel: str, n_blocks: int, all_blocks: bool, seed: int) -> Finding:
+def _check_tensor(child: Any, t: Any, kernel: str, n_blocks: int, all_blocks: bool, seed: int) -> Finding:
     name, q = t.name, T(t.type)
     base = {"type": q.name, "shape": list(t.shape), "offset": t.offset, "n_blocks": t.n_blocks}
 
@@ -249,9 +250,7 @@ def _check_tensor(iso: Isolated, t: Any, kernel: str, n_blocks: int, all_blocks:
     if q not in layout_bugs.reference_types():
         return finding("skip", f"no reference: gguf-py cannot dequantize {q.name}")
     idx = np.arange(t.n_blocks, dtype=np.int64) if all_blocks else choose_blocks(t.n_blocks, n_blocks, seed, name)
-    header = {"qtype": int(q), "shape": list(t.shape), "block_size": t.block_size,
-              "blocks": None if all_blocks else idx}
-    out = iso.call(header, t.data, reply_hint=len(idx) * t.block_size * 4)  # float32-sized reply
+    out = child.dequantize(t.data, int(q), list(t.shape), t.block_size, None if all_blocks else idx)
     if out.status != "ok":
         return _fault_finding(finding, out)
     got = torch.frombuffer(out.payload, dtype=getattr(torch, out.header["dtype"]))
