@@ -1,4 +1,4 @@
-"""The cost of the K-quant sub-block rule (checks/file/forensics.py: SubBlockStats) inside `verify`, against
+"""The cost of the K-quant sub-block rule (checks/file/subblock_codes.py: SubBlockStats) inside `verify`, against
 the rest of verify's per-chunk work in the same run.
 
     python bench/bench_forensics_subblocks.py [--repeats 20] [--verify-runs 3]
@@ -19,7 +19,9 @@ import time
 import torch
 from gguf import GGMLQuantizationType as Q
 
-from llmdoctor.checks.file import forensics as FX
+from llmdoctor.checks.file import forensics_native as FN
+from llmdoctor.checks.file import subblock_codes as SB
+from llmdoctor.checks.file import tensor_stats as TS
 from llmdoctor.checks.file import verify as V
 from llmdoctor.demo import model_path
 from llmdoctor.gguf import dequantize, open_gguf
@@ -43,19 +45,19 @@ def per_chunk(repeats: int) -> dict:
             raw = t.data[: nb * t.type_size]
             blocks = raw.reshape(nb, -1)  # [n_blocks, type_size]
             v = dequantize(raw, q, (nb * t.block_size,))
-            with_sb, without = FX.Accumulator(t.name, q), FX.Accumulator(t.name, q)
+            with_sb, without = TS.Accumulator(t.name, q), TS.Accumulator(t.name, q)
             without.subblocks = None
-            sb = FX.SubBlockStats(q)
-            native = FX._NATIVE
+            sb = SB.SubBlockStats(q)
+            native = FN.NATIVE
             row = {"decode": _best(lambda: dequantize(raw, q, (nb * t.block_size,), out=v), repeats),
                    "forensics": _best(lambda: with_sb.add(blocks, v), repeats),
                    "forensics_without_subblocks": _best(lambda: without.add(blocks, v), repeats),
                    "subblocks_c": _best(lambda: sb.add(blocks), repeats)}
-            FX._NATIVE = None
+            FN.NATIVE = None
             try:
                 row["subblocks_numpy"] = _best(lambda: sb.add(blocks), repeats)
             finally:
-                FX._NATIVE = native
+                FN.NATIVE = native
             row = {k: round(x, 4) for k, x in row.items()}
             base = row["forensics_without_subblocks"]
             row["subblocks_c_over_forensics_without"] = round(row["subblocks_c"] / base, 3)
@@ -66,7 +68,7 @@ def per_chunk(repeats: int) -> dict:
 
 def verify_runs(runs: int) -> dict:
     path = model_path()
-    real = FX.Accumulator.__init__
+    real = TS.Accumulator.__init__
 
     def bare(self, name, qtype):  # the accumulator without its sub-block counts
         real(self, name, qtype)
@@ -76,13 +78,13 @@ def verify_runs(runs: int) -> dict:
     for _ in range(runs):
         for mode in ("with", "without"):
             if mode == "without":
-                FX.Accumulator.__init__ = bare
+                TS.Accumulator.__init__ = bare
             try:
                 w, c = time.perf_counter(), time.process_time()
                 V.run(path)
                 res[mode].append((time.perf_counter() - w, time.process_time() - c))
             finally:
-                FX.Accumulator.__init__ = real
+                TS.Accumulator.__init__ = real
     best = {m: (min(r[0] for r in rs), min(r[1] for r in rs)) for m, rs in res.items()}
     return {"wall_s": {m: round(b[0], 3) for m, b in best.items()},
             "cpu_s": {m: round(b[1], 3) for m, b in best.items()},
@@ -101,7 +103,7 @@ def main() -> int:
         chunks = per_chunk(a.repeats)
     finally:
         torch.set_num_threads(keep)
-    doc = {"native": FX._NATIVE is not None, "per_chunk_ms": chunks, "verify_demo": verify_runs(a.verify_runs)}
+    doc = {"native": FN.NATIVE is not None, "per_chunk_ms": chunks, "verify_demo": verify_runs(a.verify_runs)}
     print(json.dumps(doc, indent=1))
     return 0
 

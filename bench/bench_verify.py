@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q, GGUFWriter
 
-from llmdoctor.checks.file.forensics import SCALE_FIELDS
+from llmdoctor.checks.file.block_scales import SCALE_FIELDS
 from llmdoctor.gguf import open_gguf
 
 READ_BUFFER = 16 << 20

@@ -158,12 +158,13 @@ def test_a_planted_fault_is_named_at_its_layer(glm, tmp_path, tensor, named):
 def test_the_benchs_synthetic_blocks_are_what_a_quantizer_writes():
     """bench_glm5.py draws K-quant blocks instead of quantizing floats (tests/kquant_blocks.py): decoded they have
     the RMS asked for and mean ~0, and their sub-block codes end where llama.cpp's quantizer puts them
-    (checks/file/forensics.py SUBBLOCKS)."""
+    (checks/file/subblock_codes.py SUBBLOCKS)."""
     from gguf import GGMLQuantizationType as QT
     from gguf.quants import dequantize
 
     import kquant_blocks
-    from llmdoctor.checks.file.forensics import SUBBLOCKS, subblock_codes
+    from llmdoctor.checks.file.subblock_codes import SUBBLOCKS
+    from llmdoctor.gguf.block_layout import subblock_codes
 
     gen = torch.Generator().manual_seed(0)
     for qt, make in ((QT.Q4_K, kquant_blocks.q4_k_blocks), (QT.Q6_K, kquant_blocks.q6_k_blocks)):

@@ -10,7 +10,10 @@ from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as QT
 
 from llmdoctor import faults
+from llmdoctor.checks.file import block_scales as BS
 from llmdoctor.checks.file import forensics as F
+from llmdoctor.checks.file import forensics_native as FN
+from llmdoctor.checks.file import tensor_stats as TS
 from llmdoctor.gguf import open_gguf
 
 
@@ -20,14 +23,14 @@ def demo_stats(demo_path):
     return findings, stats
 
 
-def _restat(path, demo_path, base: list[F.TensorStats]) -> list[F.TensorStats]:
+def _restat(path, demo_path, base: list[TS.TensorStats]) -> list[TS.TensorStats]:
     """Statistics of a corrupted copy: recomputed for the tensors whose bytes differ from the demo's."""
     by = {s.name: s for s in base}
     with open_gguf(path) as g, open_gguf(demo_path) as d:
         changed = [t for t in g.tensors if not np.array_equal(t.data, d.tensor(t.name).data)]
         assert changed, "the fault changed nothing"
         for t in changed:
-            by[t.name] = F.tensor_stats(t)
+            by[t.name] = TS.tensor_stats(t)
     return [by[s.name] for s in base]
 
 
@@ -102,7 +105,7 @@ def test_every_block_scale_layout_matches_gguf_py():
     from llmdoctor.gguf import dequantize
 
     rng = np.random.default_rng(0)
-    for q, fields in F.SCALE_FIELDS.items():
+    for q, fields in BS.SCALE_FIELDS.items():
         d = next((f for f in fields if f.name == "d" and f.encoding == "f16"), None)
         if d is None:
             continue
@@ -114,7 +117,7 @@ def test_every_block_scale_layout_matches_gguf_py():
         block[d.offset:d.offset + 2] = np.array([2.0], "<f2").view(np.uint8)
         v2 = dequantize(block, q, (bs,)).numpy()
         assert np.array_equal(v2, 2 * v1), q.name
-        assert F.scale_values(block[None], d)[0] == 2.0
+        assert BS.scale_values(block[None], d)[0] == 2.0
 
 
 def test_streaming_equals_whole(demo_path):
@@ -123,8 +126,8 @@ def test_streaming_equals_whole(demo_path):
 
     with open_gguf(demo_path) as g:
         t = g.tensor("blk.3.ffn_down.weight")
-        whole = F.tensor_stats(t, dequantize(t.data, int(t.type), t.shape))
-        acc = F.Accumulator(t.name, t.type)
+        whole = TS.tensor_stats(t, dequantize(t.data, int(t.type), t.shape))
+        acc = TS.Accumulator(t.name, t.type)
         blocks = t.data.reshape(-1, t.type_size)
         for b0 in range(0, blocks.shape[0], 1000):
             chunk = blocks[b0:b0 + 1000]
@@ -149,12 +152,12 @@ def test_merged_parts_equal_one_pass_to_the_bit(demo_path, tensor):
     unit = 512
     pieces = [blocks[b0:b0 + unit] for b0 in range(0, blocks.shape[0], unit)]
     values = [dequantize(p.reshape(-1), int(t.type), (p.shape[0] * t.block_size,)) for p in pieces]
-    one = F.Accumulator(t.name, t.type)
+    one = TS.Accumulator(t.name, t.type)
     for p, v in zip(pieces, values):
         one.add(p if one.fields else None, v)
-    joined = F.Accumulator(t.name, t.type)
+    joined = TS.Accumulator(t.name, t.type)
     for lo in range(0, len(pieces), 3):  # chunks of three pieces, each in its own accumulator
-        part = F.Accumulator(t.name, t.type)
+        part = TS.Accumulator(t.name, t.type)
         for p, v in zip(pieces[lo:lo + 3], values[lo:lo + 3]):
             part.add(p if part.fields else None, v)
         joined.merge(part)
@@ -170,7 +173,7 @@ def test_one_native_call_per_chunk_equals_piece_by_piece():
     (outside the range its sums are taken in), between ordinary ones."""
     import torch
 
-    decoder = F.native_decoding(QT.F32)
+    decoder = FN.native_decoding(QT.F32)
     if decoder is None:
         pytest.skip("skipped: the native libraries are not built here")
     rng = np.random.default_rng(1)
@@ -180,10 +183,10 @@ def test_one_native_call_per_chunk_equals_piece_by_piece():
     values[2 * unit:3 * unit] *= np.float32(1e30)
     values[4 * unit:5 * unit] *= np.float32(1e-30)
     blocks = values.view(np.uint8).reshape(-1, 4)
-    one = F.Accumulator("t", QT.F32)
+    one = TS.Accumulator("t", QT.F32)
     for b0 in range(0, len(values), unit):
         one.add(None, torch.from_numpy(values[b0:b0 + unit].copy()))
-    fused = F.Accumulator("t", QT.F32)
+    fused = TS.Accumulator("t", QT.F32)
     bad = fused.add_decoded(blocks, decoder, unit, torch.empty(unit))
     assert bad == [1]
     assert repr(one.finish().as_dict()) == repr(fused.finish().as_dict())

@@ -1,4 +1,4 @@
-"""The forensics accumulator's fast moments (checks/file/forensics.py: float32 passes centered on each
+"""The forensics accumulator's fast moments (checks/file/weight_moments.py: float32 passes centered on each
 chunk's mean, merged in float64; the C passes and the torch ones) agree with float64 within the bound
 derived in the module; its scale
 statistics (counts of codes) agree with the per-value arithmetic; its numbers are the same for any
@@ -13,7 +13,11 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as QT
 
+from llmdoctor.checks.file import block_scales as BS
 from llmdoctor.checks.file import forensics as F
+from llmdoctor.checks.file import forensics_native as FN
+from llmdoctor.checks.file import sibling_outliers as SO
+from llmdoctor.checks.file import tensor_stats as TS
 from llmdoctor.gguf import dequantize, open_gguf
 
 RMS_REL, MEAN_OVER_RMS, KURT_REL = 1.6e-4, 2.2e-4, 1e-3  # the module's derived bounds
@@ -29,8 +33,8 @@ def _exact(w: np.ndarray) -> tuple[float, float, float]:
     return mean, math.sqrt((w * w).mean()), (d ** 4).mean() / var ** 2
 
 
-def _stream(w: np.ndarray, chunk: int = 1 << 18) -> F.TensorStats:
-    acc = F.Accumulator("t", QT.F32)
+def _stream(w: np.ndarray, chunk: int = 1 << 18) -> TS.TensorStats:
+    acc = TS.Accumulator("t", QT.F32)
     for i in range(0, w.size, chunk):
         acc.add(None, torch.from_numpy(w[i:i + chunk]))
     return acc.finish()
@@ -53,10 +57,10 @@ def _cases() -> dict[str, np.ndarray]:
 @pytest.fixture(params=["native", "torch"])
 def passes(request, monkeypatch):
     """The C passes of _forensics_native.c (skipped where not built), or the torch passes."""
-    if request.param == "native" and F._NATIVE is None:
+    if request.param == "native" and FN.NATIVE is None:
         pytest.skip("skipped: the native forensics passes are not built (no C compiler at install time?)")
     if request.param == "torch":
-        monkeypatch.setattr(F, "_NATIVE", None)
+        monkeypatch.setattr(FN, "NATIVE", None)
     return request.param
 
 
@@ -106,22 +110,22 @@ def test_demo_statistics_within_the_bound_and_scales_exact(demo_tensors, passes)
     for name in names:
         t = g.tensor(name)
         w = dequantize(t.data, int(t.type), (t.n_elements,)).numpy()
-        st = F.tensor_stats(t)
+        st = TS.tensor_stats(t)
         mean, rms, kurt = _exact(w)
         assert abs(st.rms - rms) <= RMS_REL * rms and abs(st.mean - mean) <= MEAN_OVER_RMS * rms, name
         assert abs(st.kurtosis - kurt) <= KURT_REL * kurt, name
         blocks = t.data.reshape(-1, t.type_size)
-        for f in F.SCALE_FIELDS.get(t.type, ()):
-            s = F.scale_values(blocks, f).astype(np.float64)  # per value, the plain way
+        for f in BS.SCALE_FIELDS.get(t.type, ()):
+            s = BS.scale_values(blocks, f).astype(np.float64)  # per value, the plain way
             got = st.scales[f.name]
             a = np.abs(s)
             assert got["blocks"] == s.size
             assert got["negative"] == (s < 0).mean() and got["zero"] == (s == 0).mean()
             assert got["nonfinite"] == (~np.isfinite(s)).mean()
-            assert got["subnormal"] == ((a > 0) & (a < F.F16_MIN_NORMAL)).mean()
+            assert got["subnormal"] == ((a > 0) & (a < BS.F16_MIN_NORMAL)).mean()
             lg = np.log2(a[np.isfinite(a) & (a > 0)])
-            assert abs(got["log2_median"] - np.median(lg)) <= F.BIN, (name, f.name)
-            assert got["log2_max"] - F.BIN / 2 <= lg.max() < got["log2_max"] + F.BIN / 2
+            assert abs(got["log2_median"] - np.median(lg)) <= BS.BIN, (name, f.name)
+            assert got["log2_max"] - BS.BIN / 2 <= lg.max() < got["log2_max"] + BS.BIN / 2
             ok = np.isfinite(s) & (s != 0)
             lg_all = np.where(ok, np.log2(np.where(ok, a, 1)), np.nan)
             jumps = np.abs(np.diff(lg_all))
@@ -130,13 +134,13 @@ def test_demo_statistics_within_the_bound_and_scales_exact(demo_tensors, passes)
 
 def test_demo_verdicts_farther_from_the_limit_than_rounding_moves_them(demo_path):
     _, stats = F.analyze(demo_path)
-    _, summary = F.outliers(stats)
-    keep = F.threshold
-    F.threshold = lambda n: 0.0  # every (tensor, metric) test reported with its robust z
+    _, summary = SO.outliers(stats)
+    keep = SO.threshold
+    SO.threshold = lambda n: 0.0  # every (tensor, metric) test reported with its robust z
     try:
-        every, _ = F.outliers(stats)
+        every, _ = SO.outliers(stats)
     finally:
-        F.threshold = keep
+        SO.threshold = keep
     assert 0 < len(every) <= summary["tests"]  # all but those exactly at their siblings' median (z = 0)
     assert max(o["robust_z"] for o in every) < summary["limit"] - Z_SHIFT
 
@@ -153,7 +157,7 @@ def test_native_passes_same_bits_for_any_build(tmp_path):
     cc = shutil.which("gcc") or shutil.which("cc")
     if cc is None:
         pytest.skip("skipped: no C compiler")
-    src = Path(F.__file__).with_name("_forensics_native.c")
+    src = Path(FN.__file__).with_name("_forensics_native.c")
     x = (np.random.default_rng(1).laplace(size=100_003) ** 3).astype(np.float32)
     results = []
     for flags in (["-O0"], ["-O3", "-march=native"]):

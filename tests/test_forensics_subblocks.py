@@ -1,4 +1,4 @@
-"""Sub-block codes of K-quant blocks (checks/file/forensics.py, SUBBLOCKS): llama.cpp's own quantizer
+"""Sub-block codes of K-quant blocks (checks/file/subblock_codes.py, SUBBLOCKS): llama.cpp's own quantizer
 (ggml_quantize_chunk, through llama-cpp-python's bundled ggml) keeps every pinned end on every kind of
 data, with and without an importance matrix where the source says so; the demo keeps them all; and a
 tensor whose sub-block scale bytes were changed (faults: subblock-scales) is named by `verify` and by
@@ -17,6 +17,9 @@ from typer.testing import CliRunner
 
 from llmdoctor import faults
 from llmdoctor.checks.file import forensics as F
+from llmdoctor.checks.file import forensics_native as FN
+from llmdoctor.checks.file import subblock_codes as SB
+from llmdoctor.checks.file import tensor_stats as TS
 from llmdoctor.checks.file import verify
 from llmdoctor.cli import app
 from gguf_builders import write_file
@@ -67,7 +70,7 @@ def _data(kind: str, rng: np.random.Generator, rows: int = 64, n: int = 1024) ->
 
 
 def _stats(blocks: np.ndarray, qtype: QT) -> dict:
-    s = F.SubBlockStats(qtype)
+    s = SB.SubBlockStats(qtype)
     s.add(blocks)
     return s.summary()
 
@@ -86,18 +89,18 @@ def test_llama_cpp_quantizer_keeps_the_pinned_ends(quantize, qtype):
     for kind in KINDS:
         x = _data(kind, rng)
         s = _stats(quantize(x, qtype), qtype)
-        for fam in F.SUBBLOCKS[qtype].families:
+        for fam in SB.SUBBLOCKS[qtype].families:
             assert s[fam.name]["off_blocks"] == 0, (kind, fam.name, s[fam.name]["extreme_codes"])
         for im in IMATRICES:
             w = {"ones": np.ones(x.shape[1]), "uniform": rng.random(x.shape[1]),
                  "lognormal": rng.lognormal(0, 3, x.shape[1])}[im]
             s = _stats(quantize(x, qtype, w), qtype)
-            for fam in F.SUBBLOCKS[qtype].families:
+            for fam in SB.SUBBLOCKS[qtype].families:
                 if fam.every_path:
                     assert s[fam.name]["off_blocks"] == 0, (kind, im, fam.name, s[fam.name]["extreme_codes"])
                 else:
                     imatrix_off += s[fam.name]["off_blocks"]
-    assert (imatrix_off > 0) == (not all(f.every_path for f in F.SUBBLOCKS[qtype].families))
+    assert (imatrix_off > 0) == (not all(f.every_path for f in SB.SUBBLOCKS[qtype].families))
 
 
 def test_degenerate_blocks_are_counted_not_flagged(quantize):
@@ -105,7 +108,7 @@ def test_degenerate_blocks_are_counted_not_flagged(quantize):
     x = _data("zero-blocks", np.random.default_rng(1))
     for qtype in KQUANTS:
         s = _stats(quantize(x, qtype), qtype)
-        for fam in F.SUBBLOCKS[qtype].families:
+        for fam in SB.SUBBLOCKS[qtype].families:
             assert s[fam.name]["zero_blocks"] >= x.shape[0] and s[fam.name]["off_blocks"] == 0, (qtype.name, fam.name)
 
 
@@ -113,17 +116,17 @@ def test_degenerate_blocks_are_counted_not_flagged(quantize):
 def test_native_counts_equal_numpy(qtype, monkeypatch):
     """The C counts (llmd_fx_subblocks) and numpy's unpacking agree on random bytes, all-zero codes
     included, across chunk boundaries."""
-    if F._NATIVE is None:
+    if FN.NATIVE is None:
         pytest.skip("skipped: the forensics C passes are not built")
     rng = np.random.default_rng(4)
-    lay = F.SUBBLOCKS[qtype]
+    lay = SB.SUBBLOCKS[qtype]
     b = rng.integers(0, 256, (3000, GGML_QUANT_SIZES[qtype][1]), dtype=np.uint8)
-    b[::7, lay.offset:lay.offset + lay.size] = 0
-    native = F.SubBlockStats(qtype)
+    b[::7, lay.codes.offset:lay.codes.end] = 0
+    native = SB.SubBlockStats(qtype)
     native.add(b[:1000])
     native.add(b[1000:])
-    monkeypatch.setattr(F, "_NATIVE", None)
-    plain = F.SubBlockStats(qtype)
+    monkeypatch.setattr(FN, "NATIVE", None)
+    plain = SB.SubBlockStats(qtype)
     plain.add(b[:1000])
     plain.add(b[1000:])
     assert native.summary() == plain.summary()
@@ -184,9 +187,9 @@ def test_detection_rate_per_corrupted_block(kquant_file, tmp_path):
             d.mkdir()
             bad = faults.get("subblock-scales").build(kquant_file, d, tensor=name, fraction=0.25, seed=seed)
             with open_gguf(bad) as g:
-                s = F.tensor_stats(g.tensor(name)).subblocks
+                s = TS.tensor_stats(g.tensor(name)).subblocks
             damaged += 128
-            seen += max(s[f.name]["off_blocks"] for f in F.SUBBLOCKS[qtype].families)
+            seen += max(s[f.name]["off_blocks"] for f in SB.SUBBLOCKS[qtype].families)
         print(f"{qtype.name}: {seen / damaged:.1%} of damaged blocks off the pinned end")
         assert seen / damaged > 0.05
 
@@ -235,7 +238,7 @@ def test_demo_sub_blocks_all_pinned(demo_path):
     k = [s for s in stats if s.subblocks]
     assert {s.qtype for s in k} == {"Q4_K", "Q6_K"} and len(k) == 36
     for s in k:
-        for fam in F.SUBBLOCKS[QT[s.qtype]].families:
+        for fam in SB.SUBBLOCKS[QT[s.qtype]].families:
             assert s.subblocks[fam.name]["off_blocks"] == 0 and s.subblocks[fam.name]["rule"] == "exact"
     assert _subblock_fails(findings) == []
 
@@ -265,7 +268,7 @@ def demo_every_kquant(demo_path, quantize, tmp_path_factory):
 
 def test_diagnose_file_integrity_names_every_damaged_type(demo_every_kquant, tmp_path):
     """diagnose on the demo carrying every K-quant type, one tensor of each damaged: the top suspect is
-    a file-integrity finding of its own per damaged tensor (high confidence), all five named; the finite-weights
+    a forensics finding of its own per damaged tensor under file-integrity (high confidence), all five named; the finite-weights
     finding still passes (damaged codes are no non-finite weights)."""
     src, targets = demo_every_kquant
     bad = faults.get("subblock-scales").build(src, tmp_path, tensor=targets, fraction=0.05)
@@ -273,7 +276,8 @@ def test_diagnose_file_integrity_names_every_damaged_type(demo_every_kquant, tmp
                                  "--gguf", str(bad)])
     doc = json.loads(r.stdout)
     assert doc["exit_code"] == 1, doc["verdict"]
-    damaged = [f for f in doc["findings"] if f["check"] == "file-integrity" and f["status"] == "fail"]
+    damaged = [f for f in doc["findings"] if f["step"] == "file-integrity" and f["status"] == "fail"]
+    assert all(f["check"] == "forensics" and f["id"].startswith("forensics/") for f in damaged), damaged
     assert doc["suspects"][0] == damaged[0]["id"] and all(f["confidence"] == "high" for f in damaged)
     assert "sub-block scale bytes were changed after quantization" in damaged[0]["explanation"]
     assert {f["target"] for f in damaged} == set(targets), damaged

@@ -176,14 +176,12 @@ def test_one_native_call_per_chunk_gives_the_per_piece_report(which, request, mo
     """The chunk decoded and gathered in one native call (forensics' add_decoded) gives, to the bit, the
     report of the per-piece path (dequantize, scan and moments piece by piece): the planted file's
     inf scales (pieces the C pass hands back) included."""
-    from llmdoctor.checks.file import forensics as F
-
     path = request.getfixturevalue(which)
-    if F.native_decoding(QT.Q4_K) is None:
+    if V.native_decoding(QT.Q4_K) is None:
         pytest.skip("skipped: the native libraries are not built here")
     monkeypatch.setattr(V, "READ_BYTES", {"cpu": 3 << 20, "cuda": 3 << 20})  # several chunks, several pieces each
     fused = V.run(path, write_manifest=True)
-    monkeypatch.setattr(F, "native_decoding", lambda qtype: None)
+    monkeypatch.setattr(V, "native_decoding", lambda qtype: None)
     per_piece = V.run(path, write_manifest=True)
     assert repr([t.__dict__ for t in fused.tensors]) == repr([t.__dict__ for t in per_piece.tensors])
     assert repr([f.__dict__ for f in fused.findings]) == repr([f.__dict__ for f in per_piece.findings])
@@ -201,10 +199,8 @@ def test_a_worker_error_ends_the_pass(subset, monkeypatch):
             raise RuntimeError("planted decoder failure")
         return real(raw, qtype, *a, **kw)
 
-    from llmdoctor.checks.file import forensics as F
-
     monkeypatch.setattr(V, "dequantize", broken)
-    monkeypatch.setattr(F, "native_decoding", lambda qtype: None)  # the per-piece path: V.dequantize decodes
+    monkeypatch.setattr(V, "native_decoding", lambda qtype: None)  # the per-piece path: V.dequantize decodes
     monkeypatch.setattr(V, "READ_BYTES", {"cpu": 1, "cuda": 1})
     monkeypatch.setattr(V, "RING_BYTES", 2)
     with pytest.raises(RuntimeError, match="planted decoder failure"):

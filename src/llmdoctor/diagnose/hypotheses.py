@@ -27,6 +27,7 @@ def h_file_integrity(s: Session) -> list[Finding]:
     stands out from its role siblings (checks/file/forensics.py: block scales and weight statistics). When
     the reference reads this same file, one more finding says what that cannot see."""
     from ..checks.file import forensics
+    from ..checks.file.tensor_stats import tensor_stats
     from ..gguf import GGUFError
 
     try:
@@ -42,7 +43,7 @@ def h_file_integrity(s: Session) -> list[Finding]:
     # tensor too large for the device budget whole (--max-gpu-memory) is decoded chunk by chunk on the CPU
     weights = s.model().weights if s.inconsistency() is None else None
     held = lambda name: weights is not None and weights.has(name) and getattr(weights, "fits", bool)(name)  # noqa: E731
-    stats = [forensics.tensor_stats(t, weights.get(t.name) if held(t.name) else None)
+    stats = [tensor_stats(t, weights.get(t.name) if held(t.name) else None)
              for t in g.tensors if t.supported]
     found = forensics.compare(stats, file=s.inputs.gguf)
     # a sub-block finding (codes a quantizer never writes) or a sibling outlier is not a non-finite weight

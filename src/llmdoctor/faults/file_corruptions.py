@@ -17,7 +17,8 @@ import numpy as np
 from gguf import GGMLQuantizationType as QT
 from gguf import GGUFValueType as VT
 
-from ..checks.file.forensics import SCALE_FIELDS, SUBBLOCKS
+from ..checks.file.block_scales import SCALE_FIELDS
+from ..checks.file.subblock_codes import SUBBLOCKS
 from ..gguf import open_gguf
 from . import register
 
@@ -128,19 +129,19 @@ def q4k_d_dmin_swap(src: Path, out_dir: Path, *, tensor: str | None = None) -> P
 def subblock_scales(src: Path, out_dir: Path, *, tensor: str | tuple[str, ...] = "blk.1.ffn_down.weight",
                     fraction: float = 0.05, seed: int = 0) -> Path:
     """In `fraction` of each named tensor's blocks (at least one, chosen at random), one byte of the
-    sub-block codes (checks/file/forensics.py's SUBBLOCKS: where each K-quant keeps them) XORed with a random
+    sub-block codes (gguf/block_layout.py: where each K-quant keeps them) XORed with a random
     nonzero byte. `tensor`: one name or several (one copy, each patched)."""
     names = (tensor,) if isinstance(tensor, str) else tuple(tensor)
     dst, mm, info = _patch(src, out_dir, "subblock-scales", names[0])
     rng = np.random.default_rng(seed)
     for name in names:
         info = _info(src, name) if name != names[0] else info
-        lay = SUBBLOCKS.get(QT(info[2]))
-        if lay is None:
+        rule = SUBBLOCKS.get(QT(info[2]))
+        if rule is None:
             raise ValueError(f"{name} is {QT(info[2]).name}, not a K-quant with sub-block scales")
         b = _blocks(mm, info)
         rows = rng.choice(b.shape[0], size=max(1, round(fraction * b.shape[0])), replace=False)
-        cols = lay.offset + rng.integers(0, lay.size, size=rows.size)
+        cols = rule.codes.offset + rng.integers(0, rule.codes.size, size=rows.size)
         b[rows, cols] ^= rng.integers(1, 256, size=rows.size, dtype=np.uint8)
     mm.flush()
     return dst

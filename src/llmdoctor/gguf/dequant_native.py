@@ -67,7 +67,7 @@ def available() -> tuple[bool, str]:
 
 
 # GGML type -> (its C kernel's address, its table's or 0): for C callers that decode as they go
-# (checks/file/forensics.py's Accumulator.add_decoded hands them to _forensics_native.c).
+# (checks/file/tensor_stats.py's Accumulator.add_decoded hands them to _forensics_native.c).
 _ADDRESSES: dict[T, tuple[int, int]] = {}
 
 

@@ -1,12 +1,12 @@
-/* The forensics accumulator's two passes over a chunk of float32 values (checks/forensics.py calls
- * them through ctypes; the torch passes there compute the same quantities where this is not built).
+/* The forensics accumulator's two passes over a chunk of float32 values (checks/file/weight_moments.py
+ * calls them through ctypes; the torch passes there compute the same quantities where this is not built).
  *
  * Summation order, fixed: each row of ROW consecutive values is summed in LANES float32 lane
  * accumulators (lane j takes values j, j + LANES, ...), the lanes are added in order 0..LANES-1 in
  * float32, and the row sums are added in order in float64. The lanes are plain arrays, so a
  * vectorizing compiler maps them onto SIMD registers without reordering any addition: every build
  * (and both ISA clones below) gives the same bits. -ffp-contract=off (setup.py) keeps each product
- * rounded on its own, as the rounding bound in forensics.py assumes.
+ * rounded on its own, as the rounding bound in weight_moments.py assumes.
  *
  * The Python module init below exists only so that the shared object can be built and located as an
  * extension module; it exposes no Python functions.
@@ -114,8 +114,8 @@ void llmd_fx_codes16(const uint8_t *base, int64_t n, int64_t stride, const doubl
 }
 
 /* The sub-block codes of n K-quant blocks (block i's packed codes at base + i * stride), in the packing
- * of `kind`: 2 Q2_K, 3 Q3_K, 4 Q4_K and Q5_K, 6 Q6_K (checks/forensics.py's SUBBLOCKS and
- * subblock_codes say where they sit and what they mean; this is the same unpacking). For family f (0 the
+ * of `kind`: 2 Q2_K, 3 Q3_K, 4 Q4_K and Q5_K, 6 Q6_K (checks/file/subblock_codes.py's SUBBLOCKS
+ * and gguf/block_layout.py's subblock_codes say where they sit and what they mean; this is the same unpacking). For family f (0 the
  * scales, 1 the mins of kinds 2 and 4) of each block: zero[f] += 1 where its codes are all zero, else
  * hist[f * 256 + e] += 1 with e the block's largest code (kinds 2, 4) or smallest (3, 6), as an index
  * (Q6_K's signed bytes + 128); and where pinned[f * 256 + e] is 0 and first[f] is -1, first[f] = i.
@@ -187,7 +187,7 @@ LLMD_CLONES void llmd_fx_subblocks(const uint8_t *base, int64_t n, int64_t strid
 
 /* llmd_fx_codes16 piece by piece over n blocks, piece_blocks at a time (the last piece may be shorter),
  * each piece's jumps counted from its own first block: out[4 p ..] = lg of piece p's first block, of
- * its last, the sum of |jumps| inside it and their number; counts as llmd_fx_codes16. forensics.py
+ * its last, the sum of |jumps| inside it and their number; counts as llmd_fx_codes16. block_scales.py
  * folds the pieces in order (ScaleStats.jitter), so one call per chunk gives what a call per piece does. */
 void llmd_fx_codes16_pieces(const uint8_t *base, int64_t n, int64_t stride, const double *lg, int64_t *counts,
                             int64_t piece_blocks, double *out) {
@@ -210,7 +210,7 @@ typedef void (*llmd_fx_decoder)(const uint8_t *src, float *dst, int64_t n_blocks
  * decoded by `decode` (with its table kv) into out (float32 [piece_blocks * block_size]), then scanned
  * (llmd_fx_scan) while it is in the cache, and where every value is finite and max |w| is 0 or lies in
  * [safe_lo, safe_hi], its sums about c = (float)(sum / n) taken (llmd_fx_central), as the accumulator's
- * per-piece path does (forensics.py: Moments.of). res[7 p ..] for piece p: min, max, sum, 1 if a value
+ * per-piece path does (weight_moments.py: Moments.of). res[7 p ..] for piece p: min, max, sum, 1 if a value
  * is inf or NaN, then s2, s3, s4 (NaN where not taken: the caller does that piece its own way). One
  * call per chunk, so that verify's workers cross the GIL once per chunk, not several times per piece. */
 void llmd_fx_pieces(llmd_fx_decoder decode, const int8_t *kv, const uint8_t *src, int64_t n_blocks,

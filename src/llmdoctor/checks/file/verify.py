@@ -25,7 +25,7 @@ parts that run at once:
 Per piece: its sum (finite <=> every value finite, but for an overflow, which the exact test then
 settles); only a piece that holds a non-finite value is searched for its first bad block,
 whose file offset (in the shard that holds it) is reported. The forensics module's statistics
-(`checks/file/forensics.py`: its streaming `Accumulator`) are fed the same piece, raw blocks and decoded
+(`checks/file/tensor_stats.py`: its streaming `Accumulator`) are fed the same piece, raw blocks and decoded
 values, and its sibling comparison runs at the end: its findings are verify's too, and its per-tensor
 statistics (rms, mean, max |w|, kurtosis, block scales) are verify's per-tensor report.
 
@@ -62,6 +62,9 @@ from ...gguf import open_gguf
 from ...gguf.dequant import dequantize
 from ...gguf.reader import GGUFFile, TensorInfo
 from ..base import Finding
+from . import forensics
+from .forensics_native import native_decoding
+from .tensor_stats import Accumulator
 
 CHECK = "verify"
 # Output values decoded per piece, into one buffer per worker reused for every piece: 1M float32
@@ -132,22 +135,13 @@ class Result:
                 "gb_per_s": self.gb_per_s, "device": self.device, "shards": self.shards}
 
 
-def _forensics() -> Any:
-    """The forensics module (issue 14's), or None where it is not installed."""
-    try:
-        from . import forensics
-    except ImportError:
-        return None
-    return forensics
-
-
 class _Part:
     """The statistics of one chunk of a tensor, gathered by whichever worker decoded it: its report's
     counts (None where the dispatching thread checks the values: CUDA) and a forensic accumulator."""
 
     def __init__(self, tw: "_Tensor", checks: bool):
         self.rep = _report(tw.t) if checks else None
-        self.acc = tw.fx.Accumulator(tw.t.name, tw.t.type) if tw.fx is not None else None
+        self.acc = Accumulator(tw.t.name, tw.t.type) if tw.decoded else None
 
 
 class _Tensor:
@@ -159,13 +153,13 @@ class _Tensor:
     half); the parts then carry the raw blocks' half. finish() runs when the last of the tensor's
     `tasks` is done, on the thread that did it."""
 
-    def __init__(self, t: TensorInfo, fx: Any, hashing: bool, tasks: int, gpu: bool):
+    def __init__(self, t: TensorInfo, hashing: bool, tasks: int, gpu: bool):
         self.t, self.rep = t, _report(t)
-        self.fx = fx if _decoded(t) else None
-        self.acc = fx.Accumulator(t.name, t.type) if self.fx is not None else None  # the parts joined so far
-        self.gpu_acc = fx.Accumulator(t.name, t.type) if self.fx is not None and gpu else None
+        self.decoded = _decoded(t)
+        self.acc = Accumulator(t.name, t.type) if self.decoded else None  # the parts joined so far
+        self.gpu_acc = Accumulator(t.name, t.type) if self.decoded and gpu else None
         self.sha = hashlib.sha256() if hashing else None
-        self.stats: Any = None  # forensics.TensorStats once finished
+        self.stats: Any = None  # tensor_stats.TensorStats once finished
         self.lock = threading.Lock()
         self.left, self.skipped = tasks, False
         self.parts: dict[int, _Part] = {}  # done, waiting for the parts before them
@@ -424,7 +418,7 @@ def _decode_cpu(tw: _Tensor, ring: _Ring, i: int, j: int, b0: int, b1: int, *, s
             bs, ts = t.block_size, t.type_size
             out = _values_buffer()
             chunk = ring.bufs[i][: (b1 - b0) * ts]
-            decoder = tw.fx.native_decoding(t.type) if part.acc is not None else None
+            decoder = native_decoding(t.type) if part.acc is not None else None
             if decoder is not None:  # the whole chunk in one native call; only a piece with inf/NaN comes back
                 unit = _piece_blocks(t)
                 finite_values = (b1 - b0) * bs
@@ -489,7 +483,7 @@ def _workers() -> int:
     return max(1, n)
 
 
-def _pass(g: GGUFFile, device: str, progress: Callable, fx: Any, hashing: bool,
+def _pass(g: GGUFFile, device: str, progress: Callable, hashing: bool,
           names: Collection[str] | None = None) -> list[_Tensor]:
     """Every tensor (of `names`) through the ring and the workers; CUDA: decoded on the GPU here.
     Per chunk: its decoding (CPU) or raw blocks' statistics (CUDA) on the least busy worker, its hash
@@ -511,7 +505,7 @@ def _pass(g: GGUFFile, device: str, progress: Callable, fx: Any, hashing: bool,
         for i, t, b0, b1 in ring:
             if not out or out[-1].t is not t:
                 per_chunk = int(hashing) + (1 + int(gpu is not None)) * int(_decoded(t))
-                out.append(_Tensor(t, fx, hashing, chunks[t.name] * per_chunk, gpu is not None))
+                out.append(_Tensor(t, hashing, chunks[t.name] * per_chunk, gpu is not None))
                 owner, j = workers.pick(), 0
                 if not out[-1].left:
                     out[-1].finish()
@@ -593,7 +587,6 @@ def run(path: Path, *, device: str = "cpu", progress: Progress = lambda done, to
     on the rank that reports and None on the others (run then returns None)."""
     if device not in ("cpu", "cuda"):
         raise InputError(f"--device {device!r}: expected cpu or cuda")
-    fx = _forensics()  # imported before the pass's clock starts, as the decoders are
     hashing = manifest is not None or write_manifest
     with open_gguf(path) as g:
         total = sum(t.nbytes for t in g.tensors)
@@ -603,7 +596,7 @@ def run(path: Path, *, device: str = "cpu", progress: Progress = lambda done, to
             return Result([f], [], total, 0.0, device, shards)
         t0 = time.perf_counter()
         with torch.inference_mode():
-            done = _pass(g, device, lambda n, name: progress(n, total, name), fx, hashing, tensors)
+            done = _pass(g, device, lambda n, name: progress(n, total, name), hashing, tensors)
         reports = [tw.rep for tw in done]
         stats = [tw.stats for tw in done if tw.stats is not None]
         if combine is not None:
@@ -612,12 +605,7 @@ def run(path: Path, *, device: str = "cpu", progress: Progress = lambda done, to
                 return None
             reports, stats = joined
         seconds = time.perf_counter() - t0
-        findings = [r.finding() for r in reports]
-        if fx is None:
-            findings.append(Finding(CHECK, "forensics", "all", "skip",
-                                    reason="skipped: the forensics module (checks/file/forensics.py) is not available"))
-        else:
-            findings += fx.compare(stats, file=g.path)
+        findings = [r.finding() for r in reports] + forensics.compare(stats, file=g.path)
         doc = None
         if hashing:
             from . import manifest as MF
