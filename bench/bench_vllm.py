@@ -33,7 +33,8 @@ def one(kind: str, python: str, out: Path) -> dict:
     def timed_run(*a, **kw):  # vLLM's own step times (start + load, the prefill) from its driver
         t = time.perf_counter()
         r = run(*a, **kw)
-        infos.append({"child_s": round(time.perf_counter() - t, 1), "load_s": r.info["load_s"], "run_s": r.info["run_s"]})
+        step = r.info.details
+        infos.append({"child_s": round(time.perf_counter() - t, 1), "load_s": step["load_s"], "run_s": step["run_s"]})
         return r
 
     vllm.run = timed_run

@@ -1,5 +1,5 @@
 """Which side makes vllm-flashattn-mla's NaN on check attention's mla-decode-long cases (deepseek-v3, bf16):
-the adapter (subjects/engines/vllm.py _flashattn_mla) or FA3's MLA kernel? Run on the H200 by
+the adapter (subjects/engines/vllm_kernels.py _flashattn_mla) or FA3's MLA kernel? Run on the H200 by
 bench/h200_vllm.sh (issue 22; the NaN was seen in session 5).
 
 Each case is called as the adapter calls it, then with one thing changed:
@@ -33,7 +33,7 @@ def main(out_path: str | None) -> list[dict]:
     from vllm.v1.attention.backends.mla.flashattn_mla import FlashAttnMLABackend
     from vllm.vllm_flash_attn import flash_attn_varlen_func, get_scheduler_metadata
 
-    from llmdoctor.subjects.engines import vllm as V
+    from llmdoctor.subjects.engines import vllm_kernels as V
 
     shape = ca.load_shape("deepseek-v3", None, None)
     fa_mla = V.mla_kernels("cuda", "flashattn-mla")["mla-decode"]

@@ -37,7 +37,7 @@ def test_llama_cpp_generates_greedily_what_its_prefill_computes(demo_path):
     gen = engine.generate(tokens, 4)
     assert len(gen.ids) == 4 and gen.logits.shape[0] == 4 and not gen.captures
     assert gen.ids == [int(r.argmax()) for r in gen.logits]
-    assert gen.info["kv_cache_type"] == "f16/f16"
+    assert gen.info.details["kv_cache_type"] == "f16/f16"
     ran = engine.run(tokens + gen.ids[:-1])
     assert [int(r.argmax()) for r in ran.logits[len(tokens) - 1:]] == gen.ids
     again = engine.generate(tokens, 4, captures=True)
@@ -122,7 +122,7 @@ def test_vllm_decode_path_through_its_scheduler(tmp_path, vllm_python):
     finally:
         s.close()
     assert gen.ids == [int(r.argmax()) for r in gen.logits] and gen.logits.shape[0] == N
-    assert gen.info["scheduler"] == "vllm.LLM.generate"
+    assert gen.info.details["scheduler"] == "vllm.LLM.generate"
     assert f.status == "pass", f.explanation
     assert f.metrics["generated"] == N and "prefill of the same tokens agrees" in f.explanation
 

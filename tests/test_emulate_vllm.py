@@ -280,11 +280,11 @@ def test_each_rounding_changes_the_run_where_its_kernel_runs(demo_runs):
 
 
 def _engine_budget(info: dict, dtype: str | None = "float32"):
-    from llmdoctor.subjects.engines.base import Deployment, EngineRun
+    from llmdoctor.subjects.engines.base import Deployment, EngineRun, RunInfo
     from llmdoctor.subjects.engines.vllm import VLLMEngine
 
     engine = VLLMEngine(Deployment(dtype=dtype))
-    return engine.noise_budget(EngineRun(np.zeros((1, 4), np.float32), info=info))
+    return engine.noise_budget(EngineRun(np.zeros((1, 4), np.float32), info=RunInfo.of(info)))
 
 
 def _cuda_info(dtype="float32", backend="TRITON_ATTN", gguf=False, cuda_ops=True, f32_dot="tf32", matmul="highest"):
@@ -396,14 +396,14 @@ def _simulated_engine(model, ids, fault: str | None):
     """A float32 vLLM on CUDA with TRITON_ATTN as its run reports it, computing what such an engine
     computes: the reference with TF32 attention (and `fault`'s weight scaled by 1.02: a planted fault)."""
     from llmdoctor.reference import load
-    from llmdoctor.subjects.engines.base import EngineRun
+    from llmdoctor.subjects.engines.base import EngineRun, RunInfo
 
     with load(model, cache=True) as m:
         if fault:
             m.weights.replace(fault, m.weights.get(fault) * 1.02)
         logits, caps = m.forward(ids, capture={"*"}, emulate=vllm_cuda(attention_tf32="rz"))
     return EngineRun(torch.log_softmax(logits, -1).numpy(), {k: v.numpy() for k, v in caps.items()}, list(caps),
-                     _cuda_info())
+                     RunInfo.of(_cuda_info()))
 
 
 @pytest.mark.parametrize("source,fault", [("gguf", None), ("hf", None), ("gguf", "blk.0.attn_v.weight")])
@@ -415,6 +415,7 @@ def test_a_tf32_engine_is_judged_by_its_own_noise(source, fault, tmp_path, monke
     import fixtures_hf
     from llmdoctor.diagnose import Inputs, Session
     from llmdoctor.diagnose.hypotheses import h_engine_vs_reference, h_layer_localization
+    from llmdoctor.subjects.engines.base import RunInfo
 
     ckpt, gguf = fixtures_hf.checkpoint("llama", tmp_path)
     ids = [3, 17, 42, 5, 77, 8, 23, 61, 9, 30, 55, 14]
@@ -424,7 +425,7 @@ def test_a_tf32_engine_is_judged_by_its_own_noise(source, fault, tmp_path, monke
     def verdicts(info: dict) -> dict[str, tuple[str, str]]:
         s = Session(Inputs(**{source: model}, engine="vllm", engine_dtype="float32", token_ids=ids))
         monkeypatch.setattr(s, "engine_run", lambda: ran)
-        ran.info = info
+        ran.info = RunInfo.of(info)
         return {f.check: (f.status, f) for h in (h_engine_vs_reference, h_layer_localization) for f in h(s)}
 
     derived = verdicts(_cuda_info())
@@ -456,7 +457,7 @@ def test_vllm_for_cpu_reports_its_arithmetic_and_keeps_its_budget(vllm_python, t
         ckpt, gguf = fixtures_hf.checkpoint("llama", tmp_path / "llama")
     engine = VLLMEngine(Deployment(model=ckpt, dtype="float32", python=vllm_python))
     ran = engine.run([3, 17, 42, 5, 77, 8], from_gguf(open_gguf(gguf)))
-    arith = ran.info["arithmetic"]
+    arith = ran.info.arithmetic
     assert arith["device"] == "cpu" and arith["float32_matmul_precision"] == "highest", arith
     impls = list(arith["attention_impls"].values())
     assert len(impls) == 2 and all(i.endswith("Impl") for i in impls), arith

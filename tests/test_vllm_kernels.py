@@ -15,7 +15,7 @@ import torch
 from llmdoctor.checks.kernels import attention as ca
 from llmdoctor.reference.attention_cases import gather_pages
 from llmdoctor.subjects import attention as subj
-from llmdoctor.subjects.engines import vllm as vk
+from llmdoctor.subjects.engines import vllm_kernels as vk
 from llmdoctor.subjects.kernel_errors import KernelUnavailable, Unsupported
 
 

@@ -29,3 +29,18 @@ class GGUFError(LLMDoctorError):
 
 class InputError(LLMDoctorError):
     """Invalid user input (bad option value, missing file, unknown name)."""
+
+
+# The engines' errors (subjects/engines/): here, below every layer, so that a check judging what an engine
+# measured recognizes them without importing the engines. Not LLMDoctorError: an engine that cannot run is a
+# finding ("skipped: why" or "fail"), not bad input.
+class EngineError(RuntimeError):
+    """The engine could not run (load failure, decode error, ABI mismatch, a crash in its child)."""
+
+
+class EngineUnavailable(EngineError):
+    """The engine is not usable here at all (not installed, no interpreter that imports it)."""
+
+
+class NotOffered(EngineError):
+    """This engine does not offer that method here; the message is why (shown as "skipped: why")."""

@@ -39,7 +39,7 @@ def h_decode_path(s: Session) -> list[Finding]:
         **{f"decode_{c.name}": c.value for c in j.decode if c.name != "finite"},
         **{f"control_{c.name}": c.value for c in j.control if c.name != "finite"},
         "first_wrong_step": None if j.first_wrong is None else j.first_wrong + 1, "generated": len(gen.ids),
-        "prompt_tokens": p, "generated_ids": gen.ids, "engine": {k: v for k, v in gen.info.items() if k != "engine"}}
+        "prompt_tokens": p, "generated_ids": gen.ids, "engine": {k: v for k, v in gen.info.as_dict().items() if k != "engine"}}
     budget = {f"{c.name}_limit": c.limit for c in j.decode if c.name != "finite"}
     evidence = [{"decode": [c.as_dict() for c in j.decode], "control": [c.as_dict() for c in j.control]}, *j.steps]
 

@@ -296,7 +296,7 @@ def h_engine_backends(s: Session) -> list[Finding]:
     engine = s.engine()
     try:  # the run asks the selection under the config the engine was built with
         info = s.engine_run().info
-        built, explained = info["backends"], info["explained"]
+        built, explained = info.backends, info.explained
     except Skip as e:  # ask the selection alone: the engine's own reason the model cannot run
         built, ran = None, str(e)
         try:

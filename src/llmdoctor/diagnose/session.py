@@ -72,8 +72,8 @@ class Session:
         from ..reference.checkpoint import is_checkpoint
 
         ran = self._cache.get("engine")
-        if isinstance(ran, EngineRun) and ran.info.get("reference_reads"):
-            return Path(ran.info["reference_reads"])
+        if isinstance(ran, EngineRun) and ran.info.reference_reads:
+            return Path(ran.info.reference_reads)
         hf = self.inputs.hf
         return Path(hf) if self.inputs.gguf is None and hf is not None and is_checkpoint(hf) else None
 
@@ -182,7 +182,7 @@ class Session:
 
     def close(self) -> None:
         for key, value in self._cache.items():
-            if key.startswith("model-") or key == "gguf":
+            if key.startswith("model-") or key in ("gguf", "engine-instance"):
                 value.close()
 
     # ---- the engine ---------------------------------------------------------------------------
@@ -300,7 +300,7 @@ class Session:
         """What the engine reported of itself (versions, dtype, backends) if it ran in this session; never
         runs it."""
         ran = self._cache.get("engine")
-        return ran.info if isinstance(ran, EngineRun) else None
+        return ran.info.as_dict() if isinstance(ran, EngineRun) else None
 
     def reference_extra(self, tokens: list[int] | None = None) -> dict | None:
         """Per-run state for every reference forward pass of this diagnosis: the engine's discrete choices

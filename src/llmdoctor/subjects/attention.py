@@ -48,7 +48,7 @@ CONTRACTS: dict[str, tuple[str, ...]] = {
 }
 SDPA_BACKENDS = {"sdpa-math": "MATH", "sdpa-flash": "FLASH_ATTENTION", "sdpa-efficient": "EFFICIENT_ATTENTION",
                  "sdpa-cudnn": "CUDNN_ATTENTION"}
-# vLLM's MLA kernels, one subject each, with the contracts each offers (subjects/engines/vllm.py mla_kernels)
+# vLLM's MLA kernels, one subject each, with the contracts each offers (subjects/engines/vllm_kernels.py mla_kernels)
 VLLM_MLA: dict[str, tuple[str, ...]] = {"vllm-flashmla": ("mla-decode", "mla-sparse-decode", "mla-sparse-prefill"),
                                         "vllm-flashattn-mla": ("mla-decode",), "vllm-triton-mla": ("mla-decode",)}
 BUILTINS = (*SDPA_BACKENDS, "flex", "flash-attn", "flashinfer", "vllm", *VLLM_MLA)
@@ -319,13 +319,13 @@ def _flashinfer(device: str) -> dict[str, Callable]:
 
 
 def _vllm(device: str) -> dict[str, Callable]:
-    from .engines import vllm
+    from .engines import vllm_kernels as vllm
 
     return vllm.attention_kernels(device)
 
 
 def _vllm_mla(name: str, device: str) -> dict[str, Callable]:
-    from .engines import vllm
+    from .engines import vllm_kernels as vllm
 
     return vllm.mla_kernels(device, name.removeprefix("vllm-"))
 

@@ -1,5 +1,5 @@
 """Why a kernel under test did not compare a case: shared by every kernel loader (kernels.py,
-attention.py) and the engines that offer their own kernels as subjects (engines/vllm.py)."""
+attention.py) and the engines that offer their own kernels as subjects (engines/vllm_kernels.py)."""
 
 
 class Unsupported(NotImplementedError):

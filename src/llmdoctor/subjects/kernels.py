@@ -173,7 +173,7 @@ def _ggml(device: str) -> Kernel:
 
 
 def _vllm(device: str) -> Kernel:
-    from .engines import vllm
+    from .engines import vllm_kernels as vllm
 
     return vllm.dequant_kernel(device)
 

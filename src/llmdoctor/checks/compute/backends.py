@@ -9,8 +9,8 @@ from typing import Any
 
 def mismatches(built: dict[str, Any], explained: dict[str, Any]) -> list[str]:
     """One line per layer whose decode (or, for MLA, prefill) backend differs from the selection.
-    built: {"decode": {layer: backend}, "prefill": {layer: backend}} (the engine run's info["backends"]);
-    explained: {"kind": dense | mla, "selected": {"decode", "prefill"}} (Engine.explain_backends)."""
+    built: {"decode": {layer: backend}, "prefill": {layer: backend}} (the engine run's RunInfo.backends);
+    explained: {"kind": dense | mla, "selected": {"decode", "prefill"}} (BackendSelecting.explain_backends)."""
     sel = explained.get("selected") or {}
     out = [f"{layer}: built {name}, selection says {sel.get('decode')}"
            for layer, name in built.get("decode", {}).items() if name != sel.get("decode")]

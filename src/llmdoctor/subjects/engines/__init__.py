@@ -7,9 +7,13 @@ library (llama-cpp-python, transformers) is imported only when that engine is us
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+import os
+from pathlib import Path
+from typing import Callable, Iterator
 
-from .base import Deployment, Engine
+from .base import Deployment, Engine, PieceRendering
 
 # name -> "module:class" in this folder
 REGISTRY = {
@@ -35,7 +39,26 @@ def engine_class(name: str) -> type[Engine]:
 
 
 def create(name: str, deployment: Deployment) -> Engine:
+    """An instance of the engine `name` for `deployment`: it loads its model on first use; close it (or use it
+    as a context manager) to release it."""
     return engine_class(name)(deployment)
+
+
+@contextlib.contextmanager
+def gguf_pieces(path: str | os.PathLike) -> Iterator[Callable[[int, bool], bytes] | None]:
+    """The built-in GGUF engine's rendering of single tokens from the file's vocab (a PieceRendering engine):
+    `pieces(token_id, special) -> bytes`; None when it cannot be had (no llama-cpp-python, or it cannot read
+    this vocab: the front-end audit's decode parity is then a skip)."""
+    try:
+        engine = create(DEFAULT_FOR_GGUF, Deployment(model=Path(path)))
+        pieces = engine.piece_reader() if isinstance(engine, PieceRendering) else None
+    except Exception:  # any failure to read the vocab means no parity, reported as a skip
+        pieces = None
+    try:
+        yield pieces
+    finally:
+        if pieces is not None:
+            pieces.close()
 
 
 def selectable() -> tuple[str, ...]:

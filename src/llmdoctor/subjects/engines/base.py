@@ -2,9 +2,10 @@
 does for a diagnosis, in the order a user's request meets it.
 
 How to add an engine: subclass `Engine` in a module of this folder, set `name`, `title`,
-`distribution` and `traits`, implement `run` (and `tokenize` / `generate` / `describe` / the vLLM-only queries where the
-engine offers them), and add one line to `REGISTRY` in `__init__.py`. Nothing outside this folder
-names an engine: diagnose and the checks ask the registry for the class and the class for its traits.
+`distribution` and `traits`, implement `run` (and `tokenize` / `generate` / `describe` where the engine
+offers them, and a capability below where it has one), and add one line to `REGISTRY` in `__init__.py`.
+Nothing outside this folder names an engine: diagnose and the checks ask the registry for the class, the
+class for its traits, and an instance whether it has a capability (`isinstance(engine, BackendSelecting)`).
 
     tokenize(text)          the token ids the deployment itself makes of `text` (its tokenizer, its
                             add-special rules)
@@ -14,8 +15,14 @@ names an engine: diagnose and the checks ask the registry for the class and the 
     generate(tokens, n)     greedy decoding through the engine's own decode path: a Generation (the n
                             ids, each step's full next-token distribution [n, V], the decode steps'
                             captures where the engine exposes them and they are asked for)
+    weights(layer)          one layer's weights as the engine holds them after its loader
     describe()              versions, device, dtype, backends: the engine's account of itself
     noise_budget(ran)       which reference run emulates this engine's arithmetic (its noise)
+    close()                 release what it holds (its model, its child process); idempotent
+
+Lifecycle: an engine loads its model once, lazily on first use, keeps it for every later run, generation and
+weight read, and releases it in `close()` (a later call loads it again). An engine is a context manager:
+`with create(name, deployment) as engine: ...`.
 
 A method an engine cannot offer raises `NotOffered(reason)`; callers turn it into "skipped: reason".
 """
@@ -23,23 +30,54 @@ A method an engine cannot offer raises `NotOffered(reason)`; callers turn it int
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, ClassVar
 
 import numpy as np
 
-
-class EngineError(RuntimeError):
-    """The engine could not run (load failure, decode error, ABI mismatch, a crash in its child)."""
-
-
-class EngineUnavailable(EngineError):
-    """The engine is not usable here at all (not installed, no interpreter that imports it)."""
+from ...errors import EngineError as EngineError  # re-exported: the engines' errors, below every layer
+from ...errors import EngineUnavailable as EngineUnavailable
+from ...errors import NotOffered
 
 
-class NotOffered(EngineError):
-    """This engine does not offer that method here; the message is why (shown as "skipped: why")."""
+@dataclass
+class RunInfo:
+    """The engine's account of one run or generation. The fields are what diagnose decides with; `details` is
+    the rest the engine reports (versions, threads, cache type, step times, the model folder: engine-specific).
+    `as_dict()` is the report's `engine_run` block: every key in the order the engine gave it (`of`), then
+    the details and fields set later."""
+
+    engine: str = ""
+    dtype: str | None = None  # the precision it ran in (its noise budget follows it)
+    arithmetic: dict[str, Any] | None = None  # what else decides its arithmetic (vLLM's driver: device,
+    #                                           attention impls, linear methods, Triton's float32 dot)
+    backends: dict[str, Any] | None = None  # the attention backends it built: {"decode": {layer: backend},
+    #                                         "prefill": {...}, "fixed": {...}} (engines that select at run time)
+    explained: dict[str, Any] | None = None  # its own backend selection under the config it ran with
+    #                                          (as BackendSelecting.explain_backends answers)
+    reference_reads: str | None = None  # the HF checkpoint it ran in place of a GGUF it could not run (the
+    #                                     reference reads it too)
+    details: dict[str, Any] = field(default_factory=dict)
+    _order: tuple[str, ...] = field(default=(), repr=False, compare=False)
+
+    @classmethod
+    def of(cls, report: dict[str, Any]) -> RunInfo:
+        """From an engine's report: the fields taken out by name, the rest kept as details, its order kept."""
+        return cls(**{k: v for k, v in report.items() if k in _FIELDS},
+                   details={k: v for k, v in report.items() if k not in _FIELDS}, _order=tuple(report))
+
+    def as_dict(self) -> dict[str, Any]:
+        named = {f: getattr(self, f) for f in _FIELDS}
+        out: dict[str, Any] = {}
+        for k in (*(self._order or _FIELDS), *self.details, *_FIELDS):
+            if k in out or (k in named and named[k] is None and k not in self._order):
+                continue
+            out[k] = named[k] if k in named else self.details[k]
+        return out
+
+
+_FIELDS = tuple(f.name for f in fields(RunInfo) if f.name not in ("details", "_order"))  # the typed ones, in order
 
 
 @dataclass
@@ -51,7 +89,7 @@ class EngineRun:
     logits: np.ndarray
     captures: dict[str, np.ndarray] = field(default_factory=dict)
     node_names: list[str] = field(default_factory=list)  # every node name the engine showed, in order
-    info: dict = field(default_factory=dict)  # the engine's account of this run (describe() + run details)
+    info: RunInfo = field(default_factory=lambda: RunInfo())  # the engine's account of this run
 
 
 @dataclass
@@ -68,7 +106,7 @@ class Generation:
     ids: list[int]
     logits: np.ndarray | None
     captures: dict[str, np.ndarray] = field(default_factory=dict)
-    info: dict = field(default_factory=dict)  # the engine's account of this generation (cache type, step times)
+    info: RunInfo = field(default_factory=lambda: RunInfo())  # the engine's account (cache type, step times)
 
 
 @dataclass(frozen=True)
@@ -85,6 +123,8 @@ class Deployment:
     dequant_kernel: str | None = None  # the GGUF dequant kernel the deployment loads weights with
     tokenizer: Path | None = None  # the tokenizer folder the deployment loads (vLLM's --tokenizer); None: the engine's own
     device: str = "cpu"  # where an in-process engine runs: cpu or cuda[:N] (diagnose --device)
+    engine_args: tuple[str, ...] | None = None  # the deployment's own engine command line (--engine-args:
+    #                                             what follows `vllm serve`); None: the engine's defaults here
 
     @property
     def is_gguf(self) -> bool:
@@ -109,7 +149,8 @@ class Traits:
     captures: str  # what it exposes of its activations, in words
     noise: str  # how its noise budget is emulated, in words
     in_process: bool = True  # selectable with --engine (an endpoint is reached with --endpoint)
-    selects_backends: bool = False  # chooses attention backends at run time (vLLM)
+    selects_backends: bool = False  # chooses attention backends at run time (vLLM): the class is BackendSelecting
+    #                                 (the trait answers before an instance exists: plan rows, check attention)
     quantized_indexer: bool = True  # loads a GGUF whose DSA indexer weights are quantized
 
 
@@ -123,6 +164,15 @@ class Engine:
 
     def __init__(self, deployment: Deployment):
         self.deployment = deployment
+
+    @classmethod
+    def parse_engine_args(cls, text: str, python: str | None) -> Any:
+        """The deployment's own command line for this engine (--engine-args) as the engine's own parser reads
+        it: an object with `argv`, and `model` and `tokenizer` (the paths it names; None: none). An engine
+        that takes none refuses (InputError)."""
+        from ...errors import InputError
+
+        raise InputError(f"--engine-args: {cls.title} takes none (they are `vllm serve` arguments: --engine vllm)")
 
     def cannot_run(self) -> str | None:
         """Why this engine cannot run the deployment's model at all (None: it may try)."""
@@ -176,33 +226,56 @@ class Engine:
         """Default: an engine whose float32 kernels sum in other orders than the reference's torch ops
         differs from the float32 reference by another draw of float32 rounding, whose size is the float32
         reference's own distance from float64 arithmetic; in another dtype, the reference in that dtype."""
-        dtype = torch_dtype_name(str(ran.info.get("dtype") or self.deployment.dtype or "float32"))
+        dtype = torch_dtype_name(str(ran.info.dtype or self.deployment.dtype or "float32"))
         if dtype == "float32":
             return Budget("float64", None, "float32 precision")
         return Budget(dtype, None, f"{dtype} precision")
-
-    # ---- queries only some engines answer -----------------------------------------------------------
-    def explain_backends(self) -> dict[str, Any]:
-        """The engine's own attention-backend selection for this model (engines that select at run time)."""
-        raise NotOffered(f"only engines that select attention backends at run time do; {self.name} does not")
-
-    def select_backend(self, head_size: int, dtype: str, *, use_mla: bool, use_sparse: bool) -> dict[str, Any]:
-        """The engine's own attention-backend selection for a bare attention shape (no model)."""
-        raise NotOffered(f"only engines that select attention backends at run time do; {self.name} does not")
 
     def weights(self, layer: int) -> tuple[dict[str, Any], dict[str, Any]]:
         """The weights of one layer as the engine holds them after its loader, under its own (HF checkpoint)
         names and layout, and the config.json they follow: ({name: array}, config)."""
         raise NotOffered(f"{self.name} does not expose the weights it loaded")
 
+    # ---- the lifecycle ------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Release what the engine holds (its model, its child process, its files); idempotent. Default:
+        nothing held."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+# ---- capabilities only some engines have: a caller asks `isinstance(engine, Capability)` ---------------------
+class BackendSelecting:
+    """An engine that chooses its attention backends at run time (vLLM) answers for its own selection."""
+
+    def explain_backends(self) -> dict[str, Any]:
+        """The engine's own attention-backend selection for this model: {"kind", "selected", "knobs", "env",
+        versions, "platform"}."""
+        raise NotImplementedError
+
+    def select_backend(self, head_size: int, dtype: str, *, use_mla: bool, use_sparse: bool) -> dict[str, Any]:
+        """The engine's own attention-backend selection for a bare attention shape (no model)."""
+        raise NotImplementedError
+
+
+class PieceRendering:
+    """An engine that renders single tokens of a GGUF's vocab (llama.cpp: the tokenizer audit's decode parity)."""
+
     def piece_reader(self):
-        """The engine's rendering of single tokens of the model's vocab: `reader(token_id, special) -> bytes`,
-        with `close()` (the tokenizer front-end audit's decode parity)."""
-        raise NotOffered(f"{self.name} renders no single tokens here")
+        """`reader(token_id, special) -> bytes` with `close()` (a context manager)."""
+        raise NotImplementedError
+
+
+class GGUFNameMapping:
+    """An engine that loads a GGUF through a name map of its own (vLLM's GGUF plugin) shows it."""
 
     def gguf_name_map(self, hf_config: dict[str, Any]) -> dict[str, Any]:
-        """The engine's own GGUF->HF tensor name map for `hf_config`."""
-        raise NotOffered(f"{self.name} exposes no GGUF name map of its own")
+        """The engine's own GGUF->HF tensor name map for `hf_config`: {"map": {GGUF name: HF name}, ...}."""
+        raise NotImplementedError
 
 
 def torch_dtype_name(name: str) -> str:

@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..endpoint import Endpoint
-from .base import Engine, EngineRun, Generation, NotOffered, Traits
+from .base import Engine, EngineRun, Generation, NotOffered, RunInfo, Traits
 
 
 class EndpointEngine(Engine):
@@ -57,7 +57,7 @@ class EndpointEngine(Engine):
         out = self.client().complete(tokens, max_tokens=n, logprobs=1)  # a completion prompt may be token ids
         if out.token_ids is None:
             raise NotOffered(f"{self.deployment.url} names generated tokens by text only, not by id")
-        return Generation(list(out.token_ids), None, {}, {"engine": self.name, "url": self.deployment.url})
+        return Generation(list(out.token_ids), None, {}, RunInfo.of({"engine": self.name, "url": self.deployment.url}))
 
     def describe(self) -> dict[str, Any]:
         return {"engine": self.name, "url": self.deployment.url, "model": self.client().model}
@@ -65,6 +65,7 @@ class EndpointEngine(Engine):
     def close(self) -> None:
         if self._client is not None:
             self._client.close()
+            self._client = None
 
 
 # what each known tokenize route was asked for (subjects/endpoint.py), in words

@@ -26,7 +26,7 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
-from .base import Budget, Engine, EngineError, EngineRun, Generation, Traits
+from .base import Budget, Engine, EngineError, EngineRun, Generation, PieceRendering, RunInfo, Traits
 
 GGML_MAX_DIMS = 4
 GGML_MAX_OP_PARAMS = 64  # bytes
@@ -137,10 +137,9 @@ def _eval_callback_type():
 
 
 @contextlib.contextmanager
-def _context(model_path: str | os.PathLike, n_ctx: int, n_batch: int, *, n_threads: int | None, flash_attn: bool,
-             cap: "_Capture | None"):
-    """(llama_cpp module, context, n_vocab, info) of the model on llama.cpp's CPU backend, its KV cache of the
-    context's default type (F16), `cap` as the eval callback; everything freed on exit."""
+def loaded(model_path: str | os.PathLike):
+    """(llama_cpp module, model) of the model on llama.cpp's CPU backend (mapped, no layer offloaded); freed on
+    exit. A context per run or generation is made on it (`_context`)."""
     import llama_cpp as L
 
     L.llama_backend_init()
@@ -153,6 +152,17 @@ def _context(model_path: str | os.PathLike, n_ctx: int, n_batch: int, *, n_threa
     model = L.llama_model_load_from_file(os.fsencode(first_shard(model_path)), mparams)
     if not model:
         raise EngineError(f"llama.cpp could not load {model_path}")
+    try:
+        yield L, model
+    finally:
+        L.llama_model_free(model)
+
+
+@contextlib.contextmanager
+def _context(held, n_ctx: int, n_batch: int, *, n_threads: int | None, flash_attn: bool, cap: "_Capture | None"):
+    """(llama_cpp module, context, n_vocab, info) on the `loaded` model `held`, its KV cache of the context's
+    default type (F16), `cap` as the eval callback; the context freed on exit."""
+    L, model = held
     ctx = None
     try:
         cparams = L.llama_context_default_params()
@@ -175,7 +185,6 @@ def _context(model_path: str | os.PathLike, n_ctx: int, n_batch: int, *, n_threa
     finally:
         if ctx:
             L.llama_free(ctx)
-        L.llama_model_free(model)
 
 
 class _Batch:
@@ -203,16 +212,20 @@ class _Batch:
 
 
 def run(model_path: str | os.PathLike, tokens: list[int], *, capture: tuple[str, ...] = (),
-        n_threads: int | None = None, flash_attn: bool = False) -> EngineRun:
+        n_threads: int | None = None, flash_attn: bool = False, held=None) -> EngineRun:
     """Decode `tokens` in one batch on llama.cpp's CPU backend; logits for every position.
 
-    `capture`: fnmatch patterns of node names to copy out (empty: none, "*": all).
+    `capture`: fnmatch patterns of node names to copy out (empty: none, "*": all). `held`: the model
+    already `loaded` from `model_path` (else loaded for this run alone).
     """
     if not tokens:
         raise EngineError("no tokens")
+    if held is None:
+        with loaded(model_path) as held:
+            return run(model_path, tokens, capture=capture, n_threads=n_threads, flash_attn=flash_attn, held=held)
     n = len(tokens)
     cap = _Capture(_ggml_base(), tuple(capture)) if capture else None
-    with _context(model_path, n, n, n_threads=n_threads, flash_attn=flash_attn, cap=cap) as (L, ctx, n_vocab, info):
+    with _context(held, n, n, n_threads=n_threads, flash_attn=flash_attn, cap=cap) as (L, ctx, n_vocab, info):
         batch = _Batch(L, n)
         try:
             batch.decode(ctx, tokens, 0, logits="all")
@@ -221,7 +234,7 @@ def run(model_path: str | os.PathLike, tokens: list[int], *, capture: tuple[str,
         if cap is not None and cap.error:
             raise EngineError(cap.error)
         logits = np.ctypeslib.as_array(L.llama_get_logits(ctx), shape=(n, n_vocab)).copy()  # [T, n_vocab]
-        return EngineRun(logits, cap.captures if cap else {}, cap.names if cap else [], info)
+        return EngineRun(logits, cap.captures if cap else {}, cap.names if cap else [], RunInfo.of(info))
 
 
 @dataclass
@@ -241,19 +254,24 @@ class DecodeStep:
 
 
 def generate(model_path: str | os.PathLike, tokens: list[int], n: int, *, capture: tuple[str, ...] = (),
-             n_threads: int | None = None, flash_attn: bool = False, plant: str | None = None) -> Generation:
+             n_threads: int | None = None, flash_attn: bool = False, plant: str | None = None,
+             held=None) -> Generation:
     """Greedy decoding as llama.cpp serves (its server's slot loop): the prompt in one batch, then one
     llama_decode per generated token over the context's KV cache, the next token the argmax of the last
     logits (llama.cpp's greedy sampler: the first of equal maxima, as numpy's argmax). `capture`: fnmatch
     patterns of the nodes copied out of every decode step (not the prompt's batch). `plant`: a planted
     decode fault, "module:factory" of an object with `before(step)` and/or `node(step, tensor, ask)`
-    (faults/decode.py), resolved here, in the engine's process."""
+    (faults/decode.py), resolved here, in the engine's process. `held`: as `run`'s."""
     if not tokens or n < 1:
         raise EngineError("generate needs a prompt and at least one new token")
+    if held is None:
+        with loaded(model_path) as held:
+            return generate(model_path, tokens, n, capture=capture, n_threads=n_threads, flash_attn=flash_attn,
+                            plant=plant, held=held)
     p = len(tokens)
     fault = _resolve_plant(plant) if plant else None
     cap = _Capture(_ggml_base(), ()) if capture or fault is not None else None
-    with _context(model_path, p + n, p, n_threads=n_threads, flash_attn=flash_attn, cap=cap) as (L, ctx, n_vocab, info):
+    with _context(held, p + n, p, n_threads=n_threads, flash_attn=flash_attn, cap=cap) as (L, ctx, n_vocab, info):
         batch = _Batch(L, p)
         rows: list[np.ndarray] = []  # [V] per step
         steps: list[dict[str, np.ndarray]] = []  # the captures of each decode step
@@ -286,7 +304,7 @@ def generate(model_path: str | os.PathLike, tokens: list[int], n: int, *, captur
                     if all(name in st for st in steps)}  # [n-1, ...]: a decode step's row dim (1) was dropped
         info.update(prefill_s=round(t_prefill, 3), decode_s=round(time.perf_counter() - t0 - t_prefill, 3),
                     planted=plant)
-        return Generation(ids, np.stack(rows), captures, info)
+        return Generation(ids, np.stack(rows), captures, RunInfo.of(info))
 
 
 def _resolve_plant(spec: str):
@@ -298,20 +316,34 @@ def _resolve_plant(spec: str):
 
 def serve() -> Callable:
     """Handler factory for `subjects.isolation.Isolated`: each request is one `run` or `generate` (the header's
-    "command" and arguments); the reply's payload is the pickled EngineRun or Generation, or the header
-    says the engine's error."""
+    "command" and arguments) on the model the child keeps loaded (loaded by the first request for its path, a
+    request for another path replaces it); the reply's payload is the pickled EngineRun or Generation, or the
+    header says the engine's error. The reply header's `loaded` says whether this request loaded the model."""
     os.environ["GGML_NO_BACKTRACE"] = "1"  # an abort is reported by the parent, without a gdb dump
+    kept: dict[str, Any] = {}  # {"path", "held"}: the model loaded last, freed by `stack`
+    stack = contextlib.ExitStack()
+
+    def model(path: str) -> tuple[Any, bool]:
+        """(the `loaded` model at `path`, whether this request loaded it)."""
+        if kept.get("path") == path:
+            return kept["held"], False
+        stack.close()  # the model of another path goes first
+        kept.clear()
+        kept.update(held=stack.enter_context(loaded(path)), path=path)
+        return kept["held"], True
 
     def handle(header: dict, payload: bytearray) -> tuple[dict, bytes]:
         common = dict(capture=tuple(header["capture"]), n_threads=header["n_threads"], flash_attn=header["flash_attn"])
         try:
+            m, fresh = model(header["model_path"])
             if header["command"] == "generate":
-                result = generate(header["model_path"], header["tokens"], header["n"], plant=header["plant"], **common)
+                result = generate(header["model_path"], header["tokens"], header["n"], plant=header["plant"], held=m,
+                                  **common)
             else:
-                result = run(header["model_path"], header["tokens"], **common)
+                result = run(header["model_path"], header["tokens"], held=m, **common)
         except EngineError as e:
             return {"status": "engine-error", "message": str(e)}, b""
-        return {"status": "ok"}, pickle.dumps(result, protocol=pickle.HIGHEST_PROTOCOL)
+        return {"status": "ok", "loaded": fresh}, pickle.dumps(result, protocol=pickle.HIGHEST_PROTOCOL)
 
     return handle
 
@@ -319,14 +351,20 @@ def serve() -> Callable:
 _SERVE = "llmdoctor.subjects.engines.llama_cpp:serve"  # the child's handler factory
 
 
-def _isolated(header: dict[str, Any], timeout: float) -> Any:
-    """One request to `serve` in a child process: an abort inside llama.cpp (a GGML_ASSERT on a file it
-    cannot run), a crash or a hang becomes an EngineError naming what happened, not the end of this process."""
+def _isolated(header: dict[str, Any], timeout: float, child: Any = None) -> Any:
+    """One request to `serve` in a child process (`child`: an `Isolated` kept across requests; else one for
+    this request alone): an abort inside llama.cpp (a GGML_ASSERT on a file it cannot run), a crash or a hang
+    becomes an EngineError naming what happened, not the end of this process (the next request on `child`
+    starts a fresh one)."""
     from ..isolation import Isolated, LoadFailed
 
     try:
-        with Isolated(_SERVE, (), call_timeout=timeout) as iso:
-            out = iso.call(header, b"")
+        if child is None:
+            with Isolated(_SERVE, (), call_timeout=timeout) as iso:
+                out = iso.call(header, b"")
+        else:
+            child.call_timeout = timeout
+            out = child.call(header, b"")
     except LoadFailed as e:
         raise EngineError(f"llama.cpp could not be started in a child process ({e.kind}: {e})") from None
     if out.status == "ok":
@@ -338,20 +376,21 @@ def _isolated(header: dict[str, Any], timeout: float) -> Any:
 
 
 def run_isolated(model_path: str | os.PathLike, tokens: list[int], *, capture: tuple[str, ...] = (),
-                 n_threads: int | None = None, flash_attn: bool = False, timeout: float = 3600.0) -> EngineRun:
-    """`run` in a child process. `timeout` covers loading and the whole prefill (an hour: a large model
-    mapped from a cold disk)."""
+                 n_threads: int | None = None, flash_attn: bool = False, timeout: float = 3600.0,
+                 child: Any = None) -> EngineRun:
+    """`run` in a child process (`child`: as `_isolated`'s). `timeout` covers loading and the whole prefill (an
+    hour: a large model mapped from a cold disk)."""
     return _isolated({"command": "run", "model_path": os.fspath(model_path), "tokens": [int(t) for t in tokens],
-                      "capture": list(capture), "n_threads": n_threads, "flash_attn": flash_attn}, timeout)
+                      "capture": list(capture), "n_threads": n_threads, "flash_attn": flash_attn}, timeout, child)
 
 
 def generate_isolated(model_path: str | os.PathLike, tokens: list[int], n: int, *, capture: tuple[str, ...] = (),
                       n_threads: int | None = None, flash_attn: bool = False, plant: str | None = None,
-                      timeout: float = 3600.0) -> Generation:
+                      timeout: float = 3600.0, child: Any = None) -> Generation:
     """`generate` in a child process (as `run_isolated`)."""
     return _isolated({"command": "generate", "model_path": os.fspath(model_path), "tokens": [int(t) for t in tokens],
                       "n": int(n), "capture": list(capture), "n_threads": n_threads, "flash_attn": flash_attn,
-                      "plant": plant}, timeout)
+                      "plant": plant}, timeout, child)
 
 
 _LOG_CB = None
@@ -434,9 +473,10 @@ def to_reference_names(captures: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-class LlamaCppEngine(Engine):
+class LlamaCppEngine(PieceRendering, Engine):
     """llama.cpp's CPU backend through llama-cpp-python, in a child process (an abort inside llama.cpp
-    is a finding, not the end of the diagnosis)."""
+    is a finding, not the end of the diagnosis) kept for every run and generation, the model loaded in it
+    once; a crashed or hung child is replaced by a fresh one on the next request."""
 
     name = "llama.cpp"
     title = "llama.cpp"
@@ -447,16 +487,36 @@ class LlamaCppEngine(Engine):
 
     plant: str | None = None  # a planted decode fault, "module:factory" (faults/decode.py: tests, --demo-fault)
 
+    def __init__(self, deployment):
+        super().__init__(deployment)
+        self._child = None  # the Isolated child serving this engine's requests, started on the first
+        self._hf_front = None
+
+    def child(self):
+        from ..isolation import Isolated
+
+        if self._child is None:
+            self._child = Isolated(_SERVE, ())
+        return self._child
+
     def run(self, tokens: list[int], config: Any = None) -> EngineRun:
-        out = run_isolated(self.deployment.model, tokens, n_threads=self.deployment.threads, capture=CAPTURE)
+        out = run_isolated(self.deployment.model, tokens, n_threads=self.deployment.threads, capture=CAPTURE,
+                           child=self.child())
         out.captures = to_reference_names(out.captures)
         return out
 
     def generate(self, tokens: list[int], n: int, *, captures: bool = False) -> Generation:
         out = generate_isolated(self.deployment.model, tokens, n, n_threads=self.deployment.threads,
-                                capture=CAPTURE if captures else (), plant=self.plant)
+                                capture=CAPTURE if captures else (), plant=self.plant, child=self.child())
         out.captures = to_reference_names(out.captures)
         return out
+
+    def close(self) -> None:
+        """The child process ended (and with it the model it loaded)."""
+        if self._child is not None:
+            self._child.close()
+            self._child = None
+        self._hf_front = None
 
     def noise_budget(self, ran: EngineRun) -> Budget:
         from ...reference.emulate import LLAMA_CPP_CPU
@@ -520,7 +580,7 @@ class LlamaCppEngine(Engine):
     def _hf(self):
         from .hf_front import HFFrontEnd
 
-        if not hasattr(self, "_hf_front"):
+        if self._hf_front is None:
             self._hf_front = HFFrontEnd(self.deployment.tokenizer)
         return self._hf_front
 

@@ -24,7 +24,8 @@ import torch
 from gguf import MODEL_TENSOR
 
 from ...errors import InputError
-from .base import Engine, EngineError, EngineRun, Generation, NotOffered, Traits
+from .base import Engine, EngineError, EngineRun, Generation, NotOffered, RunInfo, Traits
+
 
 def build(path: str | os.PathLike, dtype: torch.dtype = torch.float32, dequantizer=None, device: str = "cpu"):
     """(model, config) with the GGUF's weights in transformers' layout, in `dtype`, on `device` (dequantized
@@ -170,23 +171,14 @@ def load(path: str | os.PathLike, dtype: torch.dtype, dequant_kernel: str | None
 
 
 @torch.inference_mode()
-def run(path: str | os.PathLike, tokens: list[int], *, dtype: str = "float32",
-        n_threads: int | None = None, dequant_kernel: str | None = None, device: str = "cpu") -> EngineRun:
-    """One forward pass of `tokens` through transformers in `dtype`: logits [T, V] and l_out-{i}.
-    `path`: a GGUF (built with our dequantized weights) or an HF checkpoint directory (from_pretrained).
-    `dequant_kernel`: a kernel spec the deployment loads the GGUF with (run isolated). `device`: where the
-    model is built and run (cpu, cuda[:N])."""
-    torch_dtype = getattr(torch, dtype, None)
-    if not isinstance(torch_dtype, torch.dtype):
-        raise InputError(f"unknown dtype {dtype!r}")
-    if n_threads:
-        torch.set_num_threads(n_threads)
-    model, cfg = load(path, torch_dtype, dequant_kernel, device)
+def run(model, tokens: list[int], info: dict[str, Any]) -> EngineRun:
+    """One forward pass of `tokens` through the loaded `model` (`load`), on its device: logits [T, V], l_out-{i},
+    the routers' and indexers' choices; `info` is the engine's report of the run."""
     routing: dict[str, np.ndarray] = {}
     hooks = [module.register_forward_hook(_routing_hook(routing, il)) for il, module in _routers(model)]
     hooks += [module.register_forward_hook(_selection_hook(routing, il)) for il, module in _indexers(model)]
     try:
-        out = model(torch.tensor([tokens], device=device), output_hidden_states=True, use_cache=False)
+        out = model(torch.tensor([tokens], device=model.device), output_hidden_states=True, use_cache=False)
     finally:
         for h in hooks:
             h.remove()
@@ -196,9 +188,7 @@ def run(path: str | os.PathLike, tokens: list[int], *, dtype: str = "float32",
     caps = {f"l_out-{i}": h[0].float().cpu().numpy() for i, h in enumerate(out.hidden_states[1:-1])}
     caps.update(routing)
     caps["result_output"] = logits
-    info = {"engine": "transformers", "transformers": __import__("transformers").__version__, "dtype": dtype,
-            "dequant_kernel": dequant_kernel or "llmdoctor", "device": device}
-    return EngineRun(np.ascontiguousarray(logits), caps, list(caps), info)
+    return EngineRun(np.ascontiguousarray(logits), caps, list(caps), RunInfo.of(info))
 
 
 @torch.inference_mode()
@@ -223,7 +213,7 @@ def generate(model, tokens: list[int], n: int, *, captures: bool = False) -> Gen
     info = {"engine": "transformers", "transformers": __import__("transformers").__version__,
             "dtype": str(model.dtype).removeprefix("torch."), "cache": "DynamicCache",
             "generate_s": round(time.perf_counter() - t0, 3)}
-    return Generation(new, np.ascontiguousarray(logits), caps, info)
+    return Generation(new, np.ascontiguousarray(logits), caps, RunInfo.of(info))
 
 
 class TransformersEngine(Engine):
@@ -238,14 +228,41 @@ class TransformersEngine(Engine):
                     noise="the reference in float64 for float32 (another draw of float32 rounding), else in the "
                           "engine's dtype")
 
-    def run(self, tokens: list[int], config: Any = None) -> EngineRun:
+    # a planted decode fault (faults/decode.py: tests, --demo-fault): `plant(model)` hooks the model and returns
+    # the handle to remove
+    plant: Any = None
+
+    def __init__(self, deployment):
+        super().__init__(deployment)
+        self._held: tuple[Any, Any] | None = None  # (model, config) as `load` built it, once
+        self._front_end = None
+
+    def _model(self):
+        """The deployment's model, loaded on first use (torch on --threads threads first: the load's
+        dequantization runs on them too) and kept until `close`."""
         d = self.deployment
-        return run(d.model, tokens, dtype=d.dtype or "float32", n_threads=d.threads, dequant_kernel=d.dequant_kernel,
-                   device=d.device)
+        if d.threads:
+            torch.set_num_threads(d.threads)
+        if self._held is None:
+            dtype = getattr(torch, d.dtype or "float32", None)
+            if not isinstance(dtype, torch.dtype):
+                raise InputError(f"unknown dtype {d.dtype!r}")
+            self._held = load(d.model, dtype, d.dequant_kernel, d.device)
+        return self._held[0]
+
+    def run(self, tokens: list[int], config: Any = None) -> EngineRun:
+        import transformers
+
+        d = self.deployment
+        return run(self._model(), tokens, {"engine": "transformers", "transformers": transformers.__version__,
+                                           "dtype": d.dtype or "float32", "dequant_kernel": d.dequant_kernel or "llmdoctor",
+                                           "device": d.device})
 
     def weights(self, layer: int) -> tuple[dict[str, Any], dict[str, Any]]:
         """Layer `layer`'s parameters as the model built from the GGUF holds them (transformers 5's fused
-        expert parameters left out: a checkpoint names experts one by one)."""
+        expert parameters left out: a checkpoint names experts one by one). With the deployment's dequant
+        kernel, a build with ours (bit-exact) in the engine's dtype: the kernel is judged by check dequant, the
+        loader here by what it does with exact weights."""
         from ...gguf import open_gguf
         from ...reference.config import from_gguf
         from ...reference.config_hf import hf_config
@@ -253,30 +270,31 @@ class TransformersEngine(Engine):
         d = self.deployment
         if not d.is_gguf:
             raise NotOffered("transformers runs the HF checkpoint itself: the reference reads the same files")
-        model, _ = build(d.model, getattr(torch, d.dtype or "float32"))
+        model = build(d.model, getattr(torch, d.dtype or "float32"))[0] if d.dequant_kernel else self._model()
         with open_gguf(d.model) as g:
             config = hf_config(from_gguf(g), g)
         prefix = f"model.layers.{layer}."
-        held = {name: t.detach().float().numpy() for name, t in model.state_dict().items()
+        held = {name: t.detach().float().cpu().numpy() for name, t in model.state_dict().items()
                 if name.startswith(prefix) and not name.endswith(("experts.gate_up_proj", "experts.down_proj"))}
         return held, config
 
-    # a planted decode fault (faults/decode.py: tests, --demo-fault): `plant(model)` hooks the model and returns
-    # the handle to remove
-    plant: Any = None
-
     def generate(self, tokens: list[int], n: int, *, captures: bool = False) -> Generation:
-        d = self.deployment
-        if d.threads:
-            torch.set_num_threads(d.threads)
-        if getattr(self, "_loaded", None) is None:  # one model for every generation of this deployment
-            self._loaded = load(d.model, getattr(torch, d.dtype or "float32"), d.dequant_kernel, d.device)[0]
-        handle = self.plant(self._loaded) if self.plant is not None else None
+        model = self._model()
+        handle = self.plant(model) if self.plant is not None else None
         try:
-            return generate(self._loaded, tokens, n, captures=captures)
+            return generate(model, tokens, n, captures=captures)
         finally:
             if handle is not None:
                 handle.remove()
+
+    def close(self) -> None:
+        """The model and the tokenizer let go (collected now: a model's modules refer to each other)."""
+        if self._held is not None:
+            import gc
+
+            self._held = None
+            gc.collect()
+        self._front_end = None
 
     def describe(self) -> dict[str, Any]:
         import transformers
@@ -291,7 +309,7 @@ class TransformersEngine(Engine):
         folder = d.tokenizer or (d.model if d.model is not None and not d.is_gguf else None)
         if folder is None:
             raise NotOffered(GGUF_TOKENIZER_SLOW)
-        if not hasattr(self, "_front_end"):
+        if self._front_end is None:
             self._front_end = HFFrontEnd(folder)
         return self._front_end
 
