@@ -55,6 +55,10 @@ def test_healthy_demo_raises_no_alarm(healthy):
         if f["status"] == "skip":
             assert f["reason"]
     assert len(healthy["layer_curve"]) == 18 * 5
+    # a finding's id is its check's; the plan step it answers is a field of its own (issue 33)
+    for f in healthy["findings"]:
+        assert f["id"].startswith(f["check"] + "/") and f["step"], f
+    assert {f["step"] for f in healthy["findings"] if f["check"] == "tokenizer-parity"} == {"metadata"}
     assert healthy["engine_run"]["engine"] == "llama.cpp" and healthy["engine_run"]["llama_cpp_python"]
 
 
@@ -167,7 +171,7 @@ def test_endpoint_symptom_bisection_on_a_real_server(demo_path, tmp_path):
 
     with llama_server(demo_path, tmp_path / "server.log") as url:
         doc = _diagnose("--endpoint", url, "--gguf", str(demo_path))
-    bisection = [f for f in doc["findings"] if f["check"] == "symptom-bisection"]
+    bisection = [f for f in doc["findings"] if f["step"] == "symptom-bisection"]  # the probes, under their checks
     assert len(bisection) >= 5 and all(f["status"] in ("pass", "skip") for f in bisection), bisection
     assert any(f["status"] == "pass" and "reference" in f["target"] for f in bisection), bisection
     assert doc["exit_code"] == 0 and doc["verdict"] == "healthy", doc["verdict"]

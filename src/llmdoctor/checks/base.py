@@ -24,6 +24,9 @@ class Finding:
     id: str = ""
     hypothesis: str = ""  # the question this finding answers, in words
     confidence: str = ""  # "high" | "medium" | "low" for a verdict that rests on indirect evidence
+    # diagnose: the plan's hypothesis (its key) this finding answers; a sub-check's finding keeps its own check
+    # and id (a front-end fault found under "metadata", a probe under "symptom-bisection"); empty elsewhere
+    step: str = ""
 
     def __post_init__(self) -> None:
         if self.status not in ("pass", "fail", "skip"):
@@ -34,7 +37,10 @@ class Finding:
             self.id = f"{self.check}/{self.subject}/{self.target}"
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        out = asdict(self)
+        if not self.step:
+            del out["step"]  # outside diagnose
+        return out
 
 
 def count(findings: list[Finding]) -> dict[str, int]:

@@ -1,11 +1,17 @@
 """`llmdoctor diagnose`: the elimination plan over the layers of a deployment.
 
+One way: inputs -> the engine's runs -> the reference (replaying the engine's choices) -> checks -> verdict ->
+report, each step reading only what the steps before it produced.
+
     inputs.py      what is examined, and the command line's policy (resolved once)
-    session.py     the evidence, computed once and lazily (the file, the reference's runs, the engine's run
-                   through the engine interface, subjects/engines)
-    hypotheses.py  one small function per hypothesis: evidence -> a check in checks/ -> findings
+    session.py     the evidence, computed once and lazily (the file, the engine's runs through the engine
+                   interface, subjects/engines, the reference's runs); it judges nothing
+    replay.py      the named step between them: what the reference takes from the engine's runs (the model it
+                   ran, its MoE/DSA choices)
+    hypotheses.py  one small function per hypothesis: evidence -> a check in checks/ -> findings (decode.py: the
+                   decode path's); substitute.py: op substitution, one routine and one rule
     plan.py        the ordered table of hypotheses, what each needs (the skip reasons) and README's table
-    verdict.py     suspects ranked by stack order, the verdict and the exit code
+    verdict.py     suspects ranked by stack order (each finding's plan step), the verdict and the exit code
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from ..checks.base import Finding
 from ..errors import GGUFError
 from ..reference.stages import Stages, stage
 from .inputs import DEFAULT_PROMPT, Inputs
+from .hypotheses import layer_curve
 from .plan import PLAN, Hypothesis
 from .session import NO_GGUF, Session, Skip
 from .verdict import Diagnosis, judge
@@ -43,7 +50,7 @@ def run(inputs: Inputs, progress: Callable[[str], None] = lambda s: None) -> Dia
                 timings[hyp.key] = round(time.perf_counter() - t0, 2)
             with stage("judging"):
                 suspects, ruled_out, verdict, code = judge(findings, inputs)
-        return Diagnosis(findings, suspects, ruled_out, verdict, code, s.curve, timings, s.threads,
+        return Diagnosis(findings, suspects, ruled_out, verdict, code, layer_curve(s, findings), timings, s.threads,
                          engine_run=s.engine_info(), stages={k: round(v, 3) for k, v in stages.seconds.items()},
                          device=_device_report(s))
     finally:
@@ -66,11 +73,12 @@ def _device_report(s: Session) -> dict:
 
 
 def _findings(hyp: Hypothesis, s: Session) -> list[Finding]:
-    """One hypothesis's findings: skipped with the first missing need, or run (a Skip it raises on the
-    way, or a model file that cannot be read, is a skip with that reason)."""
+    """One hypothesis's findings, each marked with it (Finding.step; a sub-check's keep their own check): skipped
+    with the first missing need, or run (a Skip it raises on the way, or a model file that cannot be read, is a
+    skip with that reason)."""
     def skip(reason: str) -> list[Finding]:
         return [Finding(check=hyp.key, subject=s.inputs.engine or "-", target="-", status="skip", reason=reason,
-                        hypothesis=hyp.question)]
+                        hypothesis=hyp.question, step=hyp.key)]
 
     try:
         if (why := hyp.missing(s)) is not None:
@@ -81,5 +89,5 @@ def _findings(hyp: Hypothesis, s: Session) -> list[Finding]:
     except GGUFError as e:  # the file-integrity finding already names the problem
         return skip(f"the model file cannot be read: {e.problem}")
     for f in fs:
-        f.hypothesis = f.hypothesis or hyp.question
+        f.hypothesis, f.step = f.hypothesis or hyp.question, hyp.key
     return fs

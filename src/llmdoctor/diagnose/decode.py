@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..checks.base import Finding
+from .hypotheses import prefill_criteria
 from .session import Session, Skip
 
 HYPOTHESIS = "the engine's decode path (KV cache, decode kernels) computes what its prefill computes"
@@ -20,7 +21,7 @@ def h_decode_path(s: Session) -> list[Finding]:
     n = s.inputs.generate
     if n < 2:
         raise Skip(f"--generate {n}: no decode step to judge (the first generated token comes out of the prefill)")
-    if not all(c.ok for c in s.prefill_criteria()):
+    if not all(c.ok for c in prefill_criteria(s)):
         raise Skip("the engine's prefill of the prompt already disagrees with the reference (engine-vs-reference): "
                    "the decode path is not judged apart from it")
     gen = s.generation()

@@ -14,12 +14,47 @@ from ..checks.base import Finding
 from ..checks.compute.layers import off_by
 from ..subjects.engines.base import EngineError, torch_dtype_name
 from .session import Session, Skip
+from .substitute import held_weights, substitutions
 
 FP16_MAX = 65504.0
 
 
 def _finding(check: str, subject: str, target: str, status: str, **kw: Any) -> Finding:
     return Finding(check=check, subject=subject, target=target, status=status, **kw)
+
+
+# ---- judgements several hypotheses share, each made once per diagnosis from the session's evidence ----------
+def prefill_criteria(s: Session) -> list:
+    """The engine's next-token distributions of the prompt against the reference's, each criterion against the
+    emulated run's noise (checks/compute/layers.py `distribution_criteria`): engine-vs-reference reports them,
+    the decode path asks whether the prefill already disagrees (float64 over [T, V]: seconds, so made once)."""
+    from ..checks.compute.layers import distribution_criteria
+
+    return s.once("prefill-criteria", lambda: distribution_criteria(
+        torch.as_tensor(s.engine_run().logits), s.reference("float32")[0], s.budget_reference()[0], s.tokens()))
+
+
+def divergence(s: Session):
+    """(error curve, first divergent layer or None, its point) of the engine's activations against the
+    reference, noise-aware (checks/compute/layers.py): made once, for dsa-selection, moe-routing and
+    layer-localization."""
+    def make():
+        from ..checks.compute.layers import CURVE_POINTS, error_curve, first_divergent_layer
+
+        engine_caps = s.engine_run().captures
+        _, ref_caps, _ = s.reference("float32")
+        _, emu_caps, _ = s.budget_reference()
+        curve = error_curve(ref_caps, emu_caps, engine_caps, s.config().n_layer, points=CURVE_POINTS)
+        return (curve, *first_divergent_layer(curve)) if curve else (curve, None, None)
+
+    return s.once("divergence", make)
+
+
+def layer_curve(s: Session, findings: list[Finding]) -> list[dict]:
+    """The report's layer curve: every point of the divergence, where layer-localization judged it."""
+    if not any(f.step == "layer-localization" and f.status != "skip" for f in findings):
+        return []
+    return [p.as_dict() for p in divergence(s)[0]]
 
 
 def h_file_integrity(s: Session) -> list[Finding]:
@@ -41,7 +76,7 @@ def h_file_integrity(s: Session) -> list[Finding]:
     s.progress(f"decoding all {len(g.tensors)} tensors (finite values, block-scale forensics)")
     # decoded once, reused by the reference runs (a model whose metadata is inconsistent is not built); a
     # tensor too large for the device budget whole (--max-gpu-memory) is decoded chunk by chunk on the CPU
-    weights = s.model().weights if s.inconsistency() is None else None
+    weights = s.model(path=s.gguf_path()).weights if s.inconsistency() is None else None
     held = lambda name: weights is not None and weights.has(name) and getattr(weights, "fits", bool)(name)  # noqa: E731
     stats = [tensor_stats(t, weights.get(t.name) if held(t.name) else None)
              for t in g.tensors if t.supported]
@@ -57,11 +92,11 @@ def h_file_integrity(s: Session) -> list[Finding]:
         explanation=(nonfinite[0].explanation + (f" (and {len(nonfinite) - 1} more tensors)" if len(nonfinite) > 1
                                                  else "") if nonfinite
                      else f"{len(g.tensors)} tensors parse and decode to finite values"))]
-    for f in found:  # sibling outliers are this step's suspects too; the forensics summary stays itself
+    for f in found:  # sibling outliers are this step's suspects too (ranked with it: Finding.step), as forensics
         if f.status == "fail" and "outliers" in f.metrics:
-            f.check, f.confidence = "file-integrity", "medium"
+            f.confidence = "medium"
         elif f.status == "fail" and "subblocks" in f.metrics:  # an exact rule of llama.cpp's quantizer broken
-            f.check, f.confidence = "file-integrity", "high"
+            f.confidence = "high"
         if not any(f is n for n in nonfinite):
             out.append(f)
     if (s.inputs.engine is not None or s.inputs.endpoint is not None) and s.inputs.engine_gguf is None \
@@ -132,10 +167,8 @@ def h_metadata(s: Session) -> list[Finding]:
     out = plausibility.run(g, s.inputs.gguf)
     with frontend.engine_pieces(s.inputs.gguf) as pieces:
         fe = frontend.run(g, s.inputs.gguf, pieces, sample=frontend.PARITY_SAMPLE)
-    for f in fe:  # a front-end fault ranks with this step (its own check stays in the target)
+    for f in fe:  # a front-end fault ranks with this step (Finding.step), under its own check
         f.confidence = f.confidence or "high"
-        if f.status == "fail":
-            f.check, f.target = "metadata", f"{f.check}: {f.target}"
     return out + fe
 
 
@@ -163,13 +196,13 @@ def h_mapping(s: Session) -> list[Finding]:
     return out
 
 
-def _fold(findings: list[Finding], check: str, hypothesis: str, none_compared: str,
+def _fold(findings: list[Finding], hypothesis: str, none_compared: str,
           most: int = 8) -> tuple[list[Finding], list[Finding]]:
-    """A sub-check's findings as diagnose sees them: (its first `most` failures relabelled as `check`,
-    the passes). Nothing compared at all is a Skip with the sub-check's reasons."""
+    """A sub-check's findings as diagnose sees them: (its first `most` failures, answering `hypothesis`, the
+    passes). Nothing compared at all is a Skip with the sub-check's reasons."""
     failed = [f for f in findings if f.status == "fail"][:most]
     for f in failed:
-        f.check, f.confidence, f.hypothesis = check, "high", hypothesis
+        f.confidence, f.hypothesis = "high", hypothesis
     compared = [f for f in findings if f.status == "pass"]
     if not failed and not compared:
         reasons = sorted({f.reason for f in findings if f.status == "skip"})
@@ -188,7 +221,7 @@ def h_dequant(s: Session) -> list[Finding]:
     kernel = s.dequant_kernel()
     s.progress(f"dequant kernel {kernel!r} vs the reference")
     res = dequant.run(s.inputs.gguf, IsolatedKernel, kernel=kernel, blocks=DEQUANT_BLOCKS, seed=s.inputs.seed)
-    failed, compared = _fold(res.findings, "dequant", f"the dequant kernel {kernel!r} is right",
+    failed, compared = _fold(res.findings, f"the dequant kernel {kernel!r} is right",
                              f"kernel {kernel!r} compared no tensor")
     if failed:
         return failed
@@ -262,7 +295,7 @@ def h_engine_vs_reference(s: Session) -> list[Finding]:
 
     ref, _, _ = s.reference("float32")
     got = torch.as_tensor(s.engine_run().logits)
-    crit = s.prefill_criteria()
+    crit = prefill_criteria(s)
     failed = [c for c in crit if not c.ok]
     by = {c.name: c for c in crit}
     metrics: dict[str, Any] = {}  # the numbers first: the terminal shows the first few
@@ -351,7 +384,7 @@ def h_dsa_selection(s: Session) -> list[Finding]:
                          metrics={"layers": len(rows), "max_disagreement": max(r["disagreement"] for r in rows)},
                          evidence=rows, explanation=f"key selections agree in {len(rows)} indexer layers")]
     first = bad[0]
-    _, layer, point = s.divergence()
+    _, layer, point = divergence(s)
     if layer is not None and (layer < first["layer"] or layer == first["layer"] and point.point == "attn_norm"):
         raise Skip(f"the indexer's inputs already differ: the engine diverges at {point.point}-{layer}, upstream of "
                    f"the first layer whose key selection differs ({first['layer']})")
@@ -367,7 +400,7 @@ def h_moe_routing(s: Session) -> list[Finding]:
     """Per MoE layer: whether the experts the engine chose (`ffn_moe_topk-{i}`) are a top-k choice the
     reference's selection scores allow, within what the engine's own arithmetic moves a score (the
     emulated run's score error, checks/compute/routing.py). Every reference run takes the engine's choices
-    (Session.reference_extra), so a near-tie flip is neither a routing fault nor a divergence
+    (replay.py), so a near-tie flip is neither a routing fault nor a divergence
     downstream. A missing score-correction bias, a wrong grouped top-k or a wrong gating function
     chooses experts the scores do not allow."""
     from ..checks.compute.routing import moe_rows, router_inputs_differ
@@ -378,7 +411,7 @@ def h_moe_routing(s: Session) -> list[Finding]:
     rows = moe_rows(s.config().n_layer, s.config().moe, ref_caps, emu_caps, engine_caps)
     if not rows:
         raise Skip("the engine exposed no routing decisions (ffn_moe_topk)")
-    curve, _, _ = s.divergence()
+    curve, _, _ = divergence(s)
     diverged = {(p.layer, p.point) for p in curve if p.divergent}
     for r in rows:  # the first MoE layer whose routing is wrong given the same inputs
         if not r["disagreement"]:
@@ -407,10 +440,9 @@ def h_moe_routing(s: Session) -> list[Finding]:
 
 def h_layer_localization(s: Session) -> list[Finding]:
     """Where the engine's activations leave the reference (noise-aware, layer by layer)."""
-    curve, layer, point = s.divergence()
+    curve, layer, point = divergence(s)
     if not curve:
         raise Skip("the engine exposed no activations that map onto the reference's capture points")
-    s.curve = [p.as_dict() for p in curve]
     if layer is None:
         worst = max(curve, key=lambda p: p.error / p.limit)
         return [_finding("layer-localization", s.inputs.engine, "layers", "pass", confidence="high",
@@ -422,7 +454,7 @@ def h_layer_localization(s: Session) -> list[Finding]:
     swaps = substitutions(s, point)
     confirmed = [w for w in swaps if w["reproduces"]]
     pattern = _error_pattern(s, point)
-    held = _held_weights(s, point)
+    held = held_weights(s, point)
     held_differ = held.get("differ", [])[:2]
     causes = [f"the engine holds {w['tensor']} as {w['words']}" for w in held_differ if w.get("reproduces")]
     causes += [w["swap"] for w in confirmed]
@@ -456,64 +488,11 @@ def _localization_words(layer: int, point, swaps: list[dict], pattern, held: dic
     if held.get("unread"):
         words += f"; the weights it loaded were not compared ({held['skipped']})"
     for w in (w for w in held_differ if not w.get("reproduces")):
-        effect = f"{at} stays as the reference's" if w.get("swap_error", 1.0) < point.limit \
-            else f"it does not reproduce {at}"
+        stays = w.get("swap_error") is not None and w["swap_error"] < point.limit  # None: the swap could not run
+        effect = f"{at} stays as the reference's" if stays else f"it does not reproduce {at}"
         words += f"; the engine {'also ' if held_cause else ''}holds {w['tensor']} as {w['words']} " \
                  f"(swapped in alone, {effect})"
     return words
-
-
-def _held_weights(s: Session, point) -> dict[str, Any]:
-    """The divergent layer's weights as the engine holds them after its loader, against the file's mapped
-    into the engine's layout (gguf/layout.py): {"compared": n, "differ": [{tensor, kind, words, reproduces}]}
-    or {"skipped": why}. A differing tensor is confirmed by substitution: the reference run with the
-    engine's version of it (mapped back to the file's layout) reproduces the engine's divergence."""
-    from ..checks import metrics as M
-    from ..checks.compute.weight_relation import relate
-    from ..gguf import layout
-    from ..reference import load
-    from ..subjects.engines.base import EngineError, EngineUnavailable, NotOffered
-
-    if s.inputs.gguf is None:
-        return {"skipped": "the reference reads the engine's own checkpoint"}
-    try:
-        held, config = s.engine().weights(point.layer)
-    except NotOffered as e:
-        return {"skipped": str(e)}
-    except (EngineError, EngineUnavailable) as e:  # the divergence stands; only its weights could not be read
-        return {"skipped": f"the engine's loaded weights could not be read: {e}", "unread": True}
-    cfg, g = s.config(), s.gguf()
-    legacy_kv_b = cfg.mla is not None and g.has_tensor(f"blk.{point.layer}.attn_kv_b.weight")
-    plan = layout.plan(cfg.arch, list(held), config, split_kv_b=not legacy_kv_b)
-    weights = s.model().weights
-    # the engine's storage precision: bfloat16/float16 weights differ from the file's by their rounding
-    tol = {"bfloat16": 2.0**-8, "float16": 2.0**-11}.get(s.inputs.engine_dtype or "", 1e-6)
-    rules = [r for r in plan.rules if all(n in held for n in r.sources) and all(weights.has(t) for t in r.targets)]
-    want = layout.to_hf(layout.Plan(plan.arch, rules, [], {}), {t: weights.get(t) for r in rules for t in r.targets})
-    n_head = {"q_proj": cfg.n_head, "k_proj": cfg.n_head_kv}
-    differ = []
-    for name, w in want.items():
-        proj = name.split(".")[-2]
-        rel = relate(held[name], w.cpu().numpy(), tol=tol, n_head=n_head.get(proj) if cfg.arch == "llama" else None,
-                     others={o: v.cpu().numpy() for o, v in want.items() if o != name and v.shape == w.shape})
-        if rel is not None:
-            differ.append({"tensor": name, **rel})
-    name = f"{point.point}-{point.layer}"
-    _, ref_caps, _ = s.reference("float32")
-    for d in differ[:2]:  # confirm: the reference with the engine's version of that tensor
-        rule = next(r for r in rules if d["tensor"] in r.sources)
-        swapped = layout.to_gguf(layout.Plan(plan.arch, [rule], [], {}),
-                                 {src: torch.as_tensor(held[src]) for src in rule.sources})
-        s.progress(f"reference with the engine's {d['tensor']} swapped in")
-        with load(s.reference_path(), cache=True) as model:
-            for t, value in swapped.items():
-                model.weights.replace(t, value)
-            with s.pinned_threads():
-                _, caps = model.forward(s.tokens(), capture={name}, extra=s.reference_extra())
-        err = M.rel_l2(caps[name], ref_caps[name]) if name in caps else math.nan
-        d["reproduces"] = bool(math.isfinite(err) and err >= 0.5 * point.error)
-        d["swap_error"] = err
-    return {"compared": len(want), "differ": differ}
 
 
 def _error_pattern(s: Session, point):
@@ -530,69 +509,17 @@ def _error_pattern(s: Session, point):
     return error_pattern(engine[name], ref[name], emu[name], rope_dim=rope)
 
 
-def substitutions(s: Session, point) -> list[dict[str, Any]]:
-    """Op substitution: rerun the reference with one suspect component swapped in (the engine's
-    precision; the --dequant-kernel; the --attention-impl under the prefill contract, dense models)
-    and ask whether that swap alone reproduces the engine's divergence at its first divergent point
-    (error at least half the engine's, or non-finite like it)."""
-    from ..checks import metrics as M
-
-    name = f"{point.point}-{point.layer}"
-    _, ref_caps, _ = s.reference("float32")
-
-    def reproduces(caps) -> tuple[bool, float]:
-        if name not in caps:
-            return False, math.nan
-        err = M.rel_l2(caps[name], ref_caps[name])
-        return (not math.isfinite(err) and not math.isfinite(point.error)) or \
-            (math.isfinite(err) and err >= 0.5 * point.error), err
-
-    out = []
-    ok, err = reproduces(s.budget_reference()[1])
-    out.append({"swap": f"the engine's {s.budget().words}", "reproduces": ok, "error": err})
-    if s.inputs.dequant_kernel and s.inputs.gguf is not None:
-        from ..subjects.substitution import KernelDequantizer
-
-        s.progress(f"reference with the dequant kernel {s.inputs.dequant_kernel!r} swapped in")
-        try:
-            with KernelDequantizer(s.inputs.dequant_kernel) as kd:
-                from ..reference import load
-
-                with load(s.inputs.gguf, dequantizer=kd) as model:
-                    with s.pinned_threads():
-                        _, caps = model.forward(s.tokens(), capture={name}, extra=s.reference_extra())
-            ok, err = reproduces(caps)
-            out.append({"swap": f"the dequant kernel {s.inputs.dequant_kernel!r}", "reproduces": ok, "error": err})
-        except Exception as e:  # the suspect kernel may crash: that is evidence too, not our failure
-            out.append({"swap": f"the dequant kernel {s.inputs.dequant_kernel!r}", "reproduces": None,
-                        "error": None, "could_not_run": f"{type(e).__name__}: {e}"})
-    if s.inputs.attention_impl and (s.inputs.attention_contract or "prefill") == "prefill" and s.config().mla is None:
-        from ..subjects.substitution import PrefillAttention
-
-        s.progress(f"reference with the attention kernel {s.inputs.attention_impl!r} swapped in")
-        try:
-            with PrefillAttention(s.inputs.attention_impl) as swapped:
-                with s.pinned_threads():
-                    _, caps = s.model().forward(s.tokens(), capture={name}, attention=swapped,
-                                                extra=s.reference_extra())
-            ok, err = reproduces(caps)
-            out.append({"swap": f"the attention kernel {s.inputs.attention_impl!r}", "reproduces": ok, "error": err})
-        except Exception as e:
-            out.append({"swap": f"the attention kernel {s.inputs.attention_impl!r}", "reproduces": None,
-                        "error": None, "could_not_run": f"{type(e).__name__}: {e}"})
-    return out
-
-
 def h_attention(s: Session) -> list[Finding]:
     """`check attention` of the given kernel on this model's attention shape (checks/kernels/attention.py)."""
     from ..checks.kernels import attention
+    from ..checks.kernels.attention_shapes import shape_from_config
+    from ..subjects.attention import IsolatedAttention
 
-    shape = attention.shape_from_config(s.config(), Path(s.reference_path()).name)
+    shape = shape_from_config(s.config(), Path(s.reference_path()).name)
     dtype = torch_dtype_name(s.inputs.engine_dtype) if s.inputs.engine_dtype else "float32"
-    res = attention.run(shape, [(s.inputs.attention_impl, s.inputs.attention_contract)],
-                        dtypes=(dtype,), explicit=(s.inputs.attention_impl,), seed=s.inputs.seed,
-                        on_step=s.progress)
-    failed, compared = _fold(res.findings, "attention", "the attention kernel computes the reference's attention",
+    res = attention.run(shape, [(s.inputs.attention_impl, s.inputs.attention_contract)], IsolatedAttention,
+                        dtypes=(dtype,), seed=s.inputs.seed, on_step=s.progress)
+    failed, compared = _fold(res.findings, "the attention kernel computes the reference's attention",
                              "the attention kernel compared no case")
     if failed:
         return failed
@@ -611,13 +538,9 @@ def h_symptom_bisection(s: Session) -> list[Finding]:
     rep = probe(s.inputs.endpoint, gguf=s.inputs.gguf, seed=s.inputs.seed, progress=s.progress)
     if rep.verdict == "inconclusive" and not any(f.status == "fail" for f in rep.findings):
         raise Skip(f"the endpoint probes were inconclusive: {', '.join(rep.symptoms) or 'no evidence'}")
-    out = []
-    for f in rep.findings:
-        f.target = f"{f.check}: {f.target}"
-        f.check = "symptom-bisection"
+    for f in rep.findings:  # each probe's finding ranks with this step (Finding.step), under its own check
         f.confidence = f.confidence or "medium"
-        out.append(f)
-    return out
+    return rep.findings
 
 
 def h_front_end(s: Session) -> list[Finding]:

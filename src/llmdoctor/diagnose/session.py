@@ -1,6 +1,9 @@
-"""The evidence of one diagnosis, each piece computed once and lazily: the model file and its config, the
-prompt's tokens, the reference's runs (float32, and the run that emulates the engine's arithmetic), and
-the engine's run through the engine interface (subjects/engines)."""
+"""The evidence of one diagnosis, each piece computed once and lazily, in the order the steps produce it: the
+inputs (the model file and its config, the prompt's tokens); the engine's runs through the engine interface
+(subjects/engines); what the reference takes from them (replay.py: the model it reads, the engine's discrete
+choices); the reference's runs (float32, and the run that emulates the engine's arithmetic). A step reads only
+what the steps before it produce. The session holds evidence and judges nothing: the checks in checks/, asked
+by the hypotheses, do."""
 
 from __future__ import annotations
 
@@ -8,7 +11,6 @@ import contextlib
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-import numpy as np
 import torch
 
 from ..reference.device_cache import DeviceBudget
@@ -16,6 +18,7 @@ from ..reference.points import REFERENCE_POINTS
 from ..reference.stages import stage
 from ..subjects.engines import create, engine_class
 from ..subjects.engines.base import Budget, Deployment, Engine, EngineError, EngineRun, Generation, NotOffered
+from . import replay
 from .inputs import Inputs
 
 NO_GGUF = "no GGUF file (the reference reads the HF checkpoint)"
@@ -32,7 +35,6 @@ class Session:
         self.inputs = inputs
         self.progress = progress
         self._cache: dict[str, Any] = {}
-        self.curve: list[dict] = []
         # torch's thread count for every reference run: --threads, else the count at the start. It is
         # one setting for the whole process (an in-process engine or a dequant pool may change it) and
         # a reduction's bits may depend on it (MKL's [54, 256] x [256, 54] product differs from 8 threads
@@ -66,21 +68,22 @@ class Session:
         return result
 
     # ---- the model ----------------------------------------------------------------------------
-    def checkpoint(self) -> Path | None:
-        """The HF checkpoint directory the reference reads (--hf DIR with safetensors and no --gguf, or the
-        checkpoint the engine ran in place of a GGUF it could not run), or None."""
+    def given_checkpoint(self) -> Path | None:
+        """The HF checkpoint directory given as the model (--hf DIR with safetensors and no --gguf), or None."""
         from ..reference.checkpoint import is_checkpoint
 
-        ran = self._cache.get("engine")
-        if isinstance(ran, EngineRun) and ran.info.reference_reads:
-            return Path(ran.info.reference_reads)
         hf = self.inputs.hf
         return Path(hf) if self.inputs.gguf is None and hf is not None and is_checkpoint(hf) else None
+
+    def checkpoint(self) -> Path | None:
+        """The HF checkpoint directory the reference reads: the one given, or the checkpoint the engine ran in
+        place of a GGUF it could not run (replay.py: then this waits for the engine's run), or None."""
+        return self.engine_reads() or self.given_checkpoint()
 
     def gguf_path(self) -> Path:
         """--gguf, or a Skip saying why a hypothesis that needs a GGUF cannot run."""
         if self.inputs.gguf is None:
-            raise Skip(NO_GGUF if self.checkpoint() is not None else "no model file (--gguf)")
+            raise Skip(NO_GGUF if self.given_checkpoint() is not None else "no model file (--gguf)")
         return self.inputs.gguf
 
     def reference_path(self) -> Path:
@@ -100,10 +103,18 @@ class Session:
         return self.once("gguf", lambda: open_gguf(path))
 
     def config(self):
+        """The config of the model the reference reads."""
+        return self._config(self.checkpoint())
+
+    def given_config(self):
+        """The config of the model as given (what the engine is asked to run, before anything is replayed)."""
+        return self._config(self.given_checkpoint())
+
+    def _config(self, checkpoint: Path | None):
         from ..reference.config import from_gguf, from_hf
 
-        if self.checkpoint() is not None:
-            return self.once(f"config-{self.reference_path()}", lambda: from_hf(self.reference_path()))
+        if checkpoint is not None:
+            return self.once(f"config-{checkpoint}", lambda: from_hf(checkpoint))
         return self.once("config", lambda: from_gguf(self.gguf()))
 
     def tokens(self) -> list[int]:
@@ -139,18 +150,20 @@ class Session:
             raise Skip(f"the metadata is inconsistent ({why})")
 
     # ---- the reference ------------------------------------------------------------------------
-    def model(self, dtype: str = "float32"):
-        """The reference model in `dtype`, its dequantized weights cached for every later use."""
+    def model(self, dtype: str = "float32", path: Path | None = None):
+        """The reference model in `dtype` of what the reference reads (or of `path`: the file itself, for the
+        file's own checks), its dequantized weights cached for every later use."""
         self.require_consistent()
+        path = self.reference_path() if path is None else path
 
         def make():
             from ..reference import load
 
             device = self.inputs.device
-            return load(self.reference_path(), dtype=getattr(torch, dtype), cache=True, device=device,
+            return load(path, dtype=getattr(torch, dtype), cache=True, device=device,
                         budget=self.device_budget, capture_to=None if device == "cpu" else "cpu")
 
-        return self.once(f"model-{dtype}-{self.reference_path()}", make)
+        return self.once(f"model-{dtype}-{path}", make)
 
     def reference(self, dtype: str = "float32", emulate=None, tokens: list[int] | None = None):
         """(logits [T, V], captures, per-layer stats) of the reference run in `dtype`, optionally with
@@ -160,7 +173,7 @@ class Session:
         other = ids != self.tokens()
 
         def make():
-            extra = self.reference_extra(ids if other else None)
+            extra = self.replayed_choices(ids if other else None)
             self.progress(f"reference forward pass ({dtype}{', ' + emulate.name + ' arithmetic' if emulate else ''}"
                           f"{f', {len(ids)} tokens' if other else ''})")
             model = self.model(dtype)
@@ -228,7 +241,7 @@ class Session:
             self.progress(f"{engine.name} forward pass ({engine.traits.captures})")
             try:
                 with stage("engine"):
-                    return engine.run(self.tokens(), self.config())
+                    return engine.run(self.tokens(), self.given_config())
             except EngineError as e:
                 return Skip(f"the engine could not run the model: {e}")
 
@@ -246,7 +259,7 @@ class Session:
             self.progress(f"{engine.name} forward pass on its own tokens ({len(tokens)})")
             try:
                 with stage("engine"):
-                    return engine.run(list(tokens), self.config())
+                    return engine.run(list(tokens), self.given_config())
             except EngineError as e:
                 return Skip(f"the engine could not run its own tokens: {e}")
 
@@ -264,16 +277,6 @@ class Session:
             return logits.cpu()
 
         return self.once(f"reference-on-{tuple(tokens)}", make)
-
-    def prefill_criteria(self) -> list:
-        """The engine's next-token distributions of the prompt against the reference's, each criterion against
-        the emulated run's noise (checks/compute/layers.py `distribution_criteria`), computed once: engine-vs-reference
-        reports them, the decode path asks whether the prefill already disagrees (float64 over [T, V]: seconds)."""
-        from ..checks.compute.layers import distribution_criteria
-
-        return self.once("prefill-criteria", lambda: distribution_criteria(
-            torch.as_tensor(self.engine_run().logits), self.reference("float32")[0], self.budget_reference()[0],
-            self.tokens()))
 
     def generation(self, captures: bool = False) -> Generation:
         """The engine's greedy generation of `inputs.generate` new tokens after the prompt (Engine.generate),
@@ -302,46 +305,27 @@ class Session:
         ran = self._cache.get("engine")
         return ran.info.as_dict() if isinstance(ran, EngineRun) else None
 
-    def reference_extra(self, tokens: list[int] | None = None) -> dict | None:
-        """Per-run state for every reference forward pass of this diagnosis: the engine's discrete choices
-        (DSA key selections, MoE experts) where the model has them and the engine exposes them. The model
-        does not say which of the keys or experts tied (or within rounding of a tie) at the k-th score to
-        take: ReLU index scores are often exactly 0, and a router's near-tie flips under any other
-        arithmetic, which moves the output far more than the arithmetic itself. So every reference run
-        takes the engine's choices, and whether each is one the scores allow is the dsa-selection and
-        moe-routing checks' business. `tokens`: other token ids than the prompt's, whose choices come from
-        the engine's run of those (`engine_run_on`)."""
-        from ..reference.arch_deepseek import DSA_OVERRIDE, MOE_OVERRIDE
+    # ---- what the reference takes from the engine (replay.py) -----------------------------------
+    def engine_reads(self) -> Path | None:
+        """The HF checkpoint the engine ran in place of the GGUF, or None: read from the engine's run, which
+        runs first where the engine may substitute one (replay.may_substitute); an engine that cannot run
+        substituted nothing."""
+        if not replay.may_substitute(self.inputs):
+            return None
+        try:
+            return replay.reads(self.engine_run())
+        except Skip:
+            return None
 
+    def replayed_choices(self, tokens: list[int] | None = None) -> dict | None:
+        """The engine's discrete choices (DSA key selections, MoE experts) every reference run of these tokens
+        replays (replay.py), from the engine's run of the prompt or of other `tokens` (`engine_run_on`); None
+        where the model makes none, no engine ran or it could not run."""
         cfg = self.config()
-        if self.inputs.engine is None or (cfg.moe is None and (cfg.mla is None or cfg.mla.indexer is None)):
+        if self.inputs.engine is None or not replay.has_choices(cfg):
             return None
         try:
             caps = (self.engine_run() if tokens is None else self.engine_run_on(tokens)).captures
         except Skip:
             return None
-        n_tokens = len(self.tokens() if tokens is None else tokens)
-        dsa, moe = {}, {}
-        for il in range(cfg.n_layer):
-            sel = caps.get(f"top_k-{il} (view)", caps.get(f"top_k-{il}"))
-            if sel is not None and cfg.mla is not None and cfg.mla.indexer is not None:
-                dsa[il] = torch.as_tensor(np.asarray(sel, dtype=np.int64), device=self.inputs.device)
-            experts = caps.get(f"ffn_moe_topk-{il}")
-            if experts is not None and cfg.moe is not None and np.shape(experts) == (n_tokens, cfg.moe.n_used):
-                moe[il] = torch.as_tensor(np.asarray(experts, dtype=np.int64), device=self.inputs.device)
-        extra = {k: v for k, v in ((DSA_OVERRIDE, dsa), (MOE_OVERRIDE, moe)) if v}
-        return extra or None
-
-    def divergence(self):
-        """(error curve, first divergent layer or None, its point) of the engine's activations against
-        the reference, noise-aware (checks/compute/layers.py)."""
-        def make():
-            from ..checks.compute.layers import CURVE_POINTS, error_curve, first_divergent_layer
-
-            engine_caps = self.engine_run().captures
-            _, ref_caps, _ = self.reference("float32")
-            _, emu_caps, _ = self.budget_reference()
-            curve = error_curve(ref_caps, emu_caps, engine_caps, self.config().n_layer, points=CURVE_POINTS)
-            return (curve, *first_divergent_layer(curve)) if curve else (curve, None, None)
-
-        return self.once("divergence", make)
+        return replay.choices(cfg, caps, len(self.tokens() if tokens is None else tokens), self.inputs.device)

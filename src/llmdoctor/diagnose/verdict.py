@@ -1,5 +1,5 @@
-"""The verdict of a diagnosis: its findings ranked into suspects (stack order of the plan, then
-confidence), what was ruled out, one sentence and the exit code."""
+"""The verdict of a diagnosis: its findings ranked into suspects (stack order of the plan step each answers,
+Finding.step, then confidence), what was ruled out, one sentence and the exit code."""
 
 from __future__ import annotations
 
@@ -66,20 +66,20 @@ def judge(findings: list[Finding], inputs: Inputs) -> tuple[list[Finding], list[
     """(suspects, ruled out, verdict sentence, exit code)."""
     rank = order()
     suspects = sorted((f for f in findings if f.status == "fail"),
-                      key=lambda f: (rank.get(f.check, 99), CONFIDENCE_ORDER.get(f.confidence, 3)))
+                      key=lambda f: (rank.get(f.step, 99), CONFIDENCE_ORDER.get(f.confidence, 3)))
     ruled_out = [f for f in findings if f.status == "pass"]
     c = count(findings)
     if suspects:
         verdict, code = f"fault found: {suspects[0].explanation}", 1
-        layer = next((f for f in suspects if f.check == "layer-localization"), None)
+        layer = next((f for f in suspects if f.step == "layer-localization"), None)
         if layer is not None and suspects[0] is not layer:
             cause = layer.metrics.get("cause")
             verdict += f" (first divergent layer: {layer.metrics['first_divergent_layer']}" \
                        + (f"; confirmed by substitution: {cause})" if cause else ")")
-    elif missing := [f for f in findings if f.status == "skip" and f.check in named_subjects(inputs)
-                     and not any(g.check == f.check and g.status != "skip" for g in findings)]:
-        verdict, code = f"could not diagnose: {missing[0].check} could not run: {missing[0].reason}", 2
-    elif c["passed"] == 0 or not any(f.check in ("engine-vs-reference", "layer-localization")
+    elif missing := [f for f in findings if f.status == "skip" and f.step in named_subjects(inputs)
+                     and not any(g.step == f.step and g.status != "skip" for g in findings)]:
+        verdict, code = f"could not diagnose: {missing[0].step} could not run: {missing[0].reason}", 2
+    elif c["passed"] == 0 or not any(f.step in ("engine-vs-reference", "layer-localization")
                                      and f.status == "pass" for f in findings) and inputs.engine:
         verdict, code = "could not diagnose: nothing was compared", 2
     else:
