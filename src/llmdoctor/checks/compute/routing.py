@@ -133,7 +133,7 @@ def dsa_rows(n_layer: int, top_k: int, ref_caps: Mapping[str, Any], emu_caps: Ma
         engine_sel = engine_caps.get(f"top_k-{il} (view)", engine_caps.get(f"top_k-{il}"))
         if scores is not None and emu_scores is not None and engine_sel is not None:
             # the noise: what the engine's arithmetic would pick from the same state (the emulated run's
-            # own top k; its selections themselves are the engine's, swapped in, see Session.reference_extra)
+            # own top k; its selections themselves are the engine's, replayed, see diagnose/replay.py)
             emu_sel = np.argsort(-np.asarray(emu_scores, dtype=np.float64), axis=1, kind="stable")[:, :top_k]
             k = min(top_k, scores.shape[1])
             engine_bad, emu_bad = selection_misses(scores, engine_sel, top_k), selection_misses(scores, emu_sel, k)

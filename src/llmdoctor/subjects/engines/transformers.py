@@ -145,7 +145,7 @@ def _indexers(model) -> list[tuple[int, torch.nn.Module]]:
 def _selection_hook(into: dict[str, np.ndarray], il: int):
     """A forward hook keeping the keys an indexer chose, [T, k] as int64 (llama.cpp's `top_k-{il}`): the
     model leaves the choice among keys tied at the k-th score open, and the reference follows the engine's
-    (diagnose's Session.reference_extra; the dsa-selection check judges the choice)."""
+    (diagnose/replay.py; the dsa-selection check judges the choice)."""
 
     def hook(module, inputs, output):
         into[f"top_k-{il}"] = output.reshape(-1, output.shape[-1]).to(torch.int64).cpu().numpy()
