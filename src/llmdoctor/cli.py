@@ -273,6 +273,9 @@ def diagnose(
                                  "path (judged against the reference; 0: not examined)."),
     tokenizer: Optional[Path] = typer.Option(None, "--tokenizer", help="The tokenizer folder the deployment loads "
                                              "(vLLM's --tokenizer; default: the engine's own)."),
+    engine_args: Optional[str] = typer.Option(None, "--engine-args", help="The deployment's own engine command line, "
+                                              "e.g. \"MODEL --kv-cache-dtype fp8 --enable-prefix-caching\" (what "
+                                              "follows `vllm serve`), parsed by vLLM's own parser."),
     device: str = typer.Option("cpu", "--device", help="cpu or cuda[:N]: where the reference and an in-process "
                                "engine run."),
     max_gpu_memory: Optional[str] = typer.Option(None, "--max-gpu-memory", help="The most the reference's "
@@ -314,7 +317,8 @@ def diagnose(
                                     engine_dtype=engine_dtype, engine_python=engine_python,
                                     dequant_kernel=dequant_kernel, attention_impl=attention_impl,
                                     attention_contract=attention_contract, seed=seed, threads=threads, manifest=manifest,
-                                    tokenizer=tokenizer, generate=generate, device=device, max_gpu_memory=max_gpu_memory)
+                                    tokenizer=tokenizer, generate=generate, device=device, max_gpu_memory=max_gpu_memory,
+                                    engine_args=engine_args)
     with tempfile.TemporaryDirectory(prefix="llmdoctor-demo-") as tmp:
         if demo_fault:
             demo_faults.apply(demo_fault, inputs, Path(tmp))

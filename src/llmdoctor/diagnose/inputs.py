@@ -41,6 +41,7 @@ class Inputs:
     engine_plant: Callable[[Any], Any] | None = None
     device: str = "cpu"  # where the reference and an in-process engine run: cpu or cuda[:N] (--device)
     max_gpu_memory: int | None = None  # bytes the reference's weights may hold on that device (--max-gpu-memory)
+    engine_args: tuple[str, ...] | None = None  # the deployment's own engine command line (--engine-args), as split
 
     @classmethod
     def from_options(cls, *, gguf: Path | None, hf: Path | None, endpoint: str | None, engine: str | None,
@@ -56,6 +57,9 @@ class Inputs:
         - `--tokenizer DIR`: the tokenizer folder the deployment loads, for every engine (vLLM's option of that
           name; transformers' AutoTokenizer; llama-cpp-python's hf_pretrained_model_name_or_path). The
           reference's tokenizer stays the model file's.
+        - `--engine-args "ARGS"` (with --engine): the deployment's own engine command line, what follows `vllm
+          serve`, read by the engine's own parser; the model and tokenizer it names count as given
+          (`_take_engine_args`).
         - `--device cpu|cuda[:N]`: where the reference's forward passes and an in-process engine run; CUDA
           asked for where there is none is bad input. `--max-gpu-memory 8GB`: the most the reference's
           dequantized weights hold on that device at once (reference/device_cache.py; on the CPU it bounds
@@ -71,6 +75,8 @@ class Inputs:
             raise InputError(f"{gguf}: no such file")
         if engine is not None:
             engine_class(engine)  # an unknown name is bad input, before any work
+        if rest.get("engine_args") is not None:
+            gguf, hf = _take_engine_args(engine, gguf, hf, rest)
         if prompt and token_ids is not None:
             raise InputError("--prompt and --token-ids: give one")
         if gguf is None and hf is not None and hf.is_dir() and not is_checkpoint(hf):
@@ -94,6 +100,38 @@ class Inputs:
         elif not any((*examined, gguf)):
             inputs.engine = DEFAULT_FOR_CHECKPOINT  # a checkpoint alone: the engine that runs safetensors
         return inputs
+
+
+def _take_engine_args(engine: str | None, gguf: Path | None, hf: Path | None, rest: dict) -> tuple[Path | None, Path | None]:
+    """--engine-args: the deployment's own engine command line, read by the engine's own parser (vLLM's serve
+    parser in the deployment's interpreter; its refusal is bad input). The model it names is what the engine
+    loads: the reference's too when neither --gguf nor --hf names one, else the engine's own copy where it
+    differs (engine_gguf / engine_hf, as a planted copy is given). The tokenizer it names is the deployment's
+    (--tokenizer). Returns (gguf, hf); `rest` gets the split arguments, the tokenizer and the engine's copy."""
+    from ..subjects.engines import engine_class
+
+    if engine is None:
+        raise InputError("--engine-args: name the engine they are for (--engine vllm)")
+    got = engine_class(engine).parse_engine_args(rest["engine_args"], rest.get("engine_python"))
+    rest["engine_args"] = got.argv
+    if got.tokenizer is not None:
+        given = resolve(rest.get("tokenizer"))
+        if given is not None and given != got.tokenizer:
+            raise InputError(f"--tokenizer {given} and the --tokenizer of --engine-args, {got.tokenizer}: give one")
+        rest["tokenizer"] = got.tokenizer
+    model = got.model
+    if model is None:
+        return gguf, hf
+    if model.is_file():  # a GGUF
+        if gguf is not None and gguf.resolve() != model.resolve():
+            rest["engine_gguf"] = model
+        return gguf or model, hf
+    if gguf is not None:
+        raise InputError(f"--engine-args names the checkpoint {model}, --gguf the file {gguf}: the engine would load "
+                         "the file; give the checkpoint with --hf alone")
+    if hf is not None and hf.resolve() != model.resolve():
+        rest["engine_hf"] = model
+    return gguf, hf or model
 
 
 def _device(device: str) -> str:

@@ -217,7 +217,7 @@ class Session:
             engine = create(name, Deployment(model=self.engine_model(), hf=i.hf if i.gguf is not None else None,
                                              dtype=i.engine_dtype, python=i.engine_python, threads=i.threads,
                                              dequant_kernel=i.dequant_kernel, tokenizer=i.tokenizer,
-                                             device=i.device))
+                                             device=i.device, engine_args=i.engine_args))
             return i.engine_plant(engine) if i.engine_plant is not None else engine
 
         if self.inputs.gguf is None and "hf" not in engine_class(name).traits.formats:

