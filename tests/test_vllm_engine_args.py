@@ -48,6 +48,14 @@ def test_split_as_the_shell_does_and_drops_a_pasted_vllm_serve():
     assert split("--enforce-eager") == ["--enforce-eager"]
 
 
+def test_engine_args_are_for_an_engine_that_takes_them():
+    """No --engine, or an engine without a serve parser: bad input before any work (no vLLM needed)."""
+    for engine, words in (([], "name the engine they are for (--engine vllm)"),
+                          (["--engine", "llama.cpp"], "llama.cpp takes none (they are `vllm serve` arguments")):
+        r = diagnose(*engine, "--engine-args", "--enforce-eager")
+        assert r.exit_code == 2 and words in json.loads(r.stdout)["error"], r.output[-2000:]
+
+
 def test_bad_arguments_are_one_line_quoting_vllm_exit_2(vllm_python, models, tmp_path):
     """An unknown flag (vLLM's parser's own error line) and a named model that does not exist (vLLM's own lookup
     error), before any work: exit 2, one line."""
