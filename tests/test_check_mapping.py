@@ -316,6 +316,7 @@ def test_engine_vllm_map_diffed_against_ours(tmp_path, monkeypatch, legacy):
     import types
 
     from llmdoctor.subjects.engines import vllm as vllm_engine
+    from llmdoctor.subjects.engines.base import Deployment
 
     def name_map(python, config):
         model_config = types.SimpleNamespace(hf_config=mapping.config_object(config))
@@ -324,7 +325,8 @@ def test_engine_vllm_map_diffed_against_ours(tmp_path, monkeypatch, legacy):
     monkeypatch.setattr(vllm_engine, "find_python", lambda explicit=None: "python")
     monkeypatch.setattr(vllm_engine, "gguf_name_map", name_map)
     f = fx.build("deepseek", tmp_path, legacy=legacy)
-    res = mapping.run(f.gguf_path, tmp_path / "hf-deepseek" / "config.json", engine="vllm")
+    res = mapping.run(f.gguf_path, tmp_path / "hf-deepseek" / "config.json",
+                      engine=vllm_engine.VLLMEngine(Deployment(model=f.gguf_path)))
     vllm = [x for x in res.findings if x.subject == "vllm"]
     if legacy:
         assert [x.status for x in vllm] == ["pass"] and failed(res) == []
@@ -334,6 +336,17 @@ def test_engine_vllm_map_diffed_against_ours(tmp_path, monkeypatch, legacy):
                 "model.layers.0.self_attn.kv_b_proj.weight): vLLM would not load it") in msgs
         assert ("vLLM expects blk.0.attn_kv_b.weight (for model.layers.0.self_attn.kv_b_proj.weight), which the "
                 "file does not have") in msgs
+
+
+def test_an_engine_without_its_own_name_map_is_bad_input(demo_path):
+    """check mapping --engine diffs that engine's own GGUF name map: naming one that has none (llama.cpp) is bad
+    input, one line and exit 2."""
+    from typer.testing import CliRunner
+
+    from llmdoctor.cli import app
+
+    r = CliRunner().invoke(app, ["check", "mapping", str(demo_path), "--engine", "llama.cpp"])
+    assert r.exit_code == 2 and "--engine 'llama.cpp': llama.cpp exposes no GGUF name map of its own" in r.output, r.output
 
 
 # ---- planted faults ------------------------------------------------------------------------------

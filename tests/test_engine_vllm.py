@@ -319,14 +319,19 @@ def test_check_mapping_asks_the_gguf_plugins_own_map(ckpts, vllm_python, monkeyp
     tied lm_head is expected from no file tensor); on DeepSeek-V3 the plugin 0.0.5 cannot build its map
     under transformers 5's fused experts, and its own error is the finding."""
     from llmdoctor.checks.layout import mapping
+    from llmdoctor.subjects.engines.base import Deployment
+
+    def vllm_map(gguf, config):
+        with vllm_engine.VLLMEngine(Deployment(model=gguf)) as engine:
+            return [f for f in mapping.run(gguf, config, engine=engine).findings if f.subject == "vllm"]
 
     monkeypatch.setenv("PATH", f"{Path(vllm_python).parent}{os.pathsep}{os.environ['PATH']}")
     for kind in ("llama", "qwen2"):
         ckpt, gguf = ckpts[kind]
-        v = [f for f in mapping.run(gguf, ckpt / "config.json", engine="vllm").findings if f.subject == "vllm"]
+        v = vllm_map(gguf, ckpt / "config.json")
         assert [f.status for f in v] == ["pass"], [(f.target, f.reason) for f in v]
     ckpt, gguf = ckpts["deepseek"]
-    [v] = [f for f in mapping.run(gguf, ckpt / "config.json", engine="vllm").findings if f.subject == "vllm"]
+    [v] = vllm_map(gguf, ckpt / "config.json")
     assert v.status == "fail" and "Failed to map GGUF parameters" in v.explanation, v.explanation
 
 

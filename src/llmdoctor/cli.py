@@ -187,7 +187,16 @@ def check_mapping(
     from .checks.base import exit_code
 
     path = model_file(file)
-    res = mapping.run(path, hf, arch=arch, engine=engine)
+    subject = None
+    if engine is not None:  # its own name map is diffed: an engine that has one (GGUFNameMapping)
+        from .subjects.engines import create
+        from .subjects.engines.base import Deployment, GGUFNameMapping
+
+        subject = create(engine, Deployment(model=Path(path)))
+        if not isinstance(subject, GGUFNameMapping):
+            raise InputError(f"--engine {engine!r}: {subject.name} exposes no GGUF name map of its own")
+    res = mapping.run(path, hf, arch=arch, engine=subject, quantized_indexer=subject is not None
+                      and subject.traits.quantized_indexer)
     # an engine named with --engine that could not run means its map was not compared: exit 2
     engine_ran = engine is None or any(f.subject == engine and f.status != "skip" for f in res.findings)
     code = exit_code(res.findings, required_ran=engine_ran)
@@ -759,9 +768,10 @@ def check_frontend(
     """The chat template (sandbox escapes, BOS) and the vocab (special ids, types, merges, llama.cpp decode parity)."""
     from .checks.frontend import audit as frontend
     from .gguf import open_gguf
+    from .subjects.engines import gguf_pieces
 
     path = model_file(file)
-    with frontend.engine_pieces(path) as pieces, open_gguf(path) as g:
+    with gguf_pieces(path) as pieces, open_gguf(path) as g:
         findings = frontend.run(g, path, pieces, sample=sample)
     _lone_file_report("check.frontend", path, findings, json_out, json_path, sarif_path)
 

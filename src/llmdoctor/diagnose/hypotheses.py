@@ -162,10 +162,11 @@ def h_metadata(s: Session) -> list[Finding]:
     (checks/frontend/audit.py): chat template, vocab, and llama.cpp's decoding of a sample of tokens."""
     from ..checks.frontend import audit as frontend
     from ..checks.file import plausibility
+    from ..subjects.engines import gguf_pieces
 
     g = s.gguf()
     out = plausibility.run(g, s.inputs.gguf)
-    with frontend.engine_pieces(s.inputs.gguf) as pieces:
+    with gguf_pieces(s.inputs.gguf) as pieces:
         fe = frontend.run(g, s.inputs.gguf, pieces, sample=frontend.PARITY_SAMPLE)
     for f in fe:  # a front-end fault ranks with this step (Finding.step), under its own check
         f.confidence = f.confidence or "high"
@@ -176,9 +177,12 @@ def h_mapping(s: Session) -> list[Finding]:
     """GGUF<->HF names, shapes, quant types and metadata semantics (checks/layout/mapping.py); with --hf DIR
     also each tensor's numbers. The passing numeric findings are summarized in one."""
     from ..checks.layout import mapping
+    from ..subjects.engines import engine_class
 
     s.progress("name map, shapes and metadata vs " + (str(s.inputs.hf) if s.inputs.hf else "the file's own metadata"))
-    res = mapping.run(s.inputs.gguf, s.inputs.hf, consumer=s.inputs.engine)
+    consumer = s.inputs.engine
+    res = mapping.run(s.inputs.gguf, s.inputs.hf, consumer=consumer,
+                      quantized_indexer=consumer is not None and engine_class(consumer).traits.quantized_indexer)
     config_only = s.inputs.hf is not None and Path(s.inputs.hf).is_file()
     out, numeric = [], []
     for f in res.findings:

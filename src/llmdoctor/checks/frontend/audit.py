@@ -20,15 +20,15 @@ Tokenizer (`tokenizer.ggml.*`):
 - token types: one per token, each a gguf TokenType; byte tokens spelled `<0xXX>`;
 - merges: a BPE (gpt2) vocab has `tokenizer.ggml.merges`, each "left right" of two vocab tokens;
 - parity: every token's piece as our tokenizer and llama.cpp render it (tests/test_tokenizer.py
-  compares the encoders; this check surfaces the decoding half for any file).
+  compares the encoders; this check surfaces the decoding half for any file). The caller hands in
+  llama.cpp's piece reader (subjects/engines `gguf_pieces`): the check starts no engine.
 """
 
 from __future__ import annotations
 
-import contextlib
 import re
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 from gguf import Keys, TokenType
 
@@ -193,25 +193,6 @@ def audit_tokenizer(g: Any, tok: Any, file: str | Path = "") -> list[Finding]:
                            explanation=f"{n} tokens: special ids in range and special, types consistent"
                                        + (", merges present" if g.get(_K.MODEL) == "gpt2" else "")))
     return out
-
-
-@contextlib.contextmanager
-def engine_pieces(path: str | Path) -> Iterator[Callable[[int, bool], bytes] | None]:
-    """The built-in GGUF engine's (llama.cpp's) rendering of single tokens from the file's vocab, through
-    the engine interface: `pieces(token_id, special) -> bytes`; None when it cannot be had (no
-    llama-cpp-python, or it cannot read this vocab: parity is then a skip)."""
-    from ...subjects.engines import DEFAULT_FOR_GGUF, create
-    from ...subjects.engines.base import Deployment
-
-    try:
-        pieces = create(DEFAULT_FOR_GGUF, Deployment(model=Path(path))).piece_reader()
-    except Exception:
-        pieces = None
-    try:
-        yield pieces
-    finally:
-        if pieces is not None:
-            pieces.close()
 
 
 PARITY_SAMPLE = 4096  # seeded normal tokens compared besides every special and byte token (diagnose)

@@ -1,9 +1,10 @@
 """The deployment's front end as its users meet it: the engine's own tokenization of a fixed set of prompts
 (and of a chat through its chat template) against the reference's, from the model file.
 
-Any engine behind the engine interface serves (`tokenize_all`: llama.cpp as its server tokenizes, transformers
-and vLLM with the tokenizer folder they load, an endpoint through its tokenize route); `checks/frontend/audit.py`
-is the file-level audit of the vocab and template themselves.
+The caller hands in the engine (the check starts none): any engine behind the engine interface serves
+(`tokenize_all`: llama.cpp as its server tokenizes, transformers and vLLM with the tokenizer folder they load, an
+endpoint through its tokenize route); `checks/frontend/audit.py` is the file-level audit of the vocab and
+template themselves.
 
 The reference: the GGUF's tokenizer (reference/tokenizer.py, at llama.cpp parity) as llama.cpp's server
 tokenizes a prompt (BOS/EOS as the metadata's add_bos/add_eos say, text that spells a special token is that
@@ -23,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from ...errors import EngineError, NotOffered
 from ..base import Finding
 
 CHAT = [{"role": "user", "content": "What is the capital of France? Answer in one word."}]
@@ -186,8 +188,6 @@ def bos_problem(row: Row, ref: ReferenceFrontEnd) -> str | None:
 def compare(engine: Any, ref: ReferenceFrontEnd, diagnosis_prompt: str,
             progress: Callable[[str], None] = lambda s: None) -> list[Row]:
     """Every prompt through the engine's front end (`engine.tokenize_all`) and the reference's."""
-    from ...subjects.engines.base import NotOffered
-
     texts = prompts(diagnosis_prompt, ref.specials())
     progress(f"{engine.name}'s tokenizer on {len(texts)} prompts and a chat")
     try:
@@ -255,8 +255,6 @@ def describe(row: Row, ref: ReferenceFrontEnd) -> str:
 
 
 def _front_end(engine: Any) -> dict[str, Any]:
-    from ...subjects.engines.base import EngineError
-
     try:
         return engine.front_end()
     except EngineError as e:

@@ -57,7 +57,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as QT
 from gguf import quants
 
-from ...errors import InputError
+from ...errors import EngineError, EngineUnavailable, InputError
 from ...hf_config import config_path, read_hf_config, text_config
 from ...reference.config_hf import hf_config, main_layers, nextn_layers
 from ...gguf import layout, open_gguf
@@ -258,14 +258,12 @@ def _shapes(p: layout.Plan, hf: HFSide, gg: dict[str, Any]) -> list[Finding]:
     return out
 
 
-def _types(gg: dict[str, Any], consumer: str | None = None) -> list[Finding]:
+def _types(gg: dict[str, Any], consumer: str | None = None, quantized_indexer: bool = False) -> list[Finding]:
     """Tensor types engines consume. `consumer`: the engine that loads the file; one measured to consume a
-    quantized DSA indexer (its trait `quantized_indexer`: llama.cpp runs Q8_0 / Q4_0 indexer weights and
+    quantized DSA indexer (`quantized_indexer`, its trait: llama.cpp runs Q8_0 / Q4_0 indexer weights and
     agrees with the reference, tests/test_moe_routing.py; the transformers engine dequantizes every
     tensor) passes it."""
-    from ...subjects.engines import engine_class
-
-    indexer_ok = consumer is not None and engine_class(consumer).traits.quantized_indexer
+    indexer_ok = consumer is not None and quantized_indexer
     out = []
     for name, t in gg.items():
         if t.type in UNQUANTIZED:
@@ -616,20 +614,15 @@ def _explain(p: layout.Plan, pair: _Pair, hf_t: Callable, cfg: ModelConfig, b: f
 
 # ---- engine ------------------------------------------------------------------------------------------
 
-def _engine(engine: str | None, path: Path, p: layout.Plan, gg: dict[str, Any], hf: HFSide) -> list[Finding]:
+def _engine(subject: Any, p: layout.Plan, gg: dict[str, Any], hf: HFSide) -> list[Finding]:
     """The engine's own GGUF name map (vLLM: the vllm-gguf-plugin's `build_name_map`, GGUF name -> HF
-    parameter, asked in the deployment's interpreter) diffed against ours."""
-    if engine is None:
+    parameter, asked in the deployment's interpreter) diffed against ours. `subject`: the engine (its
+    `gguf_name_map(hf_config)`, `name`, `title`), handed in by the caller; None: no engine's map."""
+    if subject is None:
         return []
-    from ...subjects.engines import create
-    from ...subjects.engines.base import Deployment, EngineError, EngineUnavailable, NotOffered
-
-    subject = create(engine, Deployment(model=Path(path)))
     who, key = subject.title, f"engine/{subject.name}"
     try:
         theirs = subject.gguf_name_map(hf.config)["map"]  # GGUF name -> HF name
-    except NotOffered as e:
-        raise InputError(f"--engine {engine!r}: {e}") from None
     except EngineUnavailable as e:
         return [_finding(key, "skip", subject=subject.name, reason=f"{who}'s GGUF name map could not be asked: {e}")]
     except EngineError as e:  # the engine's own failure is the finding: it could not map this model
@@ -662,10 +655,12 @@ class Result:
     seconds: float
 
 
-def run(path: Path, hf: Path | None = None, *, arch: str | None = None, engine: str | None = None,
-        numeric: bool = True, consumer: str | None = None) -> Result:
+def run(path: Path, hf: Path | None = None, *, arch: str | None = None, engine: Any = None,
+        numeric: bool = True, consumer: str | None = None, quantized_indexer: bool = False) -> Result:
     """Every mapping check of the GGUF at `path` against `hf` (checkpoint dir, config.json or None).
-    `consumer`: the engine that will load the file (diagnose's --engine), for the tensor-type rules."""
+    `engine`: an engine whose own GGUF name map is diffed against ours (one with `gguf_name_map`: the caller
+    makes it). `consumer`: the name of the engine that will load the file (diagnose's --engine; default the
+    `engine`'s), and whether it consumes a quantized DSA indexer (its trait), for the tensor-type rules."""
     import time
 
     t0 = time.perf_counter()
@@ -673,13 +668,14 @@ def run(path: Path, hf: Path | None = None, *, arch: str | None = None, engine: 
         cfg = from_gguf(g)
         arch = arch or cfg.arch
         try:
-            return _run(g, cfg, arch, path, hf, engine, numeric, t0, consumer or engine)
+            return _run(g, cfg, arch, hf, engine, numeric, t0, consumer or getattr(engine, "name", None),
+                        quantized_indexer)
         except KeyError as e:  # a config.json without a field the architecture needs
             raise InputError(f"{hf or path}: the HF config lacks {e} (needed for {arch})") from None
 
 
-def _run(g: Any, cfg: ModelConfig, arch: str, path: Path, hf: Path | None, engine: str | None, numeric: bool,
-         t0: float, consumer: str | None) -> Result:
+def _run(g: Any, cfg: ModelConfig, arch: str, hf: Path | None, engine: Any, numeric: bool, t0: float,
+         consumer: str | None, quantized_indexer: bool) -> Result:
     import time
 
     side = load_hf(hf, g, cfg)
@@ -687,9 +683,9 @@ def _run(g: Any, cfg: ModelConfig, arch: str, path: Path, hf: Path | None, engin
     # files converted before llama.cpp's MLA split (PR 12801) keep kv_b_proj whole as attn_kv_b
     legacy_mla = any(n.endswith(".attn_kv_b.weight") for n in gg)
     p = layout.plan(arch, list(side.shapes), side.config, split_kv_b=not legacy_mla)
-    findings = (_names(p, side, gg) + _collisions(p) + _shapes(p, side, gg) + _types(gg, consumer)
+    findings = (_names(p, side, gg) + _collisions(p) + _shapes(p, side, gg) + _types(gg, consumer, quantized_indexer)
                 + _metadata(cfg, g, side))
     if numeric:
         findings += _numeric(p, side, gg, cfg)
-    findings += _engine(engine, path, p, gg, side)
+    findings += _engine(engine, p, gg, side)
     return Result(findings, arch, side.source, time.perf_counter() - t0)
