@@ -1,4 +1,4 @@
-"""diagnose's plan as data (diagnose/plan.py): its table, what each hypothesis needs, and README's copy."""
+"""diagnose's plan as data (diagnose/plan.py): its table, what each hypothesis needs, and docs/hypotheses.md's copy."""
 
 from __future__ import annotations
 
@@ -8,14 +8,15 @@ from pathlib import Path
 from llmdoctor import diagnose as dg
 from llmdoctor.diagnose.plan import NEEDS, PLAN, markdown
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+HYPOTHESES = Path(__file__).resolve().parents[1] / "docs" / "hypotheses.md"
 
 
-def test_readme_table_is_the_plan():
-    text = README.read_text()
+def test_docs_table_is_the_plan():
+    text = HYPOTHESES.read_text()
     m = re.search(r"<!-- plan:[^\n]*-->\n(.*?)\n<!-- /plan -->", text, re.S)
-    assert m, "README.md has no generated plan table"
-    assert m.group(1) == markdown(), "README's table differs: regenerate it with `python -m llmdoctor.diagnose.plan`"
+    assert m, "docs/hypotheses.md has no generated plan table"
+    assert m.group(1) == markdown(), \
+        "docs/hypotheses.md's table differs: regenerate it with `python -m llmdoctor.diagnose.plan`"
 
 
 def test_every_need_is_known_and_keys_are_unique():

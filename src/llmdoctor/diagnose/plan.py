@@ -2,7 +2,7 @@
 earlier layer's fault explains later symptoms), each with its question, what it needs and its check.
 
 A hypothesis runs only when everything it needs is there; otherwise it is "skipped: <why>", the reason
-coming from the first missing need. README's hypothesis table is generated from this table
+coming from the first missing need. docs/hypotheses.md's table is generated from this table
 (`python -m llmdoctor.diagnose.plan`; tests/test_diagnose_plan.py holds the two equal).
 """
 
@@ -165,7 +165,7 @@ def order() -> dict[str, int]:
 
 
 def markdown() -> str:
-    """The plan as README's table."""
+    """The plan as docs/hypotheses.md's table (markdown)."""
     rows = ["| # | hypothesis | needs | evidence |", "| --- | --- | --- | --- |"]
     rows += [f"| {i} | {hyp.title} | {'; '.join(NEEDS[n][0] for n in hyp.needs)} | {hyp.evidence} |"
              for i, hyp in enumerate(PLAN, 1)]
