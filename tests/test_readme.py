@@ -51,6 +51,7 @@ def test_ci_runs_the_readme_commands_verbatim():
     assert list(fresh) == sorted(fresh) and fresh[-1] < ci.index('eval "$INSTALL"')
 
 
+@pytest.mark.slow  # the demo model in llama.cpp, end to end
 def test_readme_main_job_runs():
     cmd = readme_commands()["main-job"]
     p = subprocess.run(cmd, shell=True, capture_output=True, text=True, timeout=600, cwd=ROOT)
@@ -88,6 +89,7 @@ def _rows(lines: list[str], title: str) -> list[list[str]]:
     return rows
 
 
+@pytest.mark.slow  # the demo model in llama.cpp, end to end
 def test_readme_sample_report_is_what_the_command_prints():
     """The sample's verdict line, counts and suspects (rank, check, confidence; the localized layer; the first
     suspect's evidence) come out of its command today. Numbers inside the evidence are left to the command's
