@@ -1,6 +1,6 @@
 """README.md's three commands are the ones CI runs, and the main job works; README's sample report still comes
-out of its command; every relative link in README.md and docs/ resolves; docs/commands.md names every command and
-option of the CLI, and no other."""
+out of its command; every relative link in README.md and docs/ resolves and every source path they name exists;
+docs/commands.md names every command and option of the CLI, and no other."""
 
 from __future__ import annotations
 
@@ -135,6 +135,16 @@ def test_every_relative_link_resolves(doc):
         elif fragment and path.suffix == ".md" and fragment not in _anchors(path):
             broken.append(f"{link}: no heading #{fragment}")
     assert not broken, f"{doc.name}: {broken}"
+
+
+@pytest.mark.parametrize("doc", [ROOT / "README.md", *DOCS], ids=lambda p: p.relative_to(ROOT).as_posix())
+def test_every_source_path_named_exists(doc):
+    """A path the text names (`checks/file/forensics.py`, bench/RESULTS.md) is a file of the repository, taken from
+    its root, from src/ or from src/llmdoctor/: modules move, and the docs must move with them."""
+    names = set(re.findall(r"(?<![\w/.-])((?:\w[\w.-]*/)+[\w.-]+\.(?:py|c|sh|md|json|toml))\b", doc.read_text()))
+    bases = (ROOT, ROOT / "src", ROOT / "src" / "llmdoctor")
+    missing = [n for n in sorted(names) if not any((base / n).exists() for base in bases)]
+    assert not missing, f"{doc.name} names files that do not exist: {missing}"
 
 
 def _cli_commands() -> dict[str, set[str]]:
