@@ -319,6 +319,7 @@ def _triton_f32_default() -> dict:
 # ---- the deployment's own `vllm serve` arguments ------------------------------------------------------
 
 _parsed: dict = {}  # json([argv, cwd]) -> (the namespace vLLM's serve parser made of them, the model named)
+_served: dict = {}  # json(engine keywords) -> the batch budget `vllm serve` resolves for them (`_as_served`)
 KV_CACHE_BYTES = 256 << 20  # a fixed KV cache instead of a fraction of the machine's memory (the CPU worker
 #                             refuses to start when that fraction is not free)
 
@@ -413,16 +414,15 @@ def _engine_kwargs(req: dict) -> dict:
     parsed by vLLM: `_as_deployed`), else llmdoctor's (eager, no prefix caching, vLLM's default KV-cache
     dtype); the request's tokenizer; a GGUF's config read beside it (`_gguf_config_beside`)."""
     if req.get("engine_args") is not None:
-        kw = _as_deployed(req)[0]
-    else:
-        kw = {"model": req["model"], "dtype": req.get("dtype") or "auto", "skip_tokenizer_init": True,
-              "enable_prefix_caching": False, "enforce_eager": True, "seed": req.get("seed", 0),
-              "max_model_len": max(int(req.get("max_model_len") or 0), len(req.get("tokens") or []) + 8),
-              "kv_cache_memory_bytes": int(req.get("kv_cache_bytes") or KV_CACHE_BYTES)}
-        # the GPU worker still refuses to start unless this fraction of the GPU is free (vLLM 0.24
-        # request_memory; default 0.9): engines sharing one GPU (bench/h200_vllm.sh) each ask for less
-        if os.environ.get("LLMDOCTOR_VLLM_GPU_MEMORY_UTILIZATION"):
-            kw["gpu_memory_utilization"] = float(os.environ["LLMDOCTOR_VLLM_GPU_MEMORY_UTILIZATION"])
+        return _as_deployed(req)[0]
+    kw = {"model": req["model"], "dtype": req.get("dtype") or "auto", "skip_tokenizer_init": True,
+          "enable_prefix_caching": False, "enforce_eager": True, "seed": req.get("seed", 0),
+          "max_model_len": max(int(req.get("max_model_len") or 0), len(req.get("tokens") or []) + 8),
+          "kv_cache_memory_bytes": int(req.get("kv_cache_bytes") or KV_CACHE_BYTES)}
+    # the GPU worker still refuses to start unless this fraction of the GPU is free (vLLM 0.24
+    # request_memory; default 0.9): engines sharing one GPU (bench/h200_vllm.sh) each ask for less
+    if os.environ.get("LLMDOCTOR_VLLM_GPU_MEMORY_UTILIZATION"):
+        kw["gpu_memory_utilization"] = float(os.environ["LLMDOCTOR_VLLM_GPU_MEMORY_UTILIZATION"])
     if req.get("tokenizer"):
         kw["tokenizer"] = req["tokenizer"]
     return _gguf_config_beside(kw)
@@ -433,7 +433,9 @@ def _as_deployed(req: dict) -> tuple[dict, dict]:
     `vars(engine_args)`), what llmdoctor set over them and why). llmdoctor sets only what does not change
     the arithmetic: the model it resolved (the named one, or its private folder with a config.json for a
     lone GGUF), token ids in (skip_tokenizer_init), a max_model_len that holds the request, and a fixed KV
-    cache unless the deployment sized its own; an explicit --engine-dtype wins over the arguments' --dtype."""
+    cache unless the deployment sized its own; an explicit --engine-dtype wins over the arguments' --dtype; the
+    request's tokenizer folder (the front end's) and a GGUF's config read beside it (`_gguf_config_beside`). The
+    scheduler budget the arguments leave open is given as `vllm serve` resolves it (`_as_served`)."""
     import dataclasses
 
     engine_args = serve_args(req["engine_args"], req.get("cwd"), req["model"])
@@ -449,8 +451,32 @@ def _as_deployed(req: dict) -> tuple[dict, dict]:
         sets["kv_cache_memory_bytes"] = int(req.get("kv_cache_bytes") or KV_CACHE_BYTES)
         if os.environ.get("LLMDOCTOR_VLLM_GPU_MEMORY_UTILIZATION"):  # as the default settings, above
             sets["gpu_memory_utilization"] = float(os.environ["LLMDOCTOR_VLLM_GPU_MEMORY_UTILIZATION"])
+    if req.get("tokenizer"):
+        sets["tokenizer"] = req["tokenizer"]
+    kw.update(sets)
+    if _gguf_config_beside(kw).get("hf_config_path") != engine_args.hf_config_path:
+        sets["hf_config_path"] = kw["hf_config_path"]
+    sets.update(_as_served(kw))
     kw.update(sets)
     return kw, sets
+
+
+def _as_served(kw: dict) -> dict:
+    """The scheduler budget `vllm serve` gives these settings where they leave it to vLLM: max_num_batched_tokens
+    and max_num_seqs default by usage context (EngineArgs._set_default_max_num_seqs_and_batched_tokens_args,
+    0.24 and 0.32: LLM() takes the LLM_CLASS column, e.g. 16384 tokens on an H100 where the OpenAI server takes
+    8192), so they are resolved as the server resolves them and given to LLM() explicitly."""
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.usage.usage_lib import UsageContext
+
+    open_ = {k: kw[k] for k in ("max_num_batched_tokens", "max_num_seqs") if kw.get(k) is None}
+    if not open_:
+        return {}
+    key = json.dumps(kw, sort_keys=True, default=str)
+    if key not in _served:
+        sc = EngineArgs(**kw).create_engine_config(usage_context=UsageContext.OPENAI_API_SERVER).scheduler_config
+        _served[key] = {k: getattr(sc, k) for k in open_}
+    return dict(_served[key])
 
 
 def _gguf_config_beside(kw: dict) -> dict:
@@ -507,15 +533,25 @@ def vllm_environment() -> dict:
             "unknown": sorted(k for k in DEPLOYMENT_ENV if k.startswith("VLLM_") and k not in known)}
 
 
-def engine_config(req: dict, vllm_config) -> dict:
+def kv_scales(model) -> dict:
+    """{attention layer: [k_scale, v_scale]} as the loaded model holds them (the floats vLLM's attention
+    backends pass to their kernels: `_k_scale_float` / `_v_scale_float`, 1.0 unless the checkpoint or a
+    calibration set them); what a quantized (fp8) KV cache divides by."""
+    return {name: [float(m._k_scale_float), float(m._v_scale_float)] for name, m in model.named_modules()
+            if hasattr(m, "_k_scale_float") and hasattr(m, "_v_scale_float")}
+
+
+def engine_config(req: dict, llm) -> dict:
     """{"engine_config": the deployment's configuration as the engine resolved it (`config_summary` of the
     running engine's VllmConfig), vLLM's defaults for the same model (the same parser on no arguments, with
-    the settings llmdoctor sets), what differs, what llmdoctor set and the vLLM environment}; {} without
-    `engine_args` (a run's info is then as it was)."""
+    the settings llmdoctor sets), what differs, what llmdoctor set, the vLLM environment, and with a
+    quantized KV cache the k/v scales the loaded model holds}; {} without `engine_args` (a run's info is then
+    as it was)."""
     if req.get("engine_args") is None:
         return {}
     from vllm.engine.arg_utils import EngineArgs
 
+    vllm_config = llm.llm_engine.vllm_config
     ran = config_summary(vllm_config)
     # the same model length (llmdoctor sets it to hold the request, whatever the arguments say)
     same = {**req, "engine_args": [], "max_model_len": vllm_config.model_config.max_model_len}
@@ -524,6 +560,8 @@ def engine_config(req: dict, vllm_config) -> dict:
            "differs": {k: {"default": defaults[k], "deployed": v} for k, v in ran.items() if defaults.get(k) != v},
            "llmdoctor_sets": {k: v for k, v in _as_deployed(req)[1].items() if k != "model"},
            "env": vllm_environment()}
+    if ran["kv_cache_dtype"] != "auto":
+        out["kv_scales"] = kv_scales(_runner(llm).model)
     return {"engine_config": json.loads(json.dumps(out, default=str))}  # plain values (loaded weights_only)
 
 
@@ -554,7 +592,7 @@ def cmd_run(req: dict) -> dict:
             "explained": explain_config(llm.llm_engine.vllm_config),
             "info": {**cmd_info(req), "model": req["model"], "dtype": str(runner.model_config.dtype).removeprefix("torch."),
                      "vocab": vocab, "load_s": round(t_load, 2), "run_s": round(t_run, 3),
-                     "arithmetic": arithmetic(runner), **engine_config(req, llm.llm_engine.vllm_config)}}
+                     "arithmetic": arithmetic(runner), **engine_config(req, llm)}}
 
 
 def cmd_generate(req: dict) -> dict:
@@ -576,7 +614,7 @@ def cmd_generate(req: dict) -> dict:
             "info": {**cmd_info(req), "model": req["model"], "vocab": vocab, "load_s": round(t_load, 2),
                      "generate_s": round(time.perf_counter() - t1, 3), "scheduler": "vllm.LLM.generate",
                      "dtype": str(_runner(llm).model_config.dtype).removeprefix("torch."),
-                     **engine_config(req, llm.llm_engine.vllm_config)}}
+                     **engine_config(req, llm)}}
 
 
 def _llm(req: dict, *, fresh: bool = False):
