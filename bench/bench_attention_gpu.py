@@ -20,12 +20,14 @@ from pathlib import Path
 
 def run(a: argparse.Namespace) -> None:
     from llmdoctor.checks.kernels import attention as ca
+    from llmdoctor.checks.kernels import attention_shapes as shapes
+    from llmdoctor.subjects.attention import IsolatedAttention
     from llmdoctor.report.envelope import dumps, provenance
 
     t0 = time.perf_counter()
-    shape = ca.PRESETS[a.preset]
+    shape = shapes.PRESETS[a.preset]
     subjects = [tuple(s.split("=", 1)) if "=" in s else (s, None) for s in a.subjects.split(",")]
-    res = ca.run(shape, subjects, device=a.device, dtypes=tuple(a.dtype.split(",")),
+    res = ca.run(shape, subjects, IsolatedAttention, device=a.device, dtypes=tuple(a.dtype.split(",")),
                  timeout=a.timeout, on_step=lambda s: print(f"[{time.perf_counter() - t0:6.1f}s] {s}", flush=True))
     Path(a.out).write_text(dumps({"preset": a.preset, "device": a.device, "env": provenance(),
                                   "wall_s": time.perf_counter() - t0, "subjects": res.subjects,

@@ -4,7 +4,7 @@
 
 Writes a random-weight glm-dsa GGUF (F32) with tests/fixtures_mla.py's converter: GLM-5's attention
 dims (64 heads, q_lora 2048, kv_lora 512, qk_nope 192, qk_rope 64, v 256, DSA indexer 32 x 128, top-k
-2048: checks/kernels/attention.py's glm-5 preset, issue 6), and hidden size, FFN, expert sizes and vocabulary
+2048: checks/kernels/attention_shapes.py's glm-5 preset, issue 6), and hidden size, FFN, expert sizes and vocabulary
 from the arguments (defaults believed to be GLM-5's: 6144, 12288, 2048 per expert, 8 used, 154880;
 --experts reduces the expert count to fit memory: 16 experts x 3 layers is ~25 GB in float32). Then
 `check sharding` with the vLLM rules (experts split by intermediate size) and the four generic faults,

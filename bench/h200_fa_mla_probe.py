@@ -7,14 +7,14 @@ Each case is called as the adapter calls it, then with one thing changed:
   finite-tails   the same cache with every NaN row set to 0 (the rows a sequence owns unchanged)
   one-split      as-is, with FA3's key splitting off (num_splits=1)
   vllm-schedule  as-is, with the ahead-of-time scheduler metadata vLLM's FlashAttnMLA builder passes
-and each output is compared with the float64 reference on the bf16-rounded inputs (checks/kernels/attention.py).
+and each output is compared with the float64 reference on the bf16-rounded inputs (checks/kernels/attention_reference.py).
 NaN only "as-is" and none with "finite-tails": the kernel reads keys past seq_lens at zero weight
 (0 x NaN); NaN gone with "one-split": FA3's split combine; gone with "vllm-schedule": the adapter
 (it passes no scheduler metadata). Prints one JSON line per (case, variant).
 Measured on the H200 2026-12-02 (vLLM 0.24.0): NaN as-is, with one split and with vLLM's schedule on
 mla-decode-long and mla-decode-long-keys (block size 64), none with finite tails (max error 0.0078 and
 0.0077, as the passing cases): the kernel, not the adapter. check attention now judges such a case on
-finite unused rows and reports the NaN as information (checks/kernels/attention.py `unused_rows_verdict`).
+finite unused rows and reports the NaN as information (checks/kernels/attention_verdicts.py `unused_rows_verdict`).
 
     python bench/h200_fa_mla_probe.py [OUT.json]
 """
@@ -26,7 +26,10 @@ import sys
 
 import torch
 
-from llmdoctor.checks.kernels import attention as ca
+from llmdoctor.checks.kernels import attention_reference as case_reference
+from llmdoctor.checks.kernels import attention_inputs as inputs
+from llmdoctor.checks.kernels import attention_shapes as shapes
+from llmdoctor.checks.kernels import attention_suite as suite
 
 
 def main(out_path: str | None) -> list[dict]:
@@ -35,14 +38,14 @@ def main(out_path: str | None) -> list[dict]:
 
     from llmdoctor.subjects.engines import vllm_kernels as V
 
-    shape = ca.load_shape("deepseek-v3", None, None)
+    shape = shapes.load_shape("deepseek-v3", None, None)
     fa_mla = V.mla_kernels("cuda", "flashattn-mla")["mla-decode"]
     r = shape.mla.kv_lora_rank
     rows = []
-    for case in (c for c in ca.cases(shape) if c.contract == "mla-decode" and not c.fp8_cache):
-        x = ca.make_inputs(shape, case, ca.case_seed(0, case), device="cuda")
-        c = ca._rounded(x, torch.bfloat16)
-        want, _ = ca.reference(shape, case, ca._rounded(x, torch.bfloat16))  # [Tq, H, R] float64
+    for case in (c for c in suite.cases(shape) if c.contract == "mla-decode" and not c.fp8_cache):
+        x = inputs.make_inputs(shape, case, inputs.case_seed(0, case), device="cuda")
+        c = inputs.rounded(x, torch.bfloat16)
+        want, _ = case_reference.reference(shape, case, inputs.rounded(x, torch.bfloat16))  # [Tq, H, R] float64
 
         def direct(q, kv_cache, block_table, seq_lens, softmax_scale, kv_lora_rank, *, splits=0, schedule=False):
             """The adapter's call, with FA3's split count and vLLM's ahead-of-time schedule as options."""

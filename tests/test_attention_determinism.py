@@ -11,8 +11,10 @@ import sys
 import pytest
 
 from llmdoctor.checks.kernels import attention as ca
+from llmdoctor.checks.kernels import attention_shapes as shapes
+from llmdoctor.subjects.attention import IsolatedAttention
 
-GLM = dataclasses.replace(ca.PRESETS["glm-5"], n_head=2, n_head_kv=2)
+GLM = dataclasses.replace(shapes.PRESETS["glm-5"], n_head=2, n_head_kv=2)
 RUNS = 5
 
 
@@ -38,7 +40,8 @@ def _stable(res: ca.Result) -> list[dict]:
 
 def test_check_attention_is_identical_from_run_to_run_under_load(cpu_load):
     subjects = [("llmdoctor.faults.attention:prefill_blocked", "prefill")]  # a fresh child each run
-    runs = [_stable(ca.run(GLM, subjects, dtypes=("float32",), only={"chunked", "long-keys"})) for _ in range(RUNS)]
+    runs = [_stable(ca.run(GLM, subjects, IsolatedAttention, dtypes=("float32",), only={"chunked", "long-keys"}))
+            for _ in range(RUNS)]
     assert len(runs[0]) == 2 and all(f["status"] == "pass" for f in runs[0])
     for i, r in enumerate(runs[1:], 2):
         assert r == runs[0], f"run {i} differs from run 1"

@@ -339,12 +339,14 @@ def test_check_attention_runs_vllms_cpu_kernel(vllm_python, monkeypatch):
     """check attention's `vllm` subject on the CPU is vLLM's CPU_ATTN kernel (through the driver in the
     `python` on PATH that imports vllm), and the explainer is vLLM's own selection for the shape."""
     from llmdoctor.checks.kernels import attention as ca
+    from llmdoctor.checks.kernels.attention_shapes import PRESETS
+    from llmdoctor.subjects.attention import IsolatedAttention, engine_backends
 
     monkeypatch.setenv("PATH", f"{Path(vllm_python).parent}{os.pathsep}{os.environ['PATH']}")
-    shape = ca.PRESETS["llama-3-8b"]
-    res = ca.run(shape, [("vllm", None)], dtypes=("float32",), explicit=("vllm",), only={"ragged"})
+    shape = PRESETS["llama-3-8b"]
+    res = ca.run(shape, [("vllm", None)], IsolatedAttention, dtypes=("float32",), only={"ragged"})
     assert [f.status for f in res.findings] == ["pass"], [(f.target, f.reason) for f in res.findings]
-    assert ca.engine_explainer(shape, "float32")["decode"] == "CPU_ATTN"
+    assert engine_backends(shape.head_dim, "float32", use_mla=False, use_sparse=False)["decode"] == "CPU_ATTN"
 
 
 # ---- the engine explainer's bare-shape selection (issue 22) -----------------------------------------
@@ -508,8 +510,10 @@ def test_built_backends_keep_the_dsa_indexer_cache_out_of_the_selection(monkeypa
 
 def test_engine_explainer_on_an_mla_shape_with_vllm_for_cpu(vllm_python, monkeypatch):
     """check attention's engine explainer for DeepSeek-V3's MLA shape: vLLM for CPU's own selection."""
-    from llmdoctor.checks.kernels import attention as ca
+    from llmdoctor.checks.kernels.attention_shapes import PRESETS
+    from llmdoctor.subjects.attention import engine_backends
 
     monkeypatch.setenv("PATH", f"{Path(vllm_python).parent}{os.pathsep}{os.environ['PATH']}")
-    got = ca.engine_explainer(ca.PRESETS["deepseek-v3"], "bfloat16")
+    m = PRESETS["deepseek-v3"].mla  # the engine is asked about MLA's latent cache row
+    got = engine_backends(m.kv_lora_rank + m.qk_rope, "bfloat16", use_mla=True, use_sparse=False)
     assert got.get("decode") in ("CPU_MLA", "AMX_MLA") and got.get("prefill") and got["dtype"] == "bfloat16", got

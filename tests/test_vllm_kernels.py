@@ -13,6 +13,8 @@ import pytest
 import torch
 
 from llmdoctor.checks.kernels import attention as ca
+from llmdoctor.checks.kernels import attention_shapes as shapes
+from llmdoctor.checks.kernels.attention_suite import cases
 from llmdoctor.reference.attention_cases import gather_pages
 from llmdoctor.subjects import attention as subj
 from llmdoctor.subjects.engines import vllm_kernels as vk
@@ -127,17 +129,22 @@ def test_cpu_says_cuda_only():
             vk.mla_kernels("cpu", which)
 
 
+def _contracts(shape: shapes.Shape) -> set[str]:
+    """The contracts a shape's cases call (what check attention hands subjects.attention.builtin_subjects)."""
+    return {c.contract for c in cases(shape)}
+
+
 def test_subjects_vllm_names_the_mla_kernels_where_the_shape_has_mla():
     mla = list(subj.VLLM_MLA)
-    assert ca.builtin_subjects("vllm", "cuda", ca.PRESETS["llama-3-8b"]) == [("vllm", None)]
-    assert [n for n, _ in ca.builtin_subjects("vllm", "cuda", ca.PRESETS["deepseek-v3"])] == ["vllm", *mla]
-    assert [n for n, _ in ca.builtin_subjects("vllm,vllm-triton-mla", "cuda")] == ["vllm", *mla]
-    assert not set(mla) & {n for n, _ in ca.builtin_subjects("all", "cpu", ca.PRESETS["gemma3-270m"])}
-    assert set(mla) <= {n for n, _ in ca.builtin_subjects("all", "cpu", ca.PRESETS["glm-5"])}
+    assert subj.builtin_subjects("vllm", _contracts(shapes.PRESETS["llama-3-8b"])) == [("vllm", None)]
+    assert [n for n, _ in subj.builtin_subjects("vllm", _contracts(shapes.PRESETS["deepseek-v3"]))] == ["vllm", *mla]
+    assert [n for n, _ in subj.builtin_subjects("vllm,vllm-triton-mla")] == ["vllm", *mla]
+    assert not set(mla) & {n for n, _ in subj.builtin_subjects("all", _contracts(shapes.PRESETS["gemma3-270m"]))}
+    assert set(mla) <= {n for n, _ in subj.builtin_subjects("all", _contracts(shapes.PRESETS["glm-5"]))}
 
 
 def test_an_mla_kernel_on_the_cpu_is_a_load_skip_with_the_reason():
-    res = ca.run(ca.PRESETS["deepseek-v3"], [("vllm-triton-mla", None)], dtypes=("bfloat16",),
+    res = ca.run(shapes.PRESETS["deepseek-v3"], [("vllm-triton-mla", None)], subj.IsolatedAttention, dtypes=("bfloat16",),
                  only={"mla-decode-b1"})
     [f] = res.findings
     assert f.status == "skip" and "CUDA only" in f.reason, f.reason
@@ -167,22 +174,24 @@ def test_vllm_mla_kernels_pass_on_cuda():
     on mla-decode-long (bench/h200_fa_mla_probe.py on the H200, 2026-12-02: NaN as-is, none with those rows
     finite, with one split or with vLLM's own schedule): information, not a fault."""
     _vllm_here()
-    shape = ca.PRESETS["deepseek-v3"]
+    shape = shapes.PRESETS["deepseek-v3"]
     only = {"mla-decode-b1", "mla-decode-ragged", "mla-decode-long", "mla-decode-fp8"}
-    res = ca.run(shape, [(n, None) for n in subj.VLLM_MLA], device="cuda", dtypes=("bfloat16",), only=only)
+    res = ca.run(shape, [(n, None) for n in subj.VLLM_MLA], subj.IsolatedAttention, device="cuda", dtypes=("bfloat16",),
+                 only=only)
     st = _statuses(res)
     assert all("fail" not in s for s in st.values()), [(f.subject, f.target, f.reason) for f in res.findings
                                                         if f.status == "fail"]
     assert all("pass" in st[n] for n in subj.VLLM_MLA), st
     assert any(f.metrics.get("unused_rows") for f in res.findings if f.subject == "vllm-flashattn-mla"), st
-    res = ca.run(shape, [("vllm-triton-mla", None)], device="cuda", dtypes=("float32",), only={"mla-decode-b1"})
+    res = ca.run(shape, [("vllm-triton-mla", None)], subj.IsolatedAttention, device="cuda", dtypes=("float32",),
+                 only={"mla-decode-b1"})
     assert [f.status for f in res.findings] == ["skip"] and "supported_dtypes" in res.findings[0].reason
 
 
 @pytest.mark.gpu
 def test_vllm_sparse_mla_passes_on_cuda():
     _vllm_here()
-    res = ca.run(ca.PRESETS["glm-5"], [("vllm-flashmla", None)], device="cuda", dtypes=("bfloat16",),
+    res = ca.run(shapes.PRESETS["glm-5"], [("vllm-flashmla", None)], subj.IsolatedAttention, device="cuda", dtypes=("bfloat16",),
                  only={"sparse-decode", "sparse-prefill", "sparse-decode-long-keys"})
     assert [f.status for f in res.findings] == ["pass"] * 3, [(f.target, f.reason) for f in res.findings]
 
@@ -191,10 +200,11 @@ def test_vllm_sparse_mla_passes_on_cuda():
 def test_vllm_flash_attention_takes_mla_prefill_dims_and_skips_float32():
     """FA3 (vLLM's pick on Hopper) takes DeepSeek's prefill 192/128; float32 is a skip, not a fault."""
     _vllm_here()
-    shape = ca.PRESETS["deepseek-v3"]
-    res = ca.run(shape, [("vllm", None)], device="cuda", dtypes=("bfloat16",), only={"batch1", "ragged", "chunked"})
+    shape = shapes.PRESETS["deepseek-v3"]
+    res = ca.run(shape, [("vllm", None)], subj.IsolatedAttention, device="cuda", dtypes=("bfloat16",),
+                 only={"batch1", "ragged", "chunked"})
     assert [f.status for f in res.findings] == ["pass"] * 3, [(f.target, f.reason) for f in res.findings]
-    res = ca.run(shape, [("vllm", None)], device="cuda", dtypes=("float32",), only={"batch1"})
+    res = ca.run(shape, [("vllm", None)], subj.IsolatedAttention, device="cuda", dtypes=("float32",), only={"batch1"})
     assert [f.status for f in res.findings] == ["skip"] and "takes float16, bfloat16" in res.findings[0].reason
 
 

@@ -423,21 +423,25 @@ def check_attention(
 ) -> None:
     """Attention kernels (prefill, MLA decode, sparse MLA) against the float64 reference, case by case."""
     from .checks.kernels import attention as ca
+    from .checks.kernels.attention_budgets import K_FLOOR
+    from .checks.kernels.attention_shapes import load_shape
+    from .checks.kernels.attention_suite import cases
     from .checks.base import exit_code
+    from .subjects import attention as subj
 
-    shape = ca.load_shape(preset, config, gguf_file)
-    if impl is not None and contract not in ca.subj.CONTRACTS:
-        raise InputError(f"--impl needs --contract, one of {', '.join(ca.subj.CONTRACTS)}")
+    shape = load_shape(preset, config, gguf_file)
+    if impl is not None and contract not in subj.CONTRACTS:
+        raise InputError(f"--impl needs --contract, one of {', '.join(subj.CONTRACTS)}")
     if impl is None and contract is not None:
         raise InputError("--contract applies to --impl only")
     if timeout <= 0:
         raise InputError(f"--timeout {timeout:g}: must be > 0")
     picked = [(impl, contract)] if impl else []
     if subjects is not None or impl is None:
-        picked += ca.builtin_subjects(subjects or "all", device, shape)
+        picked += subj.builtin_subjects(subjects or "all", {c.contract for c in cases(shape)})
     if not picked:
         raise InputError(f"--subjects {subjects!r}: names no subject")
-    if impl and not any(c.contract == contract for c in ca.cases(shape)):
+    if impl and not any(c.contract == contract for c in cases(shape)):
         raise InputError(f"--contract {contract}: the {shape.name} shape has no {contract} cases "
                          f"(an MLA contract needs an MLA shape)")
     explicit = {f"{impl} ({contract})"} if impl else set()
@@ -446,10 +450,10 @@ def check_attention(
     dtypes = tuple(d.strip() for d in dtype.split(",")) if dtype else ca.DTYPES
     only = {c.strip() for c in only_cases.split(",")} if only_cases else None
     if only is not None:
-        unknown = only - {c.name for c in ca.cases(shape)}
+        unknown = only - {c.name for c in cases(shape)}
         if unknown:
-            raise InputError(f"--cases: unknown {sorted(unknown)}; known: {', '.join(c.name for c in ca.cases(shape))}")
-    res = ca.run(shape, picked, device=device, dtypes=dtypes, timeout=timeout, seed=seed, only=only,
+            raise InputError(f"--cases: unknown {sorted(unknown)}; known: {', '.join(c.name for c in cases(shape))}")
+    res = ca.run(shape, picked, subj.IsolatedAttention, device=device, dtypes=dtypes, timeout=timeout, seed=seed, only=only,
                  on_step=lambda s: terminal.stderr.print(s, style="dim"))
     # every subject the user named must have been compared on at least one case (pass or fail):
     # one that loaded but skipped everything (e.g. NotImplementedError) did not run
@@ -457,7 +461,10 @@ def check_attention(
     loaded = all(res.subjects.get(s, {}).get("loaded", False) and s in compared for s in explicit)
     code = exit_code(res.findings, required_ran=loaded)
     verdict = verdict_word("check.attention", code)
-    engine = ca.engine_explainer(shape, dtypes[0] if dtypes[0] != "float32" else "bfloat16")
+    m = shape.mla  # the engine is asked about the head its kernels see: MLA's latent cache row
+    engine = subj.engine_backends(m.kv_lora_rank + m.qk_rope if m else shape.head_dim,
+                                  dtypes[0] if dtypes[0] != "float32" else "bfloat16", use_mla=m is not None,
+                                  use_sparse=bool(shape.top_k))
     if json_out or json_path or sarif_path:
         emit(envelope("check.attention", argv=sys.argv[1:], verdict=verdict, exit_code=code,
                       findings=res.findings, seed=seed, shape=_shape_dict(shape), device=device,
@@ -476,7 +483,7 @@ def check_attention(
     terminal.stdout.print(f"shape {shape.name}: H={shape.n_head} Hk={shape.n_head_kv} Dqk={shape.head_dim} "
                           f"Dv={shape.head_dim_v} scale={shape.scale:.6g}; torch {torch.__version__}, triton {tv}, "
                           f"compute capability {cc}")
-    terminal.attention_cases_table(res.findings, ca.K_FLOOR)
+    terminal.attention_cases_table(res.findings, K_FLOOR)
     for s, pats in res.patterns.items():
         terminal.stdout.print(f"{s}: {'; '.join(pats)}")
     terminal.stdout.print(f"engine explainer: {engine.get('skipped') or engine}")
