@@ -1,5 +1,5 @@
 """Where the time of `llmdoctor probe`'s tests goes on a llama-cpp-python server, and the one part of
-it that is llmdoctor's: the reference rows of `checks/endpoint/probes.py` (`_Reference.last_logprobs`).
+it that is llmdoctor's: the reference rows of `checks/endpoint/reference_logprobs.py` (`ReferenceLogprobs.last_logprobs`).
 
 1. The engine (the anchor): llama-cpp-python's `create_completion` with and without top-10 log-probs,
    in-process with the settings `llama_cpp.server` uses (logits_all) and the tests' (2 threads, n_ctx
@@ -25,7 +25,7 @@ import torch
 def engine(path: str) -> None:
     from llama_cpp import Llama
 
-    from llmdoctor.checks.endpoint.probes import COUNT_PROMPT
+    from llmdoctor.checks.endpoint.prompts import COUNT_PROMPT
 
     llm = Llama(path, n_ctx=1024, n_threads=2, n_threads_batch=2, logits_all=True, verbose=False)
     times: dict[object, list[float]] = {None: [], 10: []}
@@ -46,7 +46,7 @@ def engine(path: str) -> None:
 
 
 def ours(path, repeats: int) -> None:
-    from llmdoctor.checks.endpoint.probes import POSITION_N, counting_run
+    from llmdoctor.checks.endpoint.prompts import POSITION_N, counting_run
     from llmdoctor.reference import load
     from llmdoctor.reference.forward import log_softmax
     from llmdoctor.reference.tokenizer import Tokenizer

@@ -25,8 +25,12 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from llmdoctor.checks.metrics import topk_tail
-from llmdoctor.checks.endpoint.probes import COUNT_PROMPT, THRESHOLDS, batch_requests, compare_completions, probe
+from llmdoctor.checks.endpoint.answers import compare_completions
+from llmdoctor.checks.endpoint.probes import probe
+from llmdoctor.checks.endpoint.prompts import COUNT_PROMPT, batch_requests
+from llmdoctor.checks.endpoint.verdict import THRESHOLDS
 from llmdoctor.subjects.endpoint import Endpoint
+from llmdoctor.subjects.engines.endpoint import EndpointEngine
 
 
 def _listed_dlogprob(a: dict[str, float], b: dict[str, float]) -> float:
@@ -65,7 +69,8 @@ def batch_noise(ep: Endpoint, k: int, repeats: int, concurrency: int) -> None:
 
 
 def healthy_numbers(url: str, gguf: str) -> None:
-    rep = probe(url, gguf=gguf, steps=["positions", "reference"])
+    with Endpoint(url) as ep:
+        rep = probe(ep, EndpointEngine.over(ep), gguf=gguf, steps=["positions", "reference"])
     for f in rep.findings:
         m = f.metrics
         if f.target.startswith("knowledge/"):

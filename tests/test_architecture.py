@@ -16,7 +16,8 @@ The layer table, lowest first; a module may import its own layer, any lower laye
                reference/ and checks/ share, native the C-extension loader of gguf/ and checks/,
                file_digest a file's cached sha256 (the envelope's provenance today; any check of a
                file may want it), demo the default model path of every command and the demo faults,
-               outcomes what an isolated subject answers (subjects/ fill it in, checks/ judge it).
+               outcomes what an isolated subject answers (subjects/ fill it in, checks/ judge it),
+               completion what an endpoint answers (subjects/endpoint.py fills it in, the probes judge it).
     gguf       the file: read, decode, layouts.
     reference  the truth: never imports subjects/ (DESIGN), nor anything above.
     subjects   the suspects: may use the reference (e.g. its config to build an engine's model).
@@ -42,7 +43,7 @@ import llmdoctor
 
 SRC = Path(llmdoctor.__file__).parent
 
-BASE = frozenset(("", "errors", "hf_config", "native", "file_digest", "demo", "outcomes"))  # names below the package
+BASE = frozenset(("", "errors", "hf_config", "native", "file_digest", "demo", "outcomes", "completion"))  # names below the package
 LAYERS = ("gguf", "reference", "subjects", "checks", "report", "diagnose", "faults", "cli")  # lowest first
 REPORT_MAY_IMPORT_FROM_CHECKS = frozenset(("checks.base",))
 

@@ -16,13 +16,17 @@ import pytest
 from typer.testing import CliRunner
 
 from llmdoctor.checks.metrics import topk_tail
-from llmdoctor.checks.endpoint.probes import DEFAULT_STEPS, THRESHOLDS, batch_requests, counting_run, expected_stats, probe
+from llmdoctor.checks.endpoint.answers import expected_stats
+from llmdoctor.checks.endpoint.probes import DEFAULT_STEPS, probe
+from llmdoctor.checks.endpoint.prompts import batch_requests, counting_run
+from llmdoctor.checks.endpoint.verdict import THRESHOLDS, ProbeReport
 from llmdoctor.reference.chat_template import render_chat_template
 from llmdoctor.cli import app
 from llmdoctor.demo import model_path
 from llmdoctor.errors import InputError
 from llmdoctor.faults import all_faults, get
 from llmdoctor.subjects.endpoint import Endpoint
+from llmdoctor.subjects.engines.endpoint import EndpointEngine
 from servers import free_port, serve
 
 
@@ -40,6 +44,13 @@ def llama_server(model: Path, log: Path) -> Iterator[str]:
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     with llama_server(model_path(), tmp_path_factory.mktemp("srv") / "server.log") as url:
         yield url
+
+
+def probe_url(url: str, *, timeout: float = 60.0, retries: int = 2, **kw) -> ProbeReport:
+    """The probe as `llmdoctor probe` runs it: the caller opens the endpoint and hands it, and itself as
+    the front end's engine, to the check."""
+    with Endpoint(url, timeout=timeout, retries=retries) as ep:
+        return probe(ep, EndpointEngine.over(ep), **kw)
 
 
 def _symptoms(rep) -> str:
@@ -102,7 +113,7 @@ def test_faults_are_registered() -> None:
 
 @pytest.mark.slow
 def test_healthy_real_server_with_reference(server: str) -> None:
-    rep = probe(server, gguf=model_path(), concurrency=3, steps=[*DEFAULT_STEPS, "echo"])
+    rep = probe_url(server, gguf=model_path(), concurrency=3, steps=[*DEFAULT_STEPS, "echo"])
     assert rep.verdict == "healthy", _symptoms(rep)
     assert rep.features["echo"] and rep.features["tokenize_route"] == "/extras/tokenize"
     assert rep.exit_code == 0 and not rep.symptoms and not rep.transport_events
@@ -131,7 +142,7 @@ def test_healthy_real_server_with_reference(server: str) -> None:
 def test_corrupted_file(name: str, verdicts: set[str], symptom: str, tmp_path: Path) -> None:
     bad = get(name).build(model_path(), tmp_path)
     with llama_server(bad, tmp_path / "server.log") as url:
-        rep = probe(url, gguf=model_path(), steps=["positions", "reference"])
+        rep = probe_url(url, gguf=model_path(), steps=["positions", "reference"])
     assert rep.verdict in verdicts, _symptoms(rep)
     assert symptom in rep.symptoms, _symptoms(rep)
     ref = next(f for f in rep.findings if f.target == "reference")
@@ -159,7 +170,7 @@ def test_proxy_fault_is_classified(name: str, server: str) -> None:
     steps, client, options = _PROXY[name]
     fault = get(name)
     with fault.build(server, **options) as proxy:
-        rep = probe(proxy.url, steps=steps, concurrency=3, **client)
+        rep = probe_url(proxy.url, steps=steps, concurrency=3, **client)
     assert rep.verdict != "healthy"
     assert fault.expect in rep.symptoms, _symptoms(rep)
 
@@ -171,7 +182,7 @@ def test_a_completion_handed_to_another_request_is_named(server: str) -> None:
     judged, and the misdelivered ones are named with the request whose completion they got."""
     fault = get("swap-responses")
     with fault.build(server) as proxy:
-        rep = probe(proxy.url, steps=["batch"], concurrency=3)
+        rep = probe_url(proxy.url, steps=["batch"], concurrency=3)
     assert fault.expect in rep.symptoms, _symptoms(rep)
     batch = next(f for f in rep.findings if f.target == "batch")
     assert batch.status == "fail" and batch.metrics["symptom"] == "swapped-responses", _symptoms(rep)
@@ -181,8 +192,8 @@ def test_a_completion_handed_to_another_request_is_named(server: str) -> None:
 
 
 def test_a_passed_over_end_token_is_found_and_a_followed_one_is_not() -> None:
-    from llmdoctor.checks.endpoint.probes import _skipped_end_token
-    from llmdoctor.subjects.endpoint import Completion
+    from llmdoctor.checks.endpoint.front_end_steps import _skipped_end_token
+    from llmdoctor.completion import Completion
 
     tops = [{"": -0.14, "\n": -3.8}, {"I": -0.2, "": -2.0}]
     ignored = Completion("\nI", "length", {}, tokens=["\n", "I"], token_logprobs=[-3.8, -0.2], top_logprobs=tops)
@@ -203,7 +214,7 @@ def test_logprob_limit_is_detected_not_blamed(server: str) -> None:
     from llmdoctor.faults.endpoint import FaultProxy, LogprobCap
 
     with FaultProxy(server, LogprobCap(5)) as proxy:
-        rep = probe(proxy.url, steps=[])
+        rep = probe_url(proxy.url, steps=[])
     assert rep.verdict == "healthy", _symptoms(rep)
     assert rep.features["top_logprobs"] == 5 and not rep.transport_events
 
@@ -237,7 +248,6 @@ def test_human_output_renders_every_finding_shape(capsys: pytest.CaptureFixture[
     shape (determinism findings carry kl without top1_agree: a KeyError once), the thresholds and the
     verdict with its symptoms."""
     from llmdoctor.checks.base import Finding
-    from llmdoctor.checks.endpoint.probes import ProbeReport
     from llmdoctor.report.terminal import render_probe
 
     fs = [Finding("probe", "s", "repeat", "pass", metrics={"kl": 1e-4, "max_abs_dlogprob": 0.01, "same_text": True}),
@@ -278,7 +288,8 @@ def test_human_output_renders_every_finding_shape(capsys: pytest.CaptureFixture[
 
 
 def test_malformed_logprobs_are_an_endpoint_error():
-    from llmdoctor.subjects.endpoint import EndpointError, _completion
+    from llmdoctor.completion import EndpointError
+    from llmdoctor.subjects.endpoint import _completion
 
     with pytest.raises(EndpointError, match="malformed"):
         _completion("http://x", {"choices": [{"text": "a", "logprobs": {"content": [{"logprob": -1.0}]}}]}, chat=False)
@@ -334,8 +345,9 @@ def test_logprobs_by_token_id_where_the_server_honours_it(honours_ids: bool, det
 def test_comparisons_use_ids_where_both_answers_have_them() -> None:
     """Two answers whose top-1 differs in id but not in text ("a" is ids 1 and 2): by id it is a
     difference, by text (what a text-keyed server shows) it is not."""
-    from llmdoctor.checks.endpoint.probes import _id_lookup, compare_completions
-    from llmdoctor.subjects.endpoint import Completion
+    from llmdoctor.checks.endpoint.answers import compare_completions
+    from llmdoctor.checks.endpoint.reference_logprobs import id_lookup
+    from llmdoctor.completion import Completion
 
     def answer(top_ids: dict[int, float]) -> Completion:
         return Completion("a", "length", {}, tokens=["a"], token_logprobs=[-0.1], top_logprobs=[{"a": -0.1}],
@@ -347,7 +359,7 @@ def test_comparisons_use_ids_where_both_answers_have_them() -> None:
     import torch
 
     lp = torch.tensor([0.1, 0.6, 0.3]).log()  # the reference's [V] log-probs
-    assert _id_lookup(lp, {0: -1.0, 5: -2.0}) == {0: pytest.approx(float(lp[0])), 5: -math.inf,
+    assert id_lookup(lp, {0: -1.0, 5: -2.0}) == {0: pytest.approx(float(lp[0])), 5: -math.inf,
                                                   1: pytest.approx(float(lp[1]))}
 
 
@@ -359,7 +371,7 @@ def test_the_front_end_check_serves_the_endpoint_and_a_mistokenizing_server_is_g
     above); behind a proxy whose tokenize route drops BOS, every prompt differs (BOS missing, the route named)
     and the verdict is garbage."""
     with get("endpoint-tokenize-no-bos").build(server) as proxy:
-        rep = probe(proxy.url, gguf=model_path(), steps=["front_end"])
+        rep = probe_url(proxy.url, gguf=model_path(), steps=["front_end"])
     fe = next(f for f in rep.findings if f.target == "front-end")
     assert fe.status == "fail" and "BOS missing" in fe.explanation, fe.explanation
     assert fe.metrics["differ"] == fe.metrics["compared"] and "tokenizer-mismatch" in rep.symptoms
@@ -371,7 +383,7 @@ def test_the_front_end_check_serves_the_endpoint_and_a_mistokenizing_server_is_g
 def test_a_chat_refused_for_want_of_a_template_is_not_a_server_error(server: str) -> None:
     fault = get("endpoint-chat-no-template")
     with fault.build(server) as proxy:
-        rep = probe(proxy.url, gguf=model_path(), steps=["front_end"])
+        rep = probe_url(proxy.url, gguf=model_path(), steps=["front_end"])
     chat = next(f for f in rep.findings if f.target == "chat")
     assert chat.status == "skip" and chat.reason.startswith(fault.expect), chat.reason
     assert "server-errors" not in rep.symptoms and not any(f.target.startswith("transport/") and f.status == "fail"

@@ -12,10 +12,10 @@ from typing import Iterator
 
 import pytest
 
-from llmdoctor.checks.endpoint.probes import probe
 from llmdoctor.demo import model_path
 from llmdoctor.subjects.engines import vllm as vllm_engine
 from servers import free_port, serve
+from test_probe import probe_url
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +30,7 @@ def vllm_server(vllm_python: str, demo_hf: Path, tmp_path_factory: pytest.TempPa
 
 
 def test_healthy_vllm_server_is_called_healthy(vllm_server: str) -> None:
-    rep = probe(vllm_server, gguf=model_path(), concurrency=3)
+    rep = probe_url(vllm_server, gguf=model_path(), concurrency=3)
     bad = [(f.target, f.reason or f.explanation) for f in rep.findings if f.status != "pass"]
     assert rep.verdict == "healthy" and rep.exit_code == 0, (rep.symptoms, bad)
     assert rep.features["tokenize_route"] == "/tokenize"

@@ -231,6 +231,8 @@ def probe(
     """Black-box checks of a live OpenAI-compatible endpoint: healthy, degraded, garbage or inconclusive."""
     from .checks.endpoint.probes import DEFAULT_STEPS
     from .checks.endpoint.probes import probe as run_probe
+    from .subjects.endpoint import Endpoint
+    from .subjects.engines.endpoint import EndpointEngine
 
     import httpx
 
@@ -246,9 +248,10 @@ def probe(
         raise InputError(f"{url}: not a URL ({e})") from None
     if scheme not in ("http", "https"):
         raise InputError(f"{url}: expected an http:// or https:// URL")
-    rep = run_probe(url, model=model, gguf=gguf, api_key_env=api_key_env, concurrency=concurrency,
-                    timeout=timeout, seed=seed, progress=lambda msg: terminal.stderr.print(msg),
-                    steps=[*DEFAULT_STEPS, "echo"] if echo else None)
+    with Endpoint(url, model=model, api_key_env=api_key_env, timeout=timeout) as ep:
+        rep = run_probe(ep, EndpointEngine.over(ep), gguf=gguf, concurrency=concurrency, seed=seed,
+                        progress=lambda msg: terminal.stderr.print(msg),
+                        steps=[*DEFAULT_STEPS, "echo"] if echo else None)
     if json_out or json_path:
         emit(envelope("probe", argv=sys.argv[1:], verdict=rep.verdict, exit_code=rep.exit_code,
                       findings=rep.findings, file=gguf, seed=seed, result=rep.to_dict()), json_out, json_path)

@@ -538,8 +538,11 @@ def h_attention(s: Session) -> list[Finding]:
 def h_symptom_bisection(s: Session) -> list[Finding]:
     """Black-box probes of the endpoint (checks/endpoint/probes.py), against the reference when --gguf is given."""
     from ..checks.endpoint.probes import probe
+    from ..subjects.endpoint import Endpoint
+    from ..subjects.engines.endpoint import EndpointEngine
 
-    rep = probe(s.inputs.endpoint, gguf=s.inputs.gguf, seed=s.inputs.seed, progress=s.progress)
+    with Endpoint(s.inputs.endpoint) as ep:
+        rep = probe(ep, EndpointEngine.over(ep), gguf=s.inputs.gguf, seed=s.inputs.seed, progress=s.progress)
     if rep.verdict == "inconclusive" and not any(f.status == "fail" for f in rep.findings):
         raise Skip(f"the endpoint probes were inconclusive: {', '.join(rep.symptoms) or 'no evidence'}")
     for f in rep.findings:  # each probe's finding ranks with this step (Finding.step), under its own check

@@ -4,7 +4,7 @@ fault-injecting HTTP proxy in front of a real server for what an engine cannot b
 File faults (kind "file"): `build(src, out_dir) -> Path` writes a corrupted copy of `src` into
 `out_dir` (the original is never opened for writing). Proxy faults (kind "endpoint"):
 `build(upstream_url, **options) -> FaultProxy`, a context manager whose `.url` is served on
-127.0.0.1. `expect` is the symptom class (checks/endpoint/probes.py) a correct probe must report.
+127.0.0.1. `expect` is the symptom class (checks/endpoint/verdict.py) a correct probe must report.
 """
 
 from __future__ import annotations
@@ -271,10 +271,10 @@ class _IgnoreEOS(_Fault):
     """Every completion and chat request gets a logit bias of -100 on the model's end tokens, as
     llama.cpp's `ignore_eos` does (it biases every end-of-generation token to -inf): generation runs
     on to max_tokens. The end tokens are read from `gguf` (default: the demo model): the metadata's
-    eos / eot / eom ids and the tokens whose text is an end marker (checks/endpoint/probes.py END_MARKERS)."""
+    eos / eot / eom ids and the tokens whose text is an end marker (checks/endpoint/prompts.py END_MARKERS)."""
 
     def __init__(self, gguf: Path | None = None) -> None:
-        from ..checks.endpoint.probes import END_MARKERS
+        from ..checks.endpoint.prompts import END_MARKERS
 
         if gguf is None:
             from ..demo import model_path

@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..endpoint import Endpoint
+from .base import Deployment
 from .base import Engine, EngineRun, Generation, NotOffered, RunInfo, Traits
 
 
@@ -20,6 +21,14 @@ class EndpointEngine(Engine):
     def __init__(self, deployment):
         super().__init__(deployment)
         self._client: Endpoint | None = None
+
+    @classmethod
+    def over(cls, client: Endpoint) -> "EndpointEngine":
+        """The engine speaking through an open client (the probe's own: one connection, one event log);
+        closing the client stays its opener's."""
+        engine = cls(Deployment(url=client.url))
+        engine._client = client
+        return engine
 
     def client(self) -> Endpoint:
         if self._client is None:
