@@ -179,7 +179,7 @@ def run(path: Path, open_kernel: Callable[..., Any], *, kernel: str = "torch", d
     `open_kernel(kernel, device=, dtype=, timeout=)` gives the kernel as a context manager with `start()`
     (raises LoadFailed), `dequantize(raw, qtype, shape, block_size, blocks) -> Outcome` and `restarts`
     (subjects.kernels.IsolatedKernel; a malformed spec raises InputError there, before anything else)."""
-    child = open_kernel(kernel, device=device, dtype=dtype, timeout=timeout)
+    subject = open_kernel(kernel, device=device, dtype=dtype, timeout=timeout)
     if dtype is not None and dtype not in DTYPES:
         raise InputError(f"--dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
     if device not in ("cpu", "cuda"):
@@ -197,20 +197,20 @@ def run(path: Path, open_kernel: Callable[..., Any], *, kernel: str = "torch", d
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the comparisons here are small: thread hand-offs would cost more than they save
     try:
-        _run(res, child, path, only, blocks, all_blocks, seed, on_tensor)
+        _run(res, subject, path, only, blocks, all_blocks, seed, on_tensor)
     finally:
         torch.set_num_threads(threads)
     res.seconds = time.perf_counter() - t0
     return res
 
 
-def _run(res: Result, child: Any, path: Path, only: Optional[str], blocks: int, all_blocks: bool, seed: int,
+def _run(res: Result, subject: Any, path: Path, only: Optional[str], blocks: int, all_blocks: bool, seed: int,
          on_tensor: Optional[Callable[[int, int, str], None]]) -> None:
     kernel = res.kernel
-    with open_gguf(path) as g, child:
+    with open_gguf(path) as g, subject:
         tensors = _select(g, only)
         try:
-            child.start()
+            subject.start()
         except LoadFailed as e:
             if e.kind == "InputError":
                 raise InputError(str(e)) from None
@@ -225,16 +225,16 @@ def _run(res: Result, child: Any, path: Path, only: Optional[str], blocks: int, 
                 f = Finding(CHECK, kernel, t.name, "skip", reason=dead)
             else:
                 try:
-                    f = _check_tensor(child, t, kernel, blocks, all_blocks, seed)
+                    f = _check_tensor(subject, t, kernel, blocks, all_blocks, seed)
                 except LoadFailed as e:  # the fresh child after a crash could not start
                     dead = f"kernel could not be restarted after a crash: {e}"
                     f = Finding(CHECK, kernel, t.name, "skip", reason=dead)
             res.findings.append(f)
             _add_to_summary(res.by_type, t.type.name, f)
-        res.restarts = child.restarts
+        res.restarts = subject.restarts
 
 
-def _check_tensor(child: Any, t: Any, kernel: str, n_blocks: int, all_blocks: bool, seed: int) -> Finding:
+def _check_tensor(subject: Any, t: Any, kernel: str, n_blocks: int, all_blocks: bool, seed: int) -> Finding:
     name, q = t.name, T(t.type)
     base = {"type": q.name, "shape": list(t.shape), "offset": t.offset, "n_blocks": t.n_blocks}
 
@@ -250,7 +250,7 @@ def _check_tensor(child: Any, t: Any, kernel: str, n_blocks: int, all_blocks: bo
     if q not in layout_bugs.reference_types():
         return finding("skip", f"no reference: gguf-py cannot dequantize {q.name}")
     idx = np.arange(t.n_blocks, dtype=np.int64) if all_blocks else choose_blocks(t.n_blocks, n_blocks, seed, name)
-    out = child.dequantize(t.data, int(q), list(t.shape), t.block_size, None if all_blocks else idx)
+    out = subject.dequantize(t.data, int(q), list(t.shape), t.block_size, None if all_blocks else idx)
     if out.status != "ok":
         return _fault_finding(finding, out)
     got = torch.frombuffer(out.payload, dtype=getattr(torch, out.header["dtype"]))
