@@ -14,6 +14,8 @@ from llmdoctor.checks.kernels import attention as ca
 from llmdoctor.checks.kernels import attention_shapes as shapes
 from llmdoctor.subjects.attention import IsolatedAttention
 
+pytestmark = pytest.mark.slow
+
 GLM = dataclasses.replace(shapes.PRESETS["glm-5"], n_head=2, n_head_kv=2)
 RUNS = 5
 

@@ -30,6 +30,8 @@ from llmdoctor.reference import mla as mla_ref
 from llmdoctor.subjects import attention as subj
 from llmdoctor.subjects.attention import IsolatedAttention
 
+pytestmark = pytest.mark.slow
+
 GLM = dataclasses.replace(shapes.PRESETS["glm-5"], n_head=2, n_head_kv=2)
 
 

@@ -35,6 +35,7 @@ def _run(demo, name, **kw):
     return dequant.run(demo, IsolatedKernel, kernel=faults.get(name).build(), only=DEMO_TARGET[name], **kw)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", LAYOUT)
 def test_planted_layout_bug_is_named(demo, name):
     res = _run(demo, name)

@@ -94,6 +94,7 @@ def llama(tmp_path_factory):
 
 # ---- consistent pairs ----------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_demo_consistent(demo_path, demo_hf):
     res = mapping.run(demo_path, demo_hf)
     assert failed(res) == [] and not [f for f in res.findings if f.status == "skip"]
@@ -154,6 +155,7 @@ def kquant(tmp_path_factory):
     return files, out / "hf"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("ftype", ["Q4_K_M", "Q2_K", "IQ4_XS"])
 def test_llama_cpp_quantized_within_band(kquant, ftype, tmp_path):
     """llama.cpp's own K/IQ quantizers land inside the band estimated from Q4_0's round trip (measured

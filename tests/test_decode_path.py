@@ -12,6 +12,8 @@ from llmdoctor import diagnose as dg
 from llmdoctor.diagnose.decode import h_decode_path
 from llmdoctor.faults import get
 
+pytestmark = pytest.mark.slow
+
 PROMPT = "Paris is the capital of France, and Berlin is the capital of"  # 14 tokens: short keeps the tests cheap
 N = 8
 

@@ -113,6 +113,7 @@ def test_float_types_every_bit_pattern_including_nan_payloads(qtype):
     assert bits_equal(got, want, nan_equal=False)
 
 
+@pytest.mark.slow
 @NATIVE
 def test_demo_file_every_tensor_bit_exact(demo_path, native):
     f = open_gguf(demo_path)

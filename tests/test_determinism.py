@@ -24,6 +24,8 @@ from llmdoctor.gguf import dequantize
 
 import rerun as bd
 
+pytestmark = pytest.mark.slow
+
 
 def test_dequant_pool_threads_leave_torchs_thread_count_alone(monkeypatch):
     """Only the calling thread sets torch's (process-wide) thread count, and it restores it."""

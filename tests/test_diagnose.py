@@ -15,6 +15,8 @@ from llmdoctor.cli import app
 from llmdoctor.faults.demo import all_demo_faults
 from llmdoctor.report.html import render
 
+pytestmark = pytest.mark.slow
+
 runner = CliRunner()
 
 

@@ -114,6 +114,7 @@ def test_device_is_checked():
             dg.inputs._device("cuda")
 
 
+@pytest.mark.slow
 def test_a_capped_cpu_diagnosis_is_healthy_with_its_stages(glm):
     """The CPU path of the GPU diagnosis: --device cpu under a cap of twice one float64 layer (the float32
     engine's noise budget is the reference in float64)."""
@@ -127,6 +128,7 @@ def test_a_capped_cpu_diagnosis_is_healthy_with_its_stages(glm):
     assert res.to_dict()["stages_s"] == res.stages
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tensor,named", [
     ("blk.1.ffn_down_exps.weight", "layer-localization"),  # one expert's weights x8: named at layer 1
     ("blk.2.indexer.proj.weight", "dsa-selection"),  # the indexer's head weights negated: selection at layer 2

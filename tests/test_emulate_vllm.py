@@ -255,6 +255,7 @@ def demo_runs(demo_path):
         return {k: m.forward(ids, capture=capture, emulate=e, all_logits=False) for k, e in kinds.items()}
 
 
+@pytest.mark.slow
 def test_each_rounding_changes_the_run_where_its_kernel_runs(demo_runs):
     from llmdoctor.checks.metrics import rel_l2
 
@@ -406,6 +407,7 @@ def _simulated_engine(model, ids, fault: str | None):
                      RunInfo.of(_cuda_info()))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("source,fault", [("gguf", None), ("hf", None), ("gguf", "blk.0.attn_v.weight")])
 def test_a_tf32_engine_is_judged_by_its_own_noise(source, fault, tmp_path, monkeypatch):
     """The issue's false alarm, on the CPU: a healthy TF32 engine fails against the float64 budget (the
@@ -442,6 +444,7 @@ def test_a_tf32_engine_is_judged_by_its_own_noise(source, fault, tmp_path, monke
             assert loc.metrics["engine_weights"].get("unread") and "were not compared" in loc.explanation, loc
 
 
+@pytest.mark.slow
 def test_vllm_for_cpu_reports_its_arithmetic_and_keeps_its_budget(vllm_python, tmp_path):
     """The driver's `arithmetic` on a real vLLM (for CPU): device cpu, the attention impl per layer, torch's
     float32 matmul precision, Triton's default; the budget stays float64 for float32."""
@@ -468,6 +471,7 @@ def test_vllm_for_cpu_reports_its_arithmetic_and_keeps_its_budget(vllm_python, t
     assert budget.dtype == "float64" and budget.emulate is None
 
 
+@pytest.mark.slow
 def test_the_driver_reports_the_gguf_plugins_ops(vllm_python, tmp_path):
     """The driver's `arithmetic` on a runner holding GGUF layers, in the deployment's interpreter (vLLM for
     CPU with vllm-gguf-plugin 0.0.5, whose CUDA extension cannot load here): the methods, the weight types,

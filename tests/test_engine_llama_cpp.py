@@ -7,6 +7,8 @@ import pytest
 
 from llmdoctor.subjects.engines import llama_cpp as engine
 
+pytestmark = pytest.mark.slow
+
 IDS = [2, 818, 3823, 8864, 37423, 38167, 1024, 506, 31770, 4799, 236761]  # "<bos>The quick brown fox..."
 
 

@@ -26,6 +26,8 @@ import fixtures_hf
 from llmdoctor.cli import app
 from llmdoctor.subjects.engines import vllm as vllm_engine
 
+pytestmark = pytest.mark.slow
+
 TOKENS = [3, 17, 42, 5, 77, 8, 23, 61, 9, 30, 55, 14, 2, 88, 40, 19]
 # vLLM for CPU on a CPU with AMX sends small GEMMs (a MoE router's) to its sgl kernel, which refuses float32
 # weights: the engine cannot run that model in float32 there (diagnose says so, exit 2; seen on a Xeon with

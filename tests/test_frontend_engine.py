@@ -59,6 +59,7 @@ def test_a_difference_names_prompt_position_pieces_bos_and_ratio(ref):
     assert same.status == "pass" and "(chat skipped)" in same.explanation
 
 
+@pytest.mark.slow
 def test_llama_cpp_tokenizes_as_the_reference_and_says_how(demo_path, ref):
     engine = create("llama.cpp", Deployment(model=demo_path))
     f = fe.finding(engine, ref, fe.compare(engine, ref, "The capital of France is"))
@@ -68,6 +69,7 @@ def test_llama_cpp_tokenizes_as_the_reference_and_says_how(demo_path, ref):
     assert chat["status"] == "skip" and "carries no tokenizer.chat_template" in chat["reason"]
 
 
+@pytest.mark.slow
 def test_transformers_with_the_demo_tokenizer_folder_passes_chat_included(demo_path, ref, healthy):
     engine = create("transformers", Deployment(model=demo_path, tokenizer=healthy))
     f = fe.finding(engine, ref, fe.compare(engine, ref, "The capital of France is"))
@@ -81,6 +83,7 @@ def test_transformers_on_a_gguf_without_a_folder_says_why_not(demo_path):
         create("transformers", Deployment(model=demo_path)).tokenize("hi")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fault, engine", [("tokenizer-no-bos", "transformers"), ("tokenizer-lost-merges", "llama.cpp"),
                                            ("tokenizer-other-model", "llama.cpp"),
                                            ("chat-template-double-bos", "transformers")])
@@ -97,6 +100,7 @@ def test_planted_front_end_fault_is_found_with_the_first_differing_token(fault, 
         assert first["prompt_label"] == "chat" and found.metrics["differ"] == 1
 
 
+@pytest.mark.slow
 def test_the_front_end_ranks_first_with_both_compute_runs(demo_path, healthy, tmp_path):
     """The demo in llama.cpp (llama-cpp-python with an HF tokenizer folder) whose folder adds no BOS, through
     diagnose's own plan entry: the front end fails, with the engine's next token on its own tokens and on the
@@ -131,6 +135,7 @@ def test_the_front_end_ranks_first_with_both_compute_runs(demo_path, healthy, tm
                                                                         "engine-vs-reference", "layer-localization"))
 
 
+@pytest.mark.slow
 def test_vllm_tokenizes_with_its_renderer_and_its_chat_doubles_bos(vllm_python, demo_path, ref, healthy, tmp_path):
     """vLLM for CPU's own renderer for the demo model (its config.json: no weights are loaded to tokenize) with a
     tokenizer folder whose chat template writes BOS twice: every text agrees with the GGUF's tokenizer, the

@@ -13,6 +13,8 @@ from hypothesis import strategies as st
 
 from gguf_builders import exercise, seed_files
 
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def seeds(tmp_path_factory):

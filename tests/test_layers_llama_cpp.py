@@ -12,6 +12,8 @@ from llmdoctor.reference import load
 from llmdoctor.reference.emulate import LLAMA_CPP_CPU
 from llmdoctor.subjects.engines import llama_cpp as engine
 
+pytestmark = pytest.mark.slow
+
 # "<bos>The quick brown fox jumps over the lazy dog." three times (34 tokens)
 IDS = [2] + [818, 3823, 8864, 37423, 38167, 1024, 506, 31770, 4799, 236761] * 3 + [506, 31770, 4799]
 CAPTURE = ("l_out-*", "attn_norm-*", "kqv_out-*", "sa_out-*", "ffn_out-*")

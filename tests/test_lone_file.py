@@ -233,6 +233,7 @@ def test_sarif_of_check_commands_validates(demo_path, tmp_path):
                for x in log["runs"][0]["results"])
 
 
+@pytest.mark.slow
 def test_sarif_of_diagnose_validates(tmp_path):
     broken = tmp_path / "bad.gguf"
     broken.write_bytes(b"GGML" + bytes(60))

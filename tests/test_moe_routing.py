@@ -66,6 +66,7 @@ def test_routing_admissibility_allows_near_ties_only():
     assert routing_tolerance(sc, sc + 1e-3) == pytest.approx(3 * 2 * 1e-3 + 8 * 2.0**-24 * 0.662887)
 
 
+@pytest.mark.slow
 def test_llama_cpp_routes_like_the_reference(deepseek):
     res = dg.run(dg.Inputs(gguf=deepseek, engine="llama.cpp", token_ids=IDS, threads=2))
     f = _routing(res.findings)
@@ -80,6 +81,7 @@ def test_llama_cpp_routes_like_the_reference(deepseek):
     assert 0 < by["layer-localization"].metrics["worst_ratio"] < 1
 
 
+@pytest.mark.slow
 def test_a_legacy_unsplit_kv_b_file_is_healthy_in_llama_cpp(tmp_path):
     """A file from before the MLA split (one attn_kv_b): llama.cpp runs it as MHA with K and V
     expanded per head, and the emulated rerun does the same."""
@@ -97,6 +99,7 @@ QUANTIZABLE = dict(hidden_size=64, intermediate_size=64, moe_intermediate_size=3
                    q_lora_rank=32, qk_nope_head_dim=32, v_head_dim=32, qk_rope_head_dim=32)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("legacy", [False, True], ids=["split", "legacy"])
 @pytest.mark.parametrize("ftype,qtype", [(7, "Q8_0"), (2, "Q4_0")])
 def test_a_quantized_mla_file_is_healthy_in_llama_cpp(tmp_path, legacy, ftype, qtype):
@@ -157,6 +160,7 @@ def test_an_engine_that_cannot_load_the_model_is_a_skip(deepseek, monkeypatch):
     assert res.exit_code == 2 and "engine-vs-reference could not run" in res.verdict
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind,legacy", [("deepseek", False), ("deepseek", True), ("glm", False)])
 def test_dense_mla_models_in_transformers_are_healthy(tmp_path, kind, legacy):
     """MLA without MoE (every layer dense) through the transformers engine: its own DeepseekV3 /
@@ -172,6 +176,7 @@ def test_dense_mla_models_in_transformers_are_healthy(tmp_path, kind, legacy):
         assert by["dsa-selection"].status == "pass", by["dsa-selection"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["deepseek", "glm"])
 def test_moe_mla_models_in_transformers_are_healthy_and_a_bad_expert_is_found(tmp_path, kind):
     """MLA + MoE through the transformers engine (its fused expert parameters filled from the GGUF's
@@ -203,6 +208,7 @@ GLM_RUNNABLE = dict(index_head_dim=64, qk_rope_head_dim=32, hidden_size=64, kv_l
                     qk_nope_head_dim=32, v_head_dim=32, intermediate_size=64, moe_intermediate_size=32)
 
 
+@pytest.mark.slow
 def test_glm_dsa_in_llama_cpp_is_healthy_and_a_wrong_indexer_is_named(tmp_path):
     """GLM-DSA in llama.cpp: its key selections are among the reference's top k up to ties (ReLU index
     scores are often exactly 0, and which tied key it takes is the engine's choice: the reference runs
@@ -224,6 +230,7 @@ def test_glm_dsa_in_llama_cpp_is_healthy_and_a_wrong_indexer_is_named(tmp_path):
     assert res.exit_code == 1 and "blk.0.indexer.attn_k.weight" in res.verdict  # the engine-file diff names it first
 
 
+@pytest.mark.slow
 def test_a_quantized_glm_dsa_file_is_healthy_in_llama_cpp(tmp_path):
     """GLM-DSA quantized by llama.cpp (Q8_0; its indexer weights too): llama.cpp consumes the quantized
     indexer (so check mapping does not fail it for this engine), and near-ties its quantized index
@@ -245,6 +252,7 @@ def test_a_quantized_glm_dsa_file_is_healthy_in_llama_cpp(tmp_path):
     assert res.exit_code == 0, res.verdict
 
 
+@pytest.mark.slow
 def test_a_missing_correction_bias_is_named_at_routing(deepseek, tmp_path):
     """An engine copy without the score-correction bias (exp_probs_b zeroed): routing flips at the first
     MoE layer diverge its FFN output with the same router inputs, so routing is named there, even
@@ -255,6 +263,7 @@ def test_a_missing_correction_bias_is_named_at_routing(deepseek, tmp_path):
     assert routing.status == "fail" and routing.metrics["first_layer"] == 1, routing
 
 
+@pytest.mark.slow
 def test_routing_differences_downstream_of_an_attention_fault_are_not_blamed_on_routing(deepseek, monkeypatch):
     """transformers with layer 1's attention output scaled by 1.5 (a hook on its self_attn): the router
     of layer 1 reads a different input (ffn_norm-1, captured from the router hook), so its different
@@ -285,6 +294,7 @@ def test_run_isolated_turns_a_dead_child_into_an_engine_error(monkeypatch, child
         llama_cpp.run_isolated("model.gguf", [1, 2, 3], timeout=2)
 
 
+@pytest.mark.slow
 def test_softmax_gating_instead_of_sigmoid_is_caught(deepseek, tmp_path):
     """The engine's copy says softmax gating (what llama.cpp falls back to when a DeepSeek-V3
     file lacks expert_gating_func): the correction bias then outweighs the scores."""

@@ -17,6 +17,8 @@ from llmdoctor.subjects.engines import vllm as vllm_engine
 from servers import free_port, serve
 from test_probe import probe_url
 
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def vllm_server(vllm_python: str, demo_hf: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:

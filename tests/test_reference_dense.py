@@ -98,6 +98,7 @@ def agreement(ours: torch.Tensor, ref: torch.Tensor) -> tuple[float, float, floa
 
 # ---- demo model vs llama.cpp --------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_demo_matches_llama_cpp(demo, text_ids, llama_logits):
     logits, _ = demo.forward(text_ids)
     top1, kl_mean, kl_max = agreement(logits, llama_logits)
@@ -107,6 +108,7 @@ def test_demo_matches_llama_cpp(demo, text_ids, llama_logits):
     assert 5e4 < max(s.max_abs for s in demo.stats) < 2e5
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fault", ["reference-wrong-rope-base", "reference-missing-norm-offset"])
 def test_planted_fault_moves_logits(demo, text_ids, llama_logits, fault):
     model = faults.get(fault).build(copy.copy(demo))  # shares the cached blocks; the fault rebinds attributes
@@ -115,6 +117,7 @@ def test_planted_fault_moves_logits(demo, text_ids, llama_logits, fault):
     assert top1 < TOP1_MIN and kl_mean > KL_MEAN_MAX and kl_max > KL_MAX_MAX, (top1, kl_mean, kl_max)
 
 
+@pytest.mark.slow
 def test_greedy_counting_continues_with_11(demo, llama):
     prompt = "1 2 3 4 5 6 7 8 9 10"
     ids = llama.tokenize(prompt.encode(), add_bos=True)
@@ -159,6 +162,7 @@ def test_float16_overflow_is_recorded(demo_path):
     assert bad[0].max_abs > 5e4 and torch.isnan(logits).all()
 
 
+@pytest.mark.slow
 def test_bfloat16_run_is_finite_and_close(demo, llama):
     """bfloat16 keeps float32's range: the same residual peak (~1e5) stays finite. Measured on the
     counting prompt: top-1 agreement with float32 1.0, mean KL 3e-4 (threshold 3e-3)."""
@@ -410,6 +414,7 @@ def test_tiny_model_on_cuda(tmp_path, name):
         assert err <= bound, (dtype, err, bound)
 
 
+@pytest.mark.slow
 def test_demo_matches_transformers_gemma3_float64(demo_path):
     """Our float64 forward on the demo GGUF vs transformers' Gemma3ForCausalLM built from the
     equivalent config and given the same dequantized weights through the inverse GGUF layout

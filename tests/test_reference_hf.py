@@ -28,6 +28,8 @@ from llmdoctor.cli import app
 from llmdoctor.errors import InputError
 from llmdoctor.reference import load
 
+pytestmark = pytest.mark.slow
+
 IDS = [int(i) for i in np.random.default_rng(0).integers(1, 90, size=24)]
 
 

@@ -100,6 +100,7 @@ def test_saved_shards(deepseek, tmp_path):
 
 # ---- the tensor-parallel forward ---------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_demo_tp2_cli(demo_path, tmp_path):
     """Gemma 3 270M, T=2, two layers: the rules' plan passes every point; each fault is found at its
     layer and the right tensor (or collective) is named. Through the CLI, with --json-out."""
@@ -126,6 +127,7 @@ def test_demo_tp2_cli(demo_path, tmp_path):
     assert plans["fault:sharding-heads-permuted"]["tensors"] == ["blk.0.attn_q.weight"]
 
 
+@pytest.mark.slow
 def test_mla_tp2(deepseek, tmp_path):
     """DeepSeek-V3-shaped MLA + MoE (experts split by intermediate size), T=2: the engine's saved
     (correct) bfloat16 shards pass (the reference then holds the same bfloat16 values); MLA-specific and
@@ -169,6 +171,7 @@ def test_saved_shards_of_the_wrong_shape(deepseek, tmp_path):
     assert exit_code(res.findings) == 1
 
 
+@pytest.mark.slow
 def test_mla_tp4_expert_parallel(deepseek):
     """T=4 with whole experts per rank: the rules' plan passes (the last rank's vocabulary shard is all
     padding); experts on the wrong rank are found at the first MoE layer (1) and the expert tensors named."""

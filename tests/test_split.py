@@ -103,6 +103,7 @@ def test_inspect_same_answers_and_shows_shards(demo_path, demo_split):
     assert "demo-00004-of-00004.gguf" in p.stdout and "Shards" in p.stdout
 
 
+@pytest.mark.slow
 def test_commands_same_answers_on_split_subset(subset, tmp_path):
     whole, parts = subset
     # verify: the same per-tensor numbers

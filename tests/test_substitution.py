@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from llmdoctor.checks import metrics as M
 from llmdoctor.gguf import dequantize
 from llmdoctor.reference import load
 from llmdoctor.subjects.substitution import KernelDequantizer, PrefillAttention
+
+pytestmark = pytest.mark.slow
 
 IDS = [2, 818, 3823, 8864, 37423, 38167, 1024, 506, 31770, 4799, 236761]
 

@@ -126,6 +126,7 @@ def test_demo_digits_split(gemma):
     assert "".join(gemma.token_text(i) for i in ids) == "1▁2▁3▁4▁5▁6▁7▁8▁9▁10" and len(ids) == 20
 
 
+@pytest.mark.slow
 def test_demo_every_piece(gemma, gemma_llm):
     """All 262,144 token pieces, plain and special, byte for byte as llama.cpp renders them."""
     for special in (False, True):

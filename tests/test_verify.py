@@ -39,6 +39,7 @@ def planted(subset, tmp_path_factory):
     return faults.get("scale-inf").build(subset, tmp_path_factory.mktemp("planted"), tensor=BAD, block=3)
 
 
+@pytest.mark.slow
 def test_demo_every_block_decoded(demo_path):
     res = V.run(demo_path)
     with open_gguf(demo_path) as g:
@@ -110,6 +111,7 @@ def _holds(pid: int, path: Path) -> bool:
         return False
 
 
+@pytest.mark.slow
 def test_ctrl_c_leaves_nothing_behind(demo_path, tmp_path):
     """SIGINT once verify holds the model file (the pass has begun): exit 130, "interrupted", no report
     written. A pass that ends before the interrupt could be sent is run again (the demo's pass is about a

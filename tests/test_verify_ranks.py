@@ -37,6 +37,7 @@ def test_shares_are_contiguous_runs_of_equal_bytes(demo_path):
         assert all(abs(sum(size[x] for x in p) - total / n) <= largest for p in parts)
 
 
+@pytest.mark.slow
 def test_two_ranks_give_the_one_process_report(planted, tmp_path):
     """Through the CLI (one launch): the JSON's tensors and findings are the one-process run's."""
     from llmdoctor.cli import app

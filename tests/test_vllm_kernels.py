@@ -143,6 +143,7 @@ def test_subjects_vllm_names_the_mla_kernels_where_the_shape_has_mla():
     assert set(mla) <= {n for n, _ in subj.builtin_subjects("all", _contracts(shapes.PRESETS["glm-5"]))}
 
 
+@pytest.mark.slow
 def test_an_mla_kernel_on_the_cpu_is_a_load_skip_with_the_reason():
     res = ca.run(shapes.PRESETS["deepseek-v3"], [("vllm-triton-mla", None)], subj.IsolatedAttention, dtypes=("bfloat16",),
                  only={"mla-decode-b1"})

@@ -38,6 +38,7 @@ def test_rope_layout_rows_are_inverse():
     assert np.array_equal(orders["permuted"][orders["unpermuted"]], np.arange(16))
 
 
+@pytest.mark.slow
 def test_a_loader_that_keeps_the_gguf_rope_layout_is_named(tmp_path, monkeypatch):
     """transformers serving a tiny llama GGUF with a loader that forgets to undo the Q/K permutation of
     layer 0's q_proj (planted on the built model; the engine exposes l_out-0 only of its two layers): layer
