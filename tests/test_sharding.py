@@ -151,6 +151,7 @@ def test_mla_tp2(deepseek, tmp_path):
     assert set(by_plan["fault:sharding-kv-b-latent-axis"]["tensors"]) == {"blk.0.attn_k_b.weight", "blk.0.attn_v_b.weight"}
 
 
+@pytest.mark.slow
 def test_saved_shards_of_the_wrong_shape(deepseek, tmp_path):
     """k_b saved transposed ([H/T, Dn, R]): the comparison names it; the forward cannot run on it and
     says so (a skip with the failing rank's error), the exit code still 1 from the comparison."""
