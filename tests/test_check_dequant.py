@@ -47,6 +47,7 @@ def test_planted_layout_bug_is_named(demo, name):
         assert f.metrics["worst_block"]["file_offset"] >= f.metrics["offset"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["raises", "segfault", "aborts", "wrong_shape", "returns_nan"])
 def test_faulty_subject_is_reported_and_the_check_goes_on(demo, name):
     res = _run(demo, name)
@@ -57,12 +58,14 @@ def test_faulty_subject_is_reported_and_the_check_goes_on(demo, name):
         assert "killed by SIG" in res.findings[0].reason and res.restarts == 1
 
 
+@pytest.mark.slow
 def test_hanging_kernel_times_out(demo):
     res = dequant.run(demo, IsolatedKernel, kernel=faults.get("hangs").build(), only="blk.0.attn_k.weight", timeout=2)
     (f,) = res.findings
     assert f.status == "fail" and "kernel hung" in f.reason
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name,dtype", [("half_precision", None), ("half_precision_f32_out", None),
                                         ("half_precision", "float16")])
 def test_correct_half_kernel_passes_as_reduced_precision(demo, name, dtype):
@@ -169,6 +172,7 @@ def test_layout_bug_candidates_on_min_types():
 runner = CliRunner()
 
 
+@pytest.mark.slow
 def test_cli_pass_and_json_envelope():
     r = runner.invoke(app, ["check", "dequant", "--kernel", "reference", "--only", "blk.0.attn_v.weight", "--json"])
     assert r.exit_code == 0, r.output
@@ -179,6 +183,7 @@ def test_cli_pass_and_json_envelope():
     assert env["env"]["file"]["sha256"] and env["env"]["seed"] == 0
 
 
+@pytest.mark.slow
 def test_cli_fail_names_the_bug_and_exits_1():
     spec = faults.get("d_sign").build()
     r = runner.invoke(app, ["check", "dequant", "--kernel", spec, "--only", "blk.0.attn_output.weight", "--json"])
@@ -188,6 +193,7 @@ def test_cli_fail_names_the_bug_and_exits_1():
     assert f["metrics"]["differing_bits"]["sign"] > 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("args,message", [
     (["--kernel", "nosuch"], "not a built-in"),
     (["--kernel", "nosuchmodule_xyz:fn"], "cannot import"),
@@ -209,6 +215,7 @@ def test_cli_bad_input_is_one_line_and_exit_2(args, message):
     assert len(lines) == 1 and message in lines[0], r.stderr
 
 
+@pytest.mark.slow
 def test_cli_unavailable_kernel_is_skipped_with_reason_and_exit_2():
     r = runner.invoke(app, ["check", "dequant", "--kernel", "vllm", "--only", "blk.0.attn_v.weight", "--json"])
     assert r.exit_code == 2
@@ -222,6 +229,7 @@ def test_run_validates_before_starting(demo):
         dequant.run(demo, IsolatedKernel, kernel="torch", dtype="float8")
 
 
+@pytest.mark.slow
 def test_kernel_from_a_py_file_and_an_unexplained_error(demo, tmp_path):
     """A `path.py:function` kernel that is off by one ulp in one element: bit-exact fails, no layout
     bug reproduces it, the evidence shows the element."""
@@ -299,6 +307,7 @@ def echo_factory(tag):
     return handle
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shared", [True, False])
 def test_isolated_round_trips_payloads_through_shared_file_or_socket(shared, monkeypatch):
     from llmdoctor.subjects import isolation
@@ -386,6 +395,7 @@ OVERFLOW_KERNEL = (
     "    return out\n")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("plant", [None, "sign", "in-range"])
 def test_float16_overflow_beyond_its_range_is_reported_not_failed(plant, tmp_path):
     """vLLM's GGUF dequant on the H200 (half precision) gave -inf where the reference is -94,552.5 (an IQ1_M

@@ -134,6 +134,7 @@ def test_transformers_loads_its_model_once_and_close_releases_it(tmp_path, monke
     gc.collect()
 
 
+@pytest.mark.slow
 def test_llama_cpp_keeps_one_child_with_its_model_loaded(demo_path):
     """Issue 33: llama.cpp stays isolated in a child process, one for every run and generation of the engine,
     the model loaded in it by the first request only (a later one says it loaded nothing); `close` ends it,
@@ -155,6 +156,7 @@ def test_llama_cpp_keeps_one_child_with_its_model_loaded(demo_path):
         assert engine._child is None and child._proc is None
 
 
+@pytest.mark.slow
 def test_llama_cpp_runs_and_names_its_captures_as_the_reference(demo_path):
     """One prefill through the interface: logits [T, V] and captures under the reference's point names
     (llama.cpp's `sa_out` is the reference's `ffn_inp`)."""

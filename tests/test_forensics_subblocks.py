@@ -266,6 +266,7 @@ def demo_every_kquant(demo_path, quantize, tmp_path_factory):
     return path, [*retype, "blk.5.attn_output.weight", "blk.1.ffn_down.weight"]
 
 
+@pytest.mark.slow
 def test_diagnose_file_integrity_names_every_damaged_type(demo_every_kquant, tmp_path):
     """diagnose on the demo carrying every K-quant type, one tensor of each damaged: the top suspect is
     a forensics finding of its own per damaged tensor under file-integrity (high confidence), all five named; the finite-weights

@@ -95,6 +95,7 @@ def test_soft_finding_for_a_name(tiny_llama, tmp_path):
     assert "= yarn is far from what published configs use (none or linear" in adv[0].explanation
 
 
+@pytest.mark.slow
 def test_inconsistent_metadata_skips_what_needs_a_model(demo_path, tmp_path):
     """The crash a new user met (head_count_kv 3 in a demo copy: a traceback in reference/forward.py) is
     now the metadata finding, and every step that needs a consistent model says why it did not run."""
@@ -205,6 +206,7 @@ def test_bpe_without_merges_and_normal_special_token(tmp_path):
 
 # ---- SARIF ---------------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_sarif_of_check_commands_validates(demo_path, tmp_path):
     bad = faults.get("scale-inf").build(demo_path, tmp_path)
     out = tmp_path / "f.sarif"

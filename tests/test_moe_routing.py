@@ -124,6 +124,7 @@ def test_a_quantized_mla_file_is_healthy_in_llama_cpp(tmp_path, legacy, ftype, q
     assert res.exit_code == 0
 
 
+@pytest.mark.slow
 def test_an_engine_that_aborts_does_not_end_the_diagnosis(tmp_path):
     """llama.cpp runs in a child process: the tiny GLM-DSA file makes llama-cpp-python 0.3.36 abort
     (GGML_ASSERT in a mul_mat); the diagnosis goes on and says so. Should a later llama.cpp run it,

@@ -20,6 +20,7 @@ def demo_pair(demo_path):
     ours.close()
 
 
+@pytest.mark.slow
 def test_demo_tensors_match_gguf_py(demo_pair):
     ours, ref = demo_pair
     assert len(ours.tensors) == len(ref.tensors) == 236

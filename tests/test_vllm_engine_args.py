@@ -19,6 +19,8 @@ from llmdoctor.subjects.engines.base import Deployment
 from llmdoctor.subjects.engines.vllm_args import split
 from test_engine_vllm import vllm_checkpoint
 
+pytestmark = pytest.mark.slow
+
 WORDS = ["<s>", "<unk>", *(f"w{i}" for i in range(94))]  # the tiny models' 96 tokens as words
 TOKENS = list(range(3, 40))  # 37 positions: more than the 16-token chunked-prefill budget below
 
