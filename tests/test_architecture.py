@@ -30,8 +30,8 @@ The layer table, lowest first; a module may import its own layer, any lower laye
                caller (checks/file/sharding.py `run(..., plant=)`).
     cli        the typer app: may import everything.
 
-Not asserted here (the lead's part of issue 21): checks/ reaching subjects/engines/ only through the
-engine registry.
+One more rule (issue 33): checks/ never imports subjects/, although subjects sit below it: a check judges
+what a subject measured (or a subject its caller opened and handed in: cli.py, diagnose/), never starts one.
 """
 
 from __future__ import annotations
@@ -43,7 +43,8 @@ import llmdoctor
 
 SRC = Path(llmdoctor.__file__).parent
 
-BASE = frozenset(("", "errors", "hf_config", "native", "file_digest", "demo", "outcomes", "completion"))  # names below the package
+# names below the package
+BASE = frozenset(("", "errors", "hf_config", "native", "file_digest", "demo", "outcomes", "completion"))
 LAYERS = ("gguf", "reference", "subjects", "checks", "report", "diagnose", "faults", "cli")  # lowest first
 REPORT_MAY_IMPORT_FROM_CHECKS = frozenset(("checks.base",))
 
@@ -151,6 +152,8 @@ def upward(graph: dict[str, set[str]]) -> list[str]:
                 bad.append(f"{a} -> {b} ({la} is below {lb})")
             elif la == "report" and lb == "checks" and b not in REPORT_MAY_IMPORT_FROM_CHECKS:
                 bad.append(f"{a} -> {b} (report knows only checks.base's findings)")
+            elif la == "checks" and lb == "subjects":
+                bad.append(f"{a} -> {b} (a check receives what a subject measured; its caller opens the subject)")
     return bad
 
 
@@ -246,6 +249,7 @@ def test_the_rules_can_fail(tmp_path):
         "checks/base.py": "",
         "checks/file/sharding.py": "def plan():\n    from ...faults import get\n",  # checks -> faults
         "checks/metrics.py": "ENTRY = 'llmdoctor.report.html:render'\n",  # checks -> report, by name
+        "checks/kernels/dequant.py": "def run():\n    from ...subjects import kernels\n",  # checks -> subjects
         "report/html.py": "from ..checks import base, metrics\n",  # report -> checks.metrics
         "faults/__init__.py": "_MODULES = ('llmdoctor.faults.sharding',)\n",
         "faults/sharding.py": "from . import _MODULES\nfrom ..cli import app\n",  # faults -> cli
@@ -266,6 +270,8 @@ def test_the_rules_can_fail(tmp_path):
                  "reference.forward -> subjects.kernels (reference is below subjects)",
                  "checks.file.sharding -> faults (checks is below faults)",
                  "checks.metrics -> report.html (checks is below report)",
+                 "checks.kernels.dequant -> subjects.kernels (a check receives what a subject measured; its caller "
+                 "opens the subject)",
                  "report.html -> checks.metrics (report knows only checks.base's findings)",
                  "faults.sharding -> cli (faults is below cli)",
                  "native -> gguf.reader (a base module imports only base modules)",

@@ -395,7 +395,7 @@ class VLLMEngine(BackendSelecting, GGUFNameMapping, Engine):
     def parse_engine_args(cls, text: str, python: str | None) -> Any:
         from .vllm_args import parse
 
-        return parse(text, python)
+        return parse(text, lambda request: _call(find_python(python), request, QUERY_TIMEOUT_S))
 
     def _engine_args(self) -> list[str] | None:
         """The deployment's serve arguments (--engine-args), parsed again by the driver for each request."""

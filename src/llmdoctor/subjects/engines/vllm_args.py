@@ -14,6 +14,7 @@ import os
 import shlex
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 from ...errors import EngineError, InputError
 
@@ -36,16 +37,13 @@ def split(text: str) -> list[str]:
     return argv[2:] if argv[:2] == ["vllm", "serve"] else argv
 
 
-def parse(text: str, python: str | None) -> ServeArgs:
-    """`text` parsed by vLLM's serve parser in the deployment's interpreter (`python`, as --engine-python
-    finds it), relative paths taken from this directory. InputError quoting vLLM where it refuses them (an
+def parse(text: str, query: Callable[[dict], dict]) -> ServeArgs:
+    """`text` parsed by vLLM's serve parser in the deployment's interpreter (`query`: a request to its driver,
+    vllm.py's), relative paths taken from this directory. InputError quoting vLLM where it refuses them (an
     unknown flag, a bad value, a named model that is no local file or folder)."""
-    from .vllm import QUERY_TIMEOUT_S, _call, find_python
-
     argv = split(text)
     try:
-        got = _call(find_python(python), {"command": "serve_args", "engine_args": argv, "cwd": os.getcwd()},
-                    QUERY_TIMEOUT_S)
+        got = query({"command": "serve_args", "engine_args": argv, "cwd": os.getcwd()})
     except EngineError as e:
         raise InputError(f"--engine-args: {str(e).removeprefix('ArgsRefused: ')}") from None
     return ServeArgs(tuple(argv), None if got["model"] is None else Path(got["model"]),
