@@ -13,7 +13,7 @@
    buffer in the same run (counted the same way: 2 GiB per copy). With --sweep, every (BB, num_warps)
    candidate is timed and its output checked bit for bit against the tuned configuration's.
 Random blocks are not forced finite here: the kernels have no data-dependent branches, so the
-values do not change the time (bit-exactness on finite random blocks is tests/test_dequant_cuda.py).
+values do not change the time (bit-exactness on finite random blocks is tests/gguf/test_dequant_cuda.py).
 """
 
 from __future__ import annotations

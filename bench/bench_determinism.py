@@ -8,7 +8,7 @@ by default; each prints identical/different (with the first difference) and the 
 
 `--load N` keeps N extra processes spinning on the CPU for the whole campaign (a loaded machine).
 What legitimately changes from run to run is left out of the comparison: wall-clock times (`is_time`).
-tests/test_determinism.py runs the same comparison in a bounded form (tests/rerun.py holds what both use).
+tests/cli/test_determinism.py runs the same comparison in a bounded form (tests/rerun.py holds what both use).
 
 Adding a command: write `bench_<name>(runs: int) -> list[Outcome]` that calls `repeat` with the
 command's argv, and add it to `COMMANDS`.

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "reference"))  # test modules imported by name
 
 
 def build(out: Path) -> tuple[Path, Path]:

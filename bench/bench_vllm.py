@@ -1,4 +1,4 @@
-"""vLLM (for CPU) against the reference on the tiny checkpoints of tests/test_engine_vllm.py, one
+"""vLLM (for CPU) against the reference on the tiny checkpoints of tests/subjects/engines/test_engine_vllm.py, one
 `diagnose --hf DIR --engine vllm --engine-dtype float32` each: KL, top-1, the worst layer point
 against its budget, and the time of each step (vLLM: start + load, the prefill run; the reference
 forward pass in float32 and the float64 budget run; the whole diagnosis).
@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "subjects" / "engines"))  # test modules imported by name
 
 TOKENS = [3, 17, 42, 5, 77, 8, 23, 61, 9, 30, 55, 14, 2, 88, 40, 19]
 

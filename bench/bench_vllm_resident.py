@@ -20,6 +20,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "reference"))  # test modules imported by name
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "subjects" / "engines"))  # test modules imported by name
 
 TOKENS = "3,17,42,5,77,8,23,61,9,30,55,14,2,88,40,19"
 WORDS = ["<s>", "<unk>"] + [f"w{i}" for i in range(2, 96)]  # the tiny models' vocabulary (96), as bench/h200_vllm.py

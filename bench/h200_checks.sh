@@ -29,8 +29,8 @@ for preset in glm-5 deepseek-v3; do
 done
 
 step "GPU tests"
-python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_dequant_cuda.py tests/test_reference_dense.py \
-    tests/test_reference_hf.py tests/test_reference_mla.py tests/test_check_attention.py > "$OUT/gpu-tests.log" 2>&1
+python3 -m pytest -q -m gpu -p no:cacheprovider tests/gguf/test_dequant_cuda.py tests/reference/test_reference_dense.py \
+    tests/reference/test_reference_hf.py tests/reference/test_reference_mla.py tests/checks/kernels/test_check_attention.py > "$OUT/gpu-tests.log" 2>&1
 step "GPU tests: $(tail -1 "$OUT/gpu-tests.log")"
 
 step "verify: CUDA against CPU on the planted subset"

@@ -6,7 +6,7 @@ planted faults, write the summary. Runs with llmdoctor from this tree (PYTHONPAT
     python bench/h200_vllm.py faults PYTHON OUT.json     # the CPU suite's planted faults, under vLLM on CUDA
     python bench/h200_vllm.py summary OUTDIR             # every JSON under OUTDIR -> OUTDIR/summary.md
 
-The models are the ones tests/test_engine_vllm.py runs on vLLM for CPU (dense heads of 32, DeepSeek-V3 with
+The models are the ones tests/subjects/engines/test_engine_vllm.py runs on vLLM for CPU (dense heads of 32, DeepSeek-V3 with
 its real latent dims); the Q8_0 file is the F32 GGUF converted from the llama checkpoint with its 2-D weights
 quantized by gguf-py (issue 22's "tiny llama Q8_0 GGUF").
 """
@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "subjects" / "engines"))  # test modules imported by name
 
 WORDS = ["<s>", "<unk>"] + [f"w{i}" for i in range(2, 96)]  # the tiny models' vocabulary (96)
 
@@ -62,7 +63,7 @@ def dsa_checkpoint(out: Path) -> Path:
     # loader raises KeyError on it; its router scores by softmax unless scoring_func says sigmoid, which
     # transformers' GlmMoeDsa router and llmdoctor's reference use; the indexer's rotary is interleaved only
     # with indexer_rope_interleave, as transformers' GlmMoeDsaIndexer always is). Seen on the H200 2026-12-02:
-    # without topk_method, KeyError. The tiny DeepSeek-V3 of tests/test_engine_vllm.py sets the same two.
+    # without topk_method, KeyError. The tiny DeepSeek-V3 of tests/subjects/engines/test_engine_vllm.py sets the same two.
     cfg = json.loads((ckpt / "config.json").read_text())
     (ckpt / "config.json").write_text(json.dumps({**cfg, "topk_method": "noaux_tc", "scoring_func": "sigmoid",
                                                   "indexer_rope_interleave": True}, indent=2))
@@ -105,7 +106,7 @@ PLANTED = [("llama", "q_proj", (0, None), "Qcur", ("bfloat16", "float32")),
 
 
 def faults(python: str, out: Path, work: Path) -> list[dict]:
-    """tests/test_engine_vllm.py's planted faults (rows of a layer-1 projection scaled by 1.5 in the copy
+    """tests/subjects/engines/test_engine_vllm.py's planted faults (rows of a layer-1 projection scaled by 1.5 in the copy
     the engine loads) under vLLM on CUDA: found when the diagnosis fails at layer 1 naming that point."""
     import fixtures_hf
     from test_engine_vllm import TOKENS, planted_copy, vllm_checkpoint

@@ -14,7 +14,7 @@
 #               same with layer 2's indexer head weights negated in the copy vLLM loads (found by that check)
 #   types       check dequant --kernel vllm on a GGUF with every type (after setup; MODELS=0 is enough)
 #   gpu         vLLM's kernels as subjects (check dequant on the demo, the Q8_0 file and every type, check attention on
-#               llama-3-8b, deepseek-v3 and glm-5, the GPU tests of tests/test_vllm_kernels.py and the engine
+#               llama-3-8b, deepseek-v3 and glm-5, the GPU tests of tests/subjects/engines/test_vllm_kernels.py and the engine
 #               explainer's) and, meanwhile, the planted faults of the CPU suite under vLLM on CUDA; then
 #               summary.md over every stage
 #   rows        only the diagnose rows in ROWS (default demo-gguf:float32), with nothing beside them
@@ -34,7 +34,7 @@ C=/tmp/carry M=/tmp/vmodels W=/tmp/vout
 mkdir -p "$OUT" "$C" "$M" "$W"
 export PYTHONPATH="/tmp/site:$PWD/src:$PWD/tests" HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 export VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_ENABLE_V1_MULTIPROCESSING=0
-TOKENS=3,17,42,5,77,8,23,61,9,30,55,14,2,88,40,19  # tests/test_engine_vllm.py's TOKENS
+TOKENS=3,17,42,5,77,8,23,61,9,30,55,14,2,88,40,19  # tests/subjects/engines/test_engine_vllm.py's TOKENS
 stage=${1:?stage: stash DIR | setup | diagnose | dsa | gpu | rows | rest | types | mini}
 t0=$(date +%s)
 step() { echo "[$(( $(date +%s) - t0 )) s] $*" | tee -a "$W/$stage.steps"; }
@@ -117,7 +117,7 @@ gpu_checks() {  # vLLM's kernels as subjects, the GPU tests, the explainer, the 
     done
     types
     step "GPU tests"
-    timeout "$(cap 180)" python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_vllm_kernels.py > "$G/gpu-tests.log" 2>&1
+    timeout "$(cap 180)" python3 -m pytest -q -m gpu -p no:cacheprovider tests/subjects/engines/test_vllm_kernels.py > "$G/gpu-tests.log" 2>&1
     step "GPU tests: $(grep -E 'passed|failed|skipped|error' "$G/gpu-tests.log" | tr '\n' ' ')"
     step "the engine explainer's selection on this GPU"
     timeout "$(cap 90)" python3 - > "$G/explainer.txt" 2>&1 <<'PY'
@@ -252,7 +252,7 @@ mini)  # the least a short pass needs after setup: the dsa stage, the FlashAttn 
     step "FlashAttn MLA's NaN: adapter or kernel"
     timeout "$(left)" python3 bench/h200_fa_mla_probe.py "$G/fa-mla-probe.json" > "$G/fa-mla-probe.log" 2>&1
     step "probe: exit $?"
-    timeout "$(left)" python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_vllm_kernels.py > "$G/gpu-tests.log" 2>&1
+    timeout "$(left)" python3 -m pytest -q -m gpu -p no:cacheprovider tests/subjects/engines/test_vllm_kernels.py > "$G/gpu-tests.log" 2>&1
     step "GPU tests: $(grep -E 'passed|failed|skipped|error' "$G/gpu-tests.log" | tr '\n' ' ')"
     wait
     step "end"

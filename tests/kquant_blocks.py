@@ -2,7 +2,7 @@
 sub-block scale and min codes whose largest is 63 in every block, d spread log-normally, dmin = 7.5 d with
 min codes equal to scale codes, so that every sub-block is centered; Q6_K: int8 scales whose extreme is
 -128): checks/file/forensics.py's block rules hold on them. Used by bench/bench_glm5.py's GLM-5-shaped file and
-tested in tests/test_diagnose_device.py."""
+tested in tests/diagnose/test_diagnose_device.py."""
 
 from __future__ import annotations
 

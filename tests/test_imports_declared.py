@@ -80,8 +80,8 @@ def undeclared_imports(files: list[Path], allowed: set[str], local: set[str],
 
 
 def _local_names(root: Path) -> set[str]:
-    """The project's own import names: the package and the tests' helper modules (imported by name)."""
-    return {"llmdoctor"} | {p.stem for p in (root / "tests").glob("*.py")}
+    """The project's own import names: the package and the tests' modules (imported by name)."""
+    return {"llmdoctor"} | {p.stem for p in (root / "tests").rglob("*.py")}
 
 
 def audit(root: Path) -> list[str]:

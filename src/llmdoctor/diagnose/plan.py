@@ -3,7 +3,7 @@ earlier layer's fault explains later symptoms), each with its question, what it 
 
 A hypothesis runs only when everything it needs is there; otherwise it is "skipped: <why>", the reason
 coming from the first missing need. docs/hypotheses.md's table is generated from this table
-(`python -m llmdoctor.diagnose.plan`; tests/test_diagnose_plan.py holds the two equal).
+(`python -m llmdoctor.diagnose.plan`; tests/diagnose/test_diagnose_plan.py holds the two equal).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Planted faults in the reference forward pass: the convention bugs a real engine or converter makes.
 
 Each `build(model)` takes a `llmdoctor.reference.ReferenceModel`, changes one convention in place and
-returns it. The comparison against llama.cpp (tests/test_reference_dense.py) must flag each one.
+returns it. The comparison against llama.cpp (tests/reference/test_reference_dense.py) must flag each one.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Planted faults of MLA files (deepseek2 / glm-dsa): converter mistakes that still load and run.
 
 Like faults/reference.py, `build(model)` takes a `llmdoctor.reference.ReferenceModel`, changes it in
-place and returns it; the float64 comparison in tests/test_reference_mla.py must flag each one (the
+place and returns it; the float64 comparison in tests/reference/test_reference_mla.py must flag each one (the
 rope-base and norm-offset faults of faults/reference.py apply to MLA models unchanged).
 """
 

@@ -3,7 +3,7 @@
 `pip install` compiles the C file as an optional extension (setup.py); without a compiler the
 package installs anyway and the torch kernels do the work. `available()` says whether the library
 loaded and, if not, why. Each C kernel is one pass over a chunk of whole blocks, bit-exact with
-gguf-py like the torch kernels it stands in for (tests/test_dequant_native.py checks both against
+gguf-py like the torch kernels it stands in for (tests/gguf/test_dequant_native.py checks both against
 gguf-py). A tensor is one call through ctypes (which releases the GIL); the C pool of
 `_dequant_pool.c` shares its chunks between the calling thread and its helper threads. F32 is here
 too, as a byte copy: a model's many small norm vectors then cost one call each, not torch ops.

@@ -9,7 +9,7 @@ rule's forward transform: the very names and transforms convert_hf_to_gguf.py ap
 mapping` inverts (llama's Q/K rope permutation, gemma's +1 norm offset, MLA's kv_b split with k_b
 transposed, per-expert tensors stacked). So every block of the reference runs unchanged from either
 source, and an F32 GGUF converted from the same checkpoint gives bit-identical weights and logits
-(tests/test_reference_hf.py).
+(tests/reference/test_reference_hf.py).
 
 Reading is lazy and read-only: one safe_open handle per shard (its header parsed once), tensors read from
 safetensors' mmap when a block asks for them; an embedding lookup reads only the rows it needs, the output

@@ -17,7 +17,7 @@ and its KV cache is F16 by default: K and V are stored rounded to f16, and becau
 F16 operand converts the other operand to F16 too, Q (in K·Q) and the softmax probabilities P (in
 V·P) are rounded to f16 as well. For MLA the cache holds [latent, k_pe] with the latent as V, so the
 absorbed query, both and P are rounded; a legacy file (kv_b unsplit) caches the expanded K and V
-(reference/arch_deepseek.py; tests/test_emulate.py). Rounding half away from zero follows ggml-quants.c's reference
+(reference/arch_deepseek.py; tests/reference/test_emulate.py). Rounding half away from zero follows ggml-quants.c's reference
 (`roundf` / `nearest_int`); the SIMD paths round half to even, a difference only at exact ties.
 
 vLLM on CUDA in float32 (vLLM 0.24 / 0.32, vllm-gguf-plugin 0.0.5, Triton 3.6 / 3.9; read from their sources)

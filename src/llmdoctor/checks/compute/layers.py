@@ -10,7 +10,7 @@ For every layer i and capture point p, three activations of the same prompt are 
 error = rel_l2(engine, ref) and noise = rel_l2(budget, ref). A healthy engine and the emulation are
 two independent draws of the same rounding noise, so their errors are of the same size: on the demo
 model in llama.cpp the ratio error/noise stays within 0.85..1.3 over all 18 layers (measured,
-tests/test_layers_llama_cpp.py). A point is *divergent* when error > K * noise + FLOOR, with K = 3
+tests/checks/compute/test_layers_llama_cpp.py). A point is *divergent* when error > K * noise + FLOOR, with K = 3
 (more than twice the largest healthy ratio seen) and FLOOR = 1e-6 (float32 round-off of a
 normalized activation, so that a bit-exact budget of 0 does not turn noise into an alarm).
 

@@ -29,12 +29,12 @@ THRESHOLDS: dict[str, dict[str, Any]] = {
         "greedy request: healthy differences up to 8.8e-3 nats when the prompt cache holds only a "
         "short shared prefix (the rest is one prefill batch of another size), 0 with a cold or warm "
         "cache, streamed or not; 8.8e-3 too between a request alone and inside a concurrent batch of 4. "
-        "0.05 is ~6x that, below the up-to-0.3-nat jitter of the nondeterministic fault (tests/test_probe.py)"},
+        "0.05 is ~6x that, below the up-to-0.3-nat jitter of the nondeterministic fault (tests/checks/endpoint/test_probe.py)"},
     "same_distribution_kl_max": {"value": 5e-3, "why": "the same distribution computed twice (top-10 + "
         "tail KL): repeated, streamed, alone vs batched, prefill vs decode. healthy: 0 with a cold or "
         "warm cache, 6.4e-4 with a short shared prefix cached, 6.7e-4 alone vs in a concurrent batch of 4, "
         "1.1e-4 to 3.2e-4 echo (one prefill batch) vs decode steps; 5e-3 is ~8x the largest (the "
-        "decode-perturb and crosstalk faults exceed it: tests/test_probe.py)"},
+        "decode-perturb and crosstalk faults exceed it: tests/checks/endpoint/test_probe.py)"},
     "position_logprob_min": {"value": math.log(0.5), "why": "the units digit of a counting run is "
         "certain for a healthy model (-0.024 at 12 numbers, -1.5e-3 to -7e-5 at 33 to 75); requiring half "
         "the mass (-0.69) is 30x looser than the worst healthy, while a rope base of 100 instead of 1e6 "

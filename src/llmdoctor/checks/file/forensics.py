@@ -14,11 +14,11 @@ forensics_native.py); sibling_outliers.py compares each tensor with its siblings
 
 and `analyze(path)`, all of it for a file (diagnose's file-integrity step and the tests).
 
-What the statistics can see (tests/test_forensics.py plants each): non-finite scales or weights
+What the statistics can see (tests/checks/file/test_forensics.py plants each): non-finite scales or weights
 (absolute rule); block scales multiplied by noise (signs, the spread of |scale| in binades); a Q4_K tensor
 whose d and dmin were exchanged (dmin/d ratio, mean/RMS, RMS). Inside K-quant blocks, the sub-block
 scale and min codes are held to where llama.cpp's quantizer always puts the block's extreme sub-block
-(subblock_codes.py; tests/test_forensics_subblocks.py plants changed code bytes).
+(subblock_codes.py; tests/checks/file/test_forensics_subblocks.py plants changed code bytes).
 What they cannot see: two layers' tensors exchanged, or one tensor's rows permuted; every statistic
 here is invariant under both (a tensor's statistics move with it; a permutation of rows keeps every
 value). Those need a second copy: `diff`, `--manifest`, or `--hf`.

@@ -39,7 +39,7 @@ from . import forensics_native as fx_native  # its NATIVE read at each call: tes
 # only for files quantized without one; for the others the share of blocks off the end is compared
 # among role siblings instead (forensics.py: subblock_rules). Corrupted codes are seen only where they move the extreme:
 # a random byte in a block's scales breaks the rule when it hits the extreme sub-block's code (about one
-# block in 8 to 16, by type: tests/test_forensics_subblocks.py measures it), so one damaged block in a
+# block in 8 to 16, by type: tests/checks/file/test_forensics_subblocks.py measures it), so one damaged block in a
 # tensor may go unseen while tens of them are found with certainty.
 
 

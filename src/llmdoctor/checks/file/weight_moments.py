@@ -46,7 +46,7 @@ from . import forensics_native as fx_native  # its NATIVE read at each call: tes
 # works on log2 rms and mean / rms with floors of log2(1.12) = 0.16 binades and 0.12 (sibling_outliers.py): its
 # median, MAD and each value moving by those amounts move a robust z by at most
 # (2 + z x 2 x 1.4826) x shift / floor, under 0.03 at the limit (~4.4). Only a tensor within 0.03 of
-# the limit could change its verdict; the demo's largest z is 0.3 under it (tests/test_forensics.py
+# the limit could change its verdict; the demo's largest z is 0.3 under it (tests/checks/file/test_forensics.py
 # checks both, and the statistics against float64: there they agree to ~1e-7). The scale statistics
 # are exact (counts of codes). Every sum is in a fixed order (rows of ROW values, then those in
 # order), so the numbers are the same run to run and for any torch thread count.

@@ -19,7 +19,7 @@ Tokenizer (`tokenizer.ggml.*`):
   user-defined, unknown); at least one end-of-generation id;
 - token types: one per token, each a gguf TokenType; byte tokens spelled `<0xXX>`;
 - merges: a BPE (gpt2) vocab has `tokenizer.ggml.merges`, each "left right" of two vocab tokens;
-- parity: every token's piece as our tokenizer and llama.cpp render it (tests/test_tokenizer.py
+- parity: every token's piece as our tokenizer and llama.cpp render it (tests/reference/test_tokenizer.py
   compares the encoders; this check surfaces the decoding half for any file). The caller hands in
   llama.cpp's piece reader (subjects/engines `gguf_pieces`): the check starts no engine.
 """

@@ -33,7 +33,7 @@ For the K- and IQ-quants gguf-py cannot quantize, e_q = e_q(Q4_0) * 2**(bpw(Q4_0
 the type's bits per weight from GGML_QUANT_SIZES: one bit fewer doubles a uniform quantizer's step
 (and K/IQ quants, with their scale search and finer scales, do at least as well as Q4_0 at equal bpw,
 so this is an upper estimate: llama.cpp's own Q2_K..Q6_K and IQ4_XS land at 0.76-0.95 of it on random
-weights, tests/test_check_mapping.py). The band is BAND_K * e_q + the transform's own rounding (gemma's
+weights, tests/checks/layout/test_check_mapping.py). The band is BAND_K * e_q + the transform's own rounding (gemma's
 stored w + 1 in float32 undone: 2**-24 * ||1 + w|| / ||w||) + FLOAT32_FLOOR; BAND_K = 2 leaves room
 for importance-matrix weighting, which trades unweighted error for weighted error. Cosine must be at
 least sqrt(1 - band**2) (the smallest cosine of want + e with ||e|| = band * ||want||) less gamma_n(2^-53),
@@ -261,7 +261,7 @@ def _shapes(p: layout.Plan, hf: HFSide, gg: dict[str, Any]) -> list[Finding]:
 def _types(gg: dict[str, Any], consumer: str | None = None, quantized_indexer: bool = False) -> list[Finding]:
     """Tensor types engines consume. `consumer`: the engine that loads the file; one measured to consume a
     quantized DSA indexer (`quantized_indexer`, its trait: llama.cpp runs Q8_0 / Q4_0 indexer weights and
-    agrees with the reference, tests/test_moe_routing.py; the transformers engine dequantizes every
+    agrees with the reference, tests/checks/compute/test_moe_routing.py; the transformers engine dequantizes every
     tensor) passes it."""
     indexer_ok = consumer is not None and quantized_indexer
     out = []

@@ -37,7 +37,7 @@ def one_layer(path, itemsize: int = 4) -> int:
 
 def inputs(path, **kw) -> dg.Inputs:
     """The diagnosis of `path` in transformers from token ids; the decode path (greedy generation) is left to
-    tests/test_decode_path.py (generate=0): these tests are about where the prefill's evidence is computed."""
+    tests/diagnose/test_decode_path.py (generate=0): these tests are about where the prefill's evidence is computed."""
     return dg.Inputs.from_options(gguf=path, hf=None, endpoint=None, engine="transformers", prompt=None,
                                   token_ids=",".join(map(str, IDS)), default_gguf=lambda: path, threads=2,
                                   generate=0, **kw)

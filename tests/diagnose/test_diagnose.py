@@ -66,7 +66,7 @@ def test_healthy_demo_raises_no_alarm(healthy):
 
 def test_diagnose_is_repeatable_under_load(healthy):
     """Issue 18: the same command in a fresh process, under CPU load, gives the same findings, numbers,
-    layer budgets and curve (tests/test_determinism.py says what moved them before)."""
+    layer budgets and curve (tests/cli/test_determinism.py says what moved them before)."""
     from test_determinism import rerun_matches
 
     assert healthy["reference_threads"] == 2

@@ -35,7 +35,7 @@ def test_planted_nan_is_its_own_finding():
 
 def test_planted_nan_in_a_diagnosis(demo_path):
     """diagnose's engine-finite step, given an engine run whose logits are NaN and whose layer-2 output
-    is inf (planted in the session's evidence; the healthy demo diagnosis in tests/test_diagnose.py runs
+    is inf (planted in the session's evidence; the healthy demo diagnosis in tests/diagnose/test_diagnose.py runs
     the step on llama.cpp's real output and must pass it)."""
     import numpy as np
 

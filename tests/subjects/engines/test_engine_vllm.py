@@ -79,7 +79,7 @@ def diagnose(*args: str, token_ids: list[int] | None = TOKENS) -> tuple[int, dic
     """(exit code, JSON, seconds) of `llmdoctor diagnose *args` on `token_ids` (None: the default prompt
     through the model's own tokenizer). Without the decode path unless asked (`--generate N` in args): these
     tests are about the prefill's verdicts, and each vLLM generation starts the engine twice more (the
-    decode path under vLLM is tests/test_decode_path.py's)."""
+    decode path under vLLM is tests/diagnose/test_decode_path.py's)."""
     t0 = time.perf_counter()
     ids = ["--token-ids", ",".join(map(str, token_ids))] if token_ids else []
     gen = [] if "--generate" in args else ["--generate", "0"]

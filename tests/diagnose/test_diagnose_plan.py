@@ -8,7 +8,7 @@ from pathlib import Path
 from llmdoctor import diagnose as dg
 from llmdoctor.diagnose.plan import NEEDS, PLAN, markdown
 
-HYPOTHESES = Path(__file__).resolve().parents[1] / "docs" / "hypotheses.md"
+HYPOTHESES = Path(__file__).resolve().parents[2] / "docs" / "hypotheses.md"
 
 
 def test_docs_table_is_the_plan():

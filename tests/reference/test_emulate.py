@@ -45,7 +45,7 @@ def test_vec_dot_types_and_dispatch():
 def test_mla_attention_is_rounded_to_the_f16_kv_cache(tmp_path, legacy):
     """llama.cpp keeps MLA's KV cache ([latent, k_pe], or the expanded K and V of a legacy file) in F16
     and multiplies Q and P against it in F16: the emulated run must round there (issue 16's debt; done
-    in e433153, end to end in tests/test_moe_routing.py). On an F32 file no activation is quantized, so
+    in e433153, end to end in tests/checks/compute/test_moe_routing.py). On an F32 file no activation is quantized, so
     the layer input is bit-identical and the attention output carries f16's rounding alone."""
     import fixtures_mla
     from llmdoctor.checks.metrics import rel_l2

@@ -297,7 +297,7 @@ def test_glm_nextn_block(mla, tmp_path):
 class StandInGGUFModelLoader:
     """A stand-in with the contract of the vllm-gguf-plugin's name map (subjects/engines/vllm.py
     `gguf_name_map`: HF config -> {GGUF name: HF name}), so that the diff is tested for every map shape;
-    tests/test_engine_vllm.py asks the real one. Like vLLM it maps through gguf-py's table, stacked
+    tests/subjects/engines/test_engine_vllm.py asks the real one. Like vLLM it maps through gguf-py's table, stacked
     experts under expert 0's name, and kv_b_proj whole."""
 
     def _get_gguf_weights_map(self, model_config):

@@ -73,7 +73,7 @@ def test_tf32_weights_round_p_as_the_online_softmax_holds_it():
 
 def test_tf32_attention_reproduces_vllm_on_the_h200(tmp_path):
     """Frozen measurement (notes/device-checks.md, session 5): vLLM 0.24 on the H200, tiny llama (the
-    fixture tests/test_engine_vllm.py and bench/h200_vllm.py build), float32, TRITON_ATTN, 16 token ids: the
+    fixture tests/subjects/engines/test_engine_vllm.py and bench/h200_vllm.py build), float32, TRITON_ATTN, 16 token ids: the
     engine's rel_l2 from the float32 reference at kqv_out-0, kqv_out-1, l_out-1 was 6.710e-4, 2.026e-3,
     1.204e-3. The emulated run (truncated Q, K, V and max-relative P) gives the same to 1%; rounding to
     nearest would give 5.1e-4, 1.2e-3, 1.0e-3, so the H200 truncates (`tf32(., "rz")`)."""

@@ -194,7 +194,7 @@ def test_one_native_call_per_chunk_equals_piece_by_piece():
 
 @pytest.mark.parametrize("name", ["llama", "qwen3", "gemma3"])
 def test_tiny_hf_models_are_silent(tmp_path, name):
-    """Tiny random models made with transformers (tests/test_reference_dense.py), F32 and quantized by
+    """Tiny random models made with transformers (tests/reference/test_reference_dense.py), F32 and quantized by
     gguf-py (Q8_0 / Q4_0 / Q5_1 block scales): no finding; their roles have too few layers for the
     sibling rule except gemma3's 6, and that is said."""
     from gguf import quants

@@ -5,7 +5,6 @@ its layer and named. Each forward test is one launch that runs the correct plan 
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -20,7 +19,6 @@ from llmdoctor.reference import forward as fw
 from llmdoctor.reference import tensor_parallel as tp
 from llmdoctor.reference.config import from_gguf
 
-sys.path.insert(0, str(Path(__file__).parent))
 import fixtures_mla as fx
 
 

@@ -23,7 +23,7 @@ from llmdoctor.gguf import open_gguf
 from llmdoctor.reference.tokenizer import Tokenizer
 
 runner = CliRunner()
-SCHEMA = json.loads((Path(__file__).parent / "data" / "sarif-2.1.0-subset.schema.json").read_text())
+SCHEMA = json.loads((Path(__file__).parents[2] / "data" / "sarif-2.1.0-subset.schema.json").read_text())
 
 
 def _failed(findings):
@@ -44,7 +44,7 @@ def _valid_sarif(log: dict) -> None:
 
 @pytest.fixture(scope="module")
 def tiny_llama(tmp_path_factory):
-    """A 2-layer llama made with transformers (tests/test_reference_dense.py), F32."""
+    """A 2-layer llama made with transformers (tests/reference/test_reference_dense.py), F32."""
     from test_reference_dense import TINY, tiny_gguf
 
     model_type, arch, extra = TINY["llama"]

@@ -13,7 +13,7 @@ from llmdoctor.subjects.engines import REGISTRY, create, engine_class, selectabl
 from llmdoctor.subjects.engines.base import (BackendSelecting, Deployment, Engine, GGUFNameMapping, NotOffered,
                                              PieceRendering, RunInfo)
 
-SRC = Path(__file__).resolve().parents[1] / "src" / "llmdoctor"
+SRC = Path(__file__).resolve().parents[3] / "src" / "llmdoctor"
 
 
 def test_every_registered_engine_implements_the_interface():
