@@ -13,6 +13,7 @@ from typing import Callable
 
 from ..checks.base import Finding
 from . import hypotheses as h
+from .configured import configured_engine, h_configured_ladder, h_configured_requests
 from .decode import h_decode_path
 from .session import Session, Skip
 
@@ -53,6 +54,8 @@ NEEDS: dict[str, tuple[str, Callable[[Session], str | None]]] = {
     "moe": ("MoE layers in the model", lambda s: None if s.config().moe is not None
             else f"{s.config().arch} has no MoE layers"),
     "backend-selecting-engine": ("an engine that selects attention backends at run time", _backend_selecting),
+    "configured-engine": ("the deployment's own engine command line (--engine vllm --engine-args)",
+                          lambda s: _reason(lambda: configured_engine(s))),
     "endpoint": ("a live endpoint (--endpoint)", lambda s: None if s.inputs.endpoint
                  else "no endpoint given (--endpoint)"),
 }
@@ -149,6 +152,21 @@ PLAN: tuple[Hypothesis, ...] = (
                "with engine-vs-reference's criteria; the engine's own prefill of the same tokens is the control (a "
                "fault it shows too is the prefill's); the first generated step beyond its noise, and the decode steps' "
                "first divergent layer and op where the engine exposes them"),
+    Hypothesis("configured-requests", "configured requests",
+               "Does the code the deployment's options turn on compute the model's distribution?",
+               ("configured-engine", "consistent"), h_configured_requests,
+               "with the deployment's `vllm serve` arguments: a prompt longer than `--max-num-batched-tokens` (so its "
+               "prefill runs in chunks; the prompt repeated where it is shorter), judged per position with the flips "
+               "grouped by chunk; a second request sharing the first's leading KV blocks and then a block of other "
+               "tokens (a prefix-cache hit: vLLM's own count of cached tokens, the generated steps judged, the engine's "
+               "uncached prefill of the same tokens the control); each with engine-vs-reference's criteria against its "
+               "configuration's noise"),
+    Hypothesis("configured-ladder", "configured ladder", "Which option of the deployment's configuration breaks it?",
+               ("configured-engine", "consistent"), h_configured_ladder,
+               "when the prompt, the generated steps or a configured request disagrees: the engine started again with "
+               "one option put back at a time (CUDA graphs off, torch.compile off, KV cache in the model's dtype, "
+               "prefix caching off, chunked prefill off, vLLM's own attention backend), in one driver process; the "
+               "first whose reversal makes every failing request agree is named"),
     Hypothesis("symptom-bisection", "symptom bisection", "Which symptom class does the endpoint show?", ("endpoint",),
                h.h_symptom_bisection, "`probe` of `--endpoint`"),
     Hypothesis("layer-localization", "layer localization", "Where does the engine leave the reference?",

@@ -76,6 +76,9 @@ def judge(findings: list[Finding], inputs: Inputs) -> tuple[list[Finding], list[
             cause = layer.metrics.get("cause")
             verdict += f" (first divergent layer: {layer.metrics['first_divergent_layer']}" \
                        + (f"; confirmed by substitution: {cause})" if cause else ")")
+        option = next((f for f in suspects if f.step == "configured-ladder"), None)
+        if option is not None and suspects[0] is not option:
+            verdict += f" ({option.explanation})"
     elif missing := [f for f in findings if f.status == "skip" and f.step in named_subjects(inputs)
                      and not any(g.step == f.step and g.status != "skip" for g in findings)]:
         verdict, code = f"could not diagnose: {missing[0].step} could not run: {missing[0].reason}", 2

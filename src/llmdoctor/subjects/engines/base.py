@@ -270,6 +270,27 @@ class PieceRendering:
         raise NotImplementedError
 
 
+class Reconfigurable:
+    """An engine run as the deployment's own command line configures it (vLLM's --engine-args, issue 34): it
+    serves a request after others in the same engine (so that what they left in its prefix cache is read) and
+    starts again with one option of that configuration put back (the configured ladder's rungs)."""
+
+    def configured(self) -> dict[str, Any] | None:
+        """The deployment's configuration as the engine resolved it (`RunInfo.engine_config`'s "resolved"
+        summary) once a run has shown it, else None (no command line of the deployment's own)."""
+        raise NotImplementedError
+
+    def generate_after(self, earlier: list[list[int]], tokens: list[int], n: int) -> Generation:
+        """`generate(tokens, n)` after the same engine served each of `earlier` (one token each); the info's
+        `cached_tokens` says how many prompt tokens it read from the prefix cache."""
+        raise NotImplementedError
+
+    def reverted(self, option: str) -> Engine:
+        """The same deployment with `option` put back to what it is without it (a sibling engine: closing it
+        leaves this one's resources alone)."""
+        raise NotImplementedError
+
+
 class GGUFNameMapping:
     """An engine that loads a GGUF through a name map of its own (vLLM's GGUF plugin) shows it."""
 

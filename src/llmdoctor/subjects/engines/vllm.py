@@ -36,7 +36,7 @@ from typing import Any, Optional
 import numpy as np
 
 from .base import (BackendSelecting, Budget, Engine, EngineError, EngineRun, EngineUnavailable, Generation,
-                   GGUFNameMapping, NotOffered, RunInfo, Traits, torch_dtype_name)
+                   GGUFNameMapping, NotOffered, Reconfigurable, RunInfo, Traits, torch_dtype_name)
 
 DRIVER = Path(__file__).with_name("vllm_driver.py")
 RUN_TIMEOUT_S = 1800.0  # loading a large checkpoint from a cold disk plus one prefill
@@ -168,6 +168,8 @@ def _call(python: str, request: dict[str, Any], timeout: float) -> dict[str, Any
     """Run `request` on the driver in `python` (resident unless LLMDOCTOR_VLLM_RESIDENT=0: then a
     process for this request alone); its result dict, or EngineError quoting vLLM."""
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    if request.get("revert") == "attention_backend":  # the ladder's rung without the deployment's backend choice
+        env.pop("VLLM_ATTENTION_BACKEND", None)
     if env.get("LLMDOCTOR_VLLM_RESIDENT", "1") != "0":
         work = resident(python, env).ask(request, timeout)
         try:
@@ -216,14 +218,17 @@ def info(python: str) -> dict[str, Any]:
 
 
 def run(python: str, model: str | os.PathLike, tokens: list[int], *, dtype: str | None = None,
-        threads: int | None = None, timeout: float = RUN_TIMEOUT_S, engine_args: list[str] | None = None) -> EngineRun:
+        threads: int | None = None, timeout: float = RUN_TIMEOUT_S, engine_args: list[str] | None = None,
+        revert: str | None = None) -> EngineRun:
     """One prefill of `tokens` through vLLM: logits = log-probabilities [T, V] (row p: the distribution
     of the token after position p), captures under the reference's names, info with the backends
     the engine built (`info.backends`), vLLM's own selection under the engine's config
     (`info.explained`, as `explain` returns it), its `arithmetic` and the step times. With `engine_args` (the
-    deployment's `vllm serve` arguments) vLLM starts as they say, and `info.engine_config` resolves them."""
+    deployment's `vllm serve` arguments) vLLM starts as they say, and `info.engine_config` resolves them;
+    `revert` names one of their options put back (the driver's REVERTS: the configured ladder's rung)."""
     res = _call(python, {"command": "run", "model": os.fspath(model), "tokens": [int(t) for t in tokens],
-                         "dtype": dtype, "threads": threads, "engine_args": engine_args, "cwd": os.getcwd()}, timeout)
+                         "dtype": dtype, "threads": threads, "engine_args": engine_args, "revert": revert,
+                         "cwd": os.getcwd()}, timeout)
     caps = {k: v.numpy() for k, v in res["captures"].items()}
     logits = res["logprobs"].numpy()
     caps["result_output"] = logits
@@ -232,13 +237,16 @@ def run(python: str, model: str | os.PathLike, tokens: list[int], *, dtype: str 
 
 
 def generate(python: str, model: str | os.PathLike, tokens: list[int], n: int, *, dtype: str | None = None,
-             threads: int | None = None, timeout: float = RUN_TIMEOUT_S, engine_args: list[str] | None = None
-             ) -> Generation:
+             threads: int | None = None, timeout: float = RUN_TIMEOUT_S, engine_args: list[str] | None = None,
+             revert: str | None = None, warm: list[list[int]] | None = None) -> Generation:
     """Greedy decoding of `n` tokens after `tokens` through vLLM's scheduler (the driver's `generate`): the ids
     and every step's full-vocabulary log-probabilities [n, V]; no decode-step captures (the driver's hooks
-    keep the prompt's rows only)."""
+    keep the prompt's rows only). `warm`: requests the same engine serves first (one token each), whose
+    blocks a prefix cache then holds; the info's `cached_tokens` is vLLM's count of this request's prompt
+    tokens read from that cache."""
     res = _call(python, {"command": "generate", "model": os.fspath(model), "tokens": [int(t) for t in tokens],
                          "n": int(n), "dtype": dtype, "threads": threads, "engine_args": engine_args,
+                         "revert": revert, "warm": [[int(t) for t in w] for w in warm or []],
                          "cwd": os.getcwd()}, timeout)
     return Generation([int(t) for t in res["ids"]], np.ascontiguousarray(res["logprobs"].numpy()), {},
                       RunInfo.of({"engine": "vllm", **res["info"]}))
@@ -312,7 +320,7 @@ def default_python_or_reason() -> tuple[Optional[str], str]:
         return None, str(e)
 
 
-class VLLMEngine(BackendSelecting, GGUFNameMapping, Engine):
+class VLLMEngine(BackendSelecting, GGUFNameMapping, Reconfigurable, Engine):
     """vLLM in the deployment's own interpreter (`Deployment.python`, else the `python` on PATH that
     imports vllm), through the driver, resident between requests with the model it loaded (`close` ends
     it). A GGUF it cannot run is run as the HF checkpoint beside it when one is given (`Deployment.hf`): the
@@ -334,6 +342,9 @@ class VLLMEngine(BackendSelecting, GGUFNameMapping, Engine):
         self._folder: Path | None = None  # the private folder of a lone GGUF and its config.json
         self._cleanup: Any = None  # its removal (a weakref.finalize: at the latest when the engine goes)
         self._front_end: dict[str, Any] | None = None
+        self._revert: str | None = None  # an option of --engine-args put back (`reverted`)
+        self._owner = True  # closes the resident driver and the private folder (a `reverted` sibling does not)
+        self._configured: dict[str, Any] | None = None
 
     def python(self) -> str:
         """The deployment's interpreter, found once (without --engine-python: the `python` on PATH, asked
@@ -344,7 +355,9 @@ class VLLMEngine(BackendSelecting, GGUFNameMapping, Engine):
 
     def close(self) -> None:
         """The resident driver of this engine's interpreter ended (vLLM and the model it loaded freed), the
-        private folder removed; a later request starts them again."""
+        private folder removed; a later request starts them again. A `reverted` sibling holds neither."""
+        if not self._owner:
+            return
         driver = _resident.get("driver")
         if self._python is not None and driver is not None and driver.key[0] == self._python:
             _close_resident()
@@ -404,7 +417,8 @@ class VLLMEngine(BackendSelecting, GGUFNameMapping, Engine):
     def run(self, tokens: list[int], config: Any) -> EngineRun:
         python, d = self.python(), self.deployment
         try:
-            out = run(python, self.model(), tokens, dtype=self._dtype(), threads=d.threads, engine_args=self._engine_args())
+            out = run(python, self.model(), tokens, dtype=self._dtype(), threads=d.threads, engine_args=self._engine_args(),
+                      revert=self._revert)
             self._loaded(out.info)
         except EngineError as e:
             from ...reference.checkpoint import is_checkpoint
@@ -415,6 +429,7 @@ class VLLMEngine(BackendSelecting, GGUFNameMapping, Engine):
             out.info.details["gguf_error"] = str(e)
             out.info.reference_reads = str(d.hf)
         out.info.details["python"] = python
+        self._saw(out.info)
         out.captures = reference_layout(out.captures, rope_neox=config.rope_neox, rope_dim=config.rope_dim)
         return out
 
@@ -422,7 +437,7 @@ class VLLMEngine(BackendSelecting, GGUFNameMapping, Engine):
         python, d = self.python(), self.deployment
         try:
             out = generate(python, self.model(), tokens, n, dtype=self._dtype(), threads=d.threads,
-                           engine_args=self._engine_args())
+                           engine_args=self._engine_args(), revert=self._revert)
             self._loaded(out.info)
         except EngineError:
             from ...reference.checkpoint import is_checkpoint
@@ -436,6 +451,35 @@ class VLLMEngine(BackendSelecting, GGUFNameMapping, Engine):
 
     def describe(self) -> dict[str, Any]:
         return {**super().describe(), **info(self.python())}
+
+    # ---- the deployment as its command line configures it (Reconfigurable, issue 34) -----------------------
+    def configured(self) -> dict[str, Any] | None:
+        return self._configured
+
+    def _saw(self, info: RunInfo) -> None:
+        """Keep the resolved configuration a run reported (its engine_config)."""
+        got = (info.details.get("engine_config") or {}).get("resolved")
+        if got is not None:
+            self._configured = got
+
+    def generate_after(self, earlier: list[list[int]], tokens: list[int], n: int) -> Generation:
+        if self._engine_args() is None:
+            raise NotOffered("no command line of the deployment's own (--engine-args): llmdoctor's engine has no "
+                             "prefix cache")
+        out = generate(self.python(), self.model(), tokens, n, dtype=self._dtype(), threads=self.deployment.threads,
+                       engine_args=self._engine_args(), revert=self._revert, warm=earlier)
+        self._loaded(out.info)
+        self._saw(out.info)
+        return out
+
+    def reverted(self, option: str) -> VLLMEngine:
+        import copy
+
+        if self._engine_args() is None:
+            raise NotOffered("no command line of the deployment's own (--engine-args) to put an option back in")
+        twin = copy.copy(self)
+        twin._revert, twin._owner, twin._configured = option, False, None
+        return twin
 
     def weights(self, layer: int) -> tuple[dict[str, Any], dict[str, Any]]:
         """Layer `layer`'s weights as the engine's loader left them (for a GGUF: the plugin's quantized

@@ -92,8 +92,11 @@ def _first(x):
 
 
 class _Hooks:
-    """Forward hooks on the decoder layers of a vLLM model; each capture keeps the first call with
-    exactly `n` token rows (the prefill of the prompt; warm-up and decode calls have other sizes).
+    """Forward hooks on the decoder layers of a vLLM model, registered for one request after the engine's
+    warm-up; each capture keeps the first call of each forward pass until the passes hold exactly `n` token rows:
+    the prefill of the prompt in one pass, or in the chunks of a chunked prefill (the passes' rows in order).
+    Under CUDA-graph replay or a compiled graph the hooks do not fire, and a padded batch has more rows than the
+    prompt: no capture then (the layer curve says it has none).
 
     Names (llmdoctor's reference capture points, reference/forward.py):
       l_out-i      decoder layer i's output: vLLM layers return (hidden, residual) separately
@@ -112,6 +115,9 @@ class _Hooks:
 
     def __init__(self, model, n: int):
         self.n, self.caps, self.handles = n, {}, []
+        self.parts: dict = {}  # name -> {forward pass: rows}: a chunked prefill runs the prompt in several passes
+        self.passes = 0
+        self.handles.append(model.register_forward_pre_hook(lambda m, a: setattr(self, "passes", self.passes + 1)))
         self.restore = []
         self.layer = -1  # the decoder layer running now (for modules shared between layers)
         hooked_ropes: set[int] = set()
@@ -159,9 +165,15 @@ class _Hooks:
     def _keep(self, name: str, x) -> None:
         import torch
 
-        if name in self.caps or not isinstance(x, torch.Tensor) or x.shape[0] != self.n:
+        if name in self.caps or not isinstance(x, torch.Tensor):
             return
-        self.caps[name] = x.detach().to(torch.int64 if not x.is_floating_point() else torch.float32).cpu().clone()
+        got = self.parts.setdefault(name, {})  # one part per forward pass: the first call (see _rope_out)
+        have = sum(p.shape[0] for p in got.values())
+        if self.passes in got or have + x.shape[0] > self.n:
+            return
+        got[self.passes] = x.detach().to(torch.int64 if not x.is_floating_point() else torch.float32).cpu().clone()
+        if have + x.shape[0] == self.n:  # the prompt's rows, in one pass or in its prefill chunks
+            self.caps[name] = torch.cat([got[k] for k in sorted(got)])
 
     def _out(self, module, name: str, pick) -> None:
         if module is not None:  # a model without this module exposes no such point
@@ -180,8 +192,8 @@ class _Hooks:
         `topk_indices_buffer` (int32 [max batched tokens, top-k], shared by the layers, -1 padding), read
         right after this layer's call when that call had the prompt's `n` rows."""
         hidden = args[0] if args else kwargs.get("hidden_states")
-        if hidden is not None and hidden.shape[0] == self.n:
-            self._keep(name, indexer.topk_indices_buffer[: self.n])
+        if hidden is not None:
+            self._keep(name, indexer.topk_indices_buffer[: hidden.shape[0]])
 
     def _in(self, module, name: str, pick) -> None:
         self.handles.append(module.register_forward_pre_hook(lambda m, a: self._keep(name, pick(a))))
@@ -439,6 +451,7 @@ def _as_deployed(req: dict) -> tuple[dict, dict]:
     import dataclasses
 
     engine_args = serve_args(req["engine_args"], req.get("cwd"), req["model"])
+    reverted = revert(engine_args, req.get("revert"))
     kw = dict(vars(engine_args))
     field_defaults = {f.name: f.default for f in dataclasses.fields(type(engine_args))}
     sets = {"model": req["model"], "skip_tokenizer_init": True,
@@ -458,7 +471,53 @@ def _as_deployed(req: dict) -> tuple[dict, dict]:
         sets["hf_config_path"] = kw["hf_config_path"]
     sets.update(_as_served(kw))
     kw.update(sets)
-    return kw, sets
+    return kw, {**sets, "revert": reverted} if reverted else sets
+
+
+# One option of a deployment's configuration put back to what it is without it (issue 34's ladder), set on the
+# EngineArgs the serve arguments parsed to (0.24 and 0.32 hold these fields alike): name -> (what it sets, how).
+REVERTS = {
+    "cudagraphs": "compilation_config.cudagraph_mode = NONE (no CUDA graphs captured or replayed)",
+    "compilation": "compilation_config.mode = NONE (no torch.compile: vLLM's custom ops in their own kernels)",
+    "kv_cache_dtype": "kv_cache_dtype = auto (the KV cache in the model's dtype)",
+    "prefix_caching": "enable_prefix_caching = False",
+    "chunked_prefill": "enable_chunked_prefill = False (each prompt in one step: the token budget holds the model length)",
+    "attention_backend": "attention_backend = None (vLLM selects, VLLM_ATTENTION_BACKEND unset)",
+}
+
+
+def revert(engine_args, name: str | None) -> str | None:
+    """Put option `name` of REVERTS back on `engine_args` (in place); what was set, or None for no option."""
+    if name is None:
+        return None
+    if name not in REVERTS:
+        raise ValueError(f"no such option to revert: {name!r} (one of {', '.join(REVERTS)})")
+    if name in ("cudagraphs", "compilation"):
+        from vllm.config import CompilationConfig
+        from vllm.config.compilation import CompilationMode, CUDAGraphMode
+
+        cc = engine_args.compilation_config
+        cc = CompilationConfig(**cc) if isinstance(cc, dict) else cc
+        if name == "cudagraphs":
+            cc.cudagraph_mode = CUDAGraphMode.NONE
+        else:
+            cc.mode = CompilationMode.NONE
+        engine_args.compilation_config = cc
+    elif name == "kv_cache_dtype":
+        engine_args.kv_cache_dtype = "auto"
+    elif name == "prefix_caching":
+        engine_args.enable_prefix_caching = False
+    elif name == "chunked_prefill":
+        engine_args.enable_chunked_prefill = False
+    else:
+        engine_args.attention_backend = None
+        ac = getattr(engine_args, "attention_config", None)
+        if ac is not None and not isinstance(ac, dict) and hasattr(ac, "backend"):
+            ac.backend = None
+        elif isinstance(ac, dict):
+            ac.pop("backend", None)
+        # VLLM_ATTENTION_BACKEND: the caller starts this driver without it (vllm.py `_call`)
+    return REVERTS[name]
 
 
 def _as_served(kw: dict) -> dict:
@@ -604,17 +663,22 @@ def cmd_generate(req: dict) -> dict:
     from vllm.inputs import TokensPrompt
 
     tokens, n = [int(t) for t in req["tokens"]], int(req["n"])
+    warm = [[int(t) for t in w] for w in req.get("warm") or []]
     if req.get("threads"):
         torch.set_num_threads(int(req["threads"]))
-    llm, vocab, t_load = _llm({**req, "max_model_len": len(tokens) + n + 8})
+    llm, vocab, t_load = _llm({**req, "max_model_len": max([len(tokens) + n, *map(len, warm)]) + 8})
+    for ids in warm:  # earlier requests, one token each: what they leave in the prefix cache, this one may read
+        llm.generate([TokensPrompt(prompt_token_ids=ids)], SamplingParams(max_tokens=1, temperature=0.0,
+                                                                         detokenize=False), use_tqdm=False)
     sp = SamplingParams(max_tokens=n, min_tokens=n, temperature=0.0, ignore_eos=True, logprobs=vocab, detokenize=False)
     t1 = time.perf_counter()
-    out = llm.generate([TokensPrompt(prompt_token_ids=tokens)], sp, use_tqdm=False)[0].outputs[0]
+    got = llm.generate([TokensPrompt(prompt_token_ids=tokens)], sp, use_tqdm=False)[0]
+    out = got.outputs[0]
     return {"ids": list(out.token_ids), "logprobs": _dense(out.logprobs, vocab),
             "info": {**cmd_info(req), "model": req["model"], "vocab": vocab, "load_s": round(t_load, 2),
                      "generate_s": round(time.perf_counter() - t1, 3), "scheduler": "vllm.LLM.generate",
                      "dtype": str(_runner(llm).model_config.dtype).removeprefix("torch."),
-                     **engine_config(req, llm)}}
+                     "cached_tokens": getattr(got, "num_cached_tokens", None), **engine_config(req, llm)}}
 
 
 def _llm(req: dict, *, fresh: bool = False):
@@ -637,6 +701,8 @@ def _llm(req: dict, *, fresh: bool = False):
     config = EngineArgs(**kw).create_model_config()
     vocab = config.get_vocab_size()
     max_len = max(need, min(SERVE_MIN_LEN, config.max_model_len)) if SERVING else need
+    if kw.get("enable_chunked_prefill") is False:  # each prompt in one step: vLLM requires a budget of the model length
+        kw["max_num_batched_tokens"] = max(int(kw.get("max_num_batched_tokens") or 0), max_len)
     try:
         llm = LLM(max_logprobs=vocab, max_model_len=max_len, **kw)
     except BaseException:
