@@ -195,8 +195,8 @@ def h_mapping(s: Session) -> list[Finding]:
         out.append(_finding("mapping", "gguf<->hf", "numeric", "pass", confidence="high",
                             metrics={"tensors": len(numeric), "worst": worst.target,
                                      "worst_ratio": worst.metrics["rel_l2"] / worst.budget["rel_l2_max"]},
-                            explanation=f"{len(numeric)} tensors match the HF checkpoint within their "
-                                        f"quantization band; worst {worst.target}"))
+                            explanation=f"the file's tensors match the HF checkpoint within their quantization "
+                                        f"band ({len(numeric)} tensors; worst {worst.target})"))
     return out
 
 
@@ -253,8 +253,8 @@ def h_fp16_overflow(s: Session) -> list[Finding]:
     if first is None:
         return [_finding("fp16-overflow", "reference", "activations", "pass", confidence="high",
                          hypothesis="activations fit in float16", metrics=metrics, evidence=margins,
-                         explanation=f"peak |activation| {peak['max_abs']:.4g} at {peak['max_at']}: "
-                                     f"float16 margin x{FP16_MAX / peak['max_abs']:.2f}")]
+                         explanation=f"activations fit in float16: peak |activation| {peak['max_abs']:.4g} at "
+                                     f"{peak['max_at']}, margin x{FP16_MAX / peak['max_abs']:.2f}")]
     msg = (f"the float32 residual stream reaches {first['max_abs']:.4g} at layer {first['layer']} "
            f"({first['max_at']}), beyond float16's 65504")
     if dtype in ("float16", "fp16", "half"):
@@ -367,8 +367,9 @@ def h_dsa_selection(s: Session) -> list[Finding]:
     """Per layer with a DSA indexer (GLM-5 glm-dsa): whether the keys the engine's indexer selects for
     each query (`top_k-{i}`) are among the reference's top k by the reference's own index scores (ties
     at the k-th score may go either way), against what the engine's own arithmetic explains (the
-    emulated run's; checks/compute/routing.py). A wrong indexer (rope on the wrong dims, a missing weight, the
-    wrong scale) shows here before the attention output does."""
+    emulated run's; checks/compute/routing.py), per query and per key (the picks far below the k-th score,
+    which stand out where the FP8 indexer makes exact top-k sets rare). A wrong indexer (rope on the wrong
+    dims, a missing weight, the wrong scale) shows here before the attention output does."""
     from ..checks.compute.routing import dsa_misses, dsa_rows
 
     m = s.config().mla
@@ -385,8 +386,13 @@ def h_dsa_selection(s: Session) -> list[Finding]:
     if not bad:
         return [_finding("dsa-selection", s.inputs.engine, f"{len(rows)} indexer layers", "pass", confidence="high",
                          hypothesis="the engine's indexer selects the reference's keys",
-                         metrics={"layers": len(rows), "max_disagreement": max(r["disagreement"] for r in rows)},
-                         evidence=rows, explanation=f"key selections agree in {len(rows)} indexer layers")]
+                         metrics={"layers": len(rows), "max_disagreement": max(r["disagreement"] for r in rows),
+                                  "max_wrong_picks": max(r["keys"]["wrong"] for r in rows)},
+                         evidence=rows, explanation=f"the indexer selects keys the reference's scores allow in "
+                                                    f"{len(rows)} indexer layers (at most "
+                                                    f"{max(r['keys']['wrong'] for r in rows)} picks far below the "
+                                                    "k-th score in a layer, within the engine's score error's "
+                                                    "allowance)")]
     first = bad[0]
     _, layer, point = divergence(s)
     if layer is not None and (layer < first["layer"] or layer == first["layer"] and point.point == "attn_norm"):
@@ -472,22 +478,33 @@ def h_layer_localization(s: Session) -> list[Finding]:
                      explanation=_localization_words(layer, point, swaps, pattern, held, held_differ))]
 
 
+# The capture points in a user's words (reference/points.py names them).
+POINT_WORDS = {"attn_norm": "the attention's normed input", "q_pe": "the rope part of q after RoPE",
+               "k_pe": "the rope part of k after RoPE", "Qcur": "q after RoPE", "Kcur": "k after RoPE",
+               "kqv_out": "the attention output", "ffn_inp": "the residual stream after attention",
+               "ffn_out": "the feed-forward output", "l_out": "the layer's output"}
+
+
 def _localization_words(layer: int, point, swaps: list[dict], pattern, held: dict, held_differ: list[dict]) -> str:
-    """The layer-localization sentence: where, then what reproduces it (a held weight or an arithmetic swap,
-    each confirmed by substitution), what does not, the error's pattern and the held weights' other news."""
-    words = f"first divergent layer {layer}: {point.point}-{layer} {off_by(point)}"
+    """The layer-localization sentence: the cause in words first where one is known (a held weight or an
+    arithmetic swap that alone reproduces the divergence, confirmed by substitution, or the RoPE variant the
+    error pattern's experiment reproduces), else what leaves the reference where; then the numbers, what does
+    not reproduce it, the error's pattern and the held weights' other news."""
     at = f"{point.point}-{layer}"
-    for w in held_differ:
-        if w.get("reproduces"):
-            words += (f"; the cause: the engine holds {w['tensor']} as {w['words']}; swapped into the reference "
-                      f"it alone reproduces the divergence")
-    held_cause = any(w.get("reproduces") for w in held_differ)
+    held_cause = [w for w in held_differ if w.get("reproduces")]
     confirmed = [w for w in swaps if w["reproduces"]]
+    causes = [f"the cause: the engine holds {w['tensor']} as {w['words']}; swapped into the reference it alone "
+              "reproduces the divergence" for w in held_cause]
     if confirmed:
-        words += f"; swapping {confirmed[0]['swap']} into the reference alone reproduces it"
-    elif swaps:
+        causes.append(f"the cause: {confirmed[0]['swap']}; swapping it into the reference alone reproduces it")
+    if pattern is not None and pattern.cause:
+        causes.append(pattern.cause)
+    lead = "; ".join(causes) or (f"the engine computes {POINT_WORDS.get(point.point, at)} of layer {layer} "
+                                 "unlike the model")
+    words = f"{lead} (first divergent layer {layer}: {at} {off_by(point)})"
+    if swaps and not confirmed:
         words += f"; no {'arithmetic' if held_cause else 'single'} swap into the reference reproduces it"
-    if pattern and pattern.kind != "none":
+    if pattern and pattern.kind != "none" and pattern.words not in pattern.cause:
         words += f"; its error: {pattern.words}"
     if held.get("unread"):
         words += f"; the weights it loaded were not compared ({held['skipped']})"
@@ -501,16 +518,49 @@ def _localization_words(layer: int, point, swaps: list[dict], pattern, held: dic
 
 def _error_pattern(s: Session, point):
     """The spread of the engine's error at its first divergent point over positions, heads and channels
-    (checks/compute/error_pattern.py), or None when that point is not finite or not in every run."""
+    (checks/compute/error_pattern.py), with the RoPE experiment at a point right after RoPE; None when that
+    point is not finite or not in every run."""
     from ..checks.compute.error_pattern import error_pattern
 
     name = f"{point.point}-{point.layer}"
     engine, ref, emu = s.engine_run().captures, s.reference("float32")[1], s.budget_reference()[1]
     if not math.isfinite(point.error) or not all(name in c for c in (engine, ref, emu)):
         return None
-    # dense models rotate the first rope_dim channels of each q/k head (MLA's Qcur/Kcur put the rope part last)
-    rope = s.config().rope_dim if point.point in ("Qcur", "Kcur") and s.config().mla is None else None
-    return error_pattern(engine[name], ref[name], emu[name], rope_dim=rope)
+    return error_pattern(engine[name], ref[name], emu[name], rope=_rope_at(s, point), point=name)
+
+
+def _rope_at(s: Session, point):
+    """The reference's RoPE at a point right after it (checks/compute/error_pattern.Rope), or None: dense q/k
+    (Qcur/Kcur) rotate the first rope_dim channels of each head, MLA's q_pe/k_pe every channel and its
+    Qcur/Kcur the last qk_rope (after the latent). Its angles per position are read from the reference's own
+    tables at positions 0 and 1 (reference/forward.py rope_qk, reference/mla.py rope_tables): every pair turns
+    by less than pi per position, and position 0's cosine is YaRN's magnitude."""
+    import numpy as np
+
+    from ..checks.compute.error_pattern import Rope
+    from ..reference import attention as attn, mla as mla_ref
+
+    cfg, m = s.config(), s.config().mla
+    if point.point not in ("Qcur", "Kcur", "q_pe", "k_pe"):
+        return None
+    base, two = cfg.layer_rope_base(point.layer), torch.arange(2)
+    if m is None:
+        ff = None if cfg.rope_freq_factors is None else torch.tensor(cfg.rope_freq_factors, dtype=torch.float64)
+
+        def tables(b: float):
+            return attn.rope_cos_sin(two, cfg.rope_dim, b, pos_scale=cfg.rope_scale, freq_factors=ff)
+
+        dim, start, neox = cfg.rope_dim, 0, cfg.rope_neox
+    else:
+        def tables(b: float):
+            return mla_ref.rope_tables(two, m, b, torch.float64)
+
+        dim, neox = m.qk_rope, False  # reference/mla.py rope_pairs
+        start = 0 if point.point in ("q_pe", "k_pe") else m.kv_lora_rank
+    cos, sin = tables(base)
+    return Rope(dim, neox, torch.atan2(sin[1], cos[1]).numpy(), np.arange(len(s.tokens())), start=start,
+                attn_factor=float(cos[0, 0]), base=base,
+                inv_for=lambda b: torch.atan2(tables(b)[1][1], tables(b)[0][1]).numpy())
 
 
 def h_attention(s: Session) -> list[Finding]:
@@ -531,8 +581,9 @@ def h_attention(s: Session) -> list[Finding]:
                      hypothesis="the attention kernel computes the reference's attention",
                      metrics={"cases_passed": len(compared),
                               "cases_skipped": sum(f.status == "skip" for f in res.findings), "dtype": dtype},
-                     explanation=f"{len(compared)} cases within the {dtype} budget (float32: the any-order "
-                                 "rounding bound; half precision: 4x the noise floor)")]
+                     explanation=f"the attention kernel computes the reference's attention in {len(compared)} cases "
+                                 f"within the {dtype} budget (float32: the any-order rounding bound; half precision: "
+                                 "4x the noise floor)")]
 
 
 def h_symptom_bisection(s: Session) -> list[Finding]:

@@ -84,8 +84,6 @@ def _rope_runs(neox: bool, engine_rope, *, t_n: int = 24, h_n: int = 3, dr: int 
 
 
 def _rotated(neox: bool, base: float = 10_000.0, *, sign: float = 1.0, shift: int = 0, scale: float = 1.0):
-    import torch
-
     from llmdoctor.reference.attention import apply_rope, rope_cos_sin
 
     def rope(x, pos):

@@ -199,6 +199,35 @@ def test_planted_fault_in_the_engines_checkpoint_is_found_at_its_op(kind, tensor
     assert res.exit_code == 1 and loc.status == "fail", res.verdict
     assert loc.metrics["first_divergent_layer"] == 1 and loc.metrics["point"] == point, loc.metrics
     assert torch.__version__  # the reference side ran in this process
+    # a weight scaled before RoPE is wrong at position 0 too: no rotary variant reproduces it, so no RoPE cause
+    assert "RoPE applied wrongly" not in loc.explanation and not loc.metrics["error_pattern"]["cause"], loc.explanation
+    assert loc.explanation.startswith("the engine computes "), loc.explanation
+
+
+@pytest.mark.slow
+def test_a_wrong_rope_base_in_the_engines_config_is_named_as_rope(ckpts, vllm_python, tmp_path):
+    """DeepSeek-V3 under vLLM for CPU loading a copy whose config.json says rope_theta 5e5 (the reference reads
+    10000): its first divergence is at layer 0, op q_pe, right at position 0 and wrong after it; the finding's
+    first words name the cause: RoPE applied wrongly to q_pe-0, with the rope base the engine agrees with."""
+    from llmdoctor import diagnose as dg
+
+    src = ckpts["deepseek"][0]
+    bad = tmp_path / "rope-base"
+    shutil.copytree(src, bad)
+    cfg = json.loads((bad / "config.json").read_text())
+    cfg["rope_parameters"]["rope_theta"] = 500000.0
+    (bad / "config.json").write_text(json.dumps(cfg))
+    res = dg.run(dg.Inputs(hf=src, engine="vllm", engine_hf=bad, engine_python=vllm_python, engine_dtype="bfloat16",
+                           token_ids=TOKENS))
+    if res.exit_code == 2:
+        skip_where_vllm_cannot_run(res.verdict)
+    loc = next(f for f in res.findings if f.check == "layer-localization")
+    assert loc.status == "fail" and (loc.metrics["first_divergent_layer"], loc.metrics["point"]) == (0, "q_pe"), loc
+    pattern = loc.metrics["error_pattern"]
+    assert pattern["kind"] == "position" and pattern["wrong_positions"][0] == 1, pattern
+    print(loc.explanation)
+    assert loc.explanation.startswith("RoPE applied wrongly to q_pe-0: with a rope base of 5e+05 instead of the "
+                                      "reference's 1e+04, the engine agrees"), loc.explanation
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

@@ -25,7 +25,7 @@ a variant the engine agrees with within the point's own limit is the cause, said
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -50,6 +50,14 @@ class Rope:
     start: int = 0
     attn_factor: float = 1.0
     base: float | None = None  # the reference's rope base, for the words
+    # inv_freq under another base, as the reference computes it (YaRN's ramp depends on the base); None: the
+    # reference's own factors per pair kept beside base^(-2j/d)
+    inv_for: Callable[[float], np.ndarray] | None = None
+
+    def inv_freq_for(self, base: float) -> np.ndarray:
+        if self.inv_for is not None:
+            return np.asarray(self.inv_for(base), dtype=np.float64)
+        return self.inv_freq * (self.base / base) ** (2 * np.arange(len(self.inv_freq)) / self.dim)
 
 
 
@@ -105,7 +113,9 @@ def error_pattern(engine: Any, ref: Any, emu: Any, *, rope_dim: int | None = Non
     x_e, x_r, x_n = (np.asarray(x.double() if hasattr(x, "double") else x, dtype=np.float64)
                      for x in (engine, ref, emu))
     if x_r.ndim == 2:
-        x_e, x_r, x_n = (x[:, None, :] for x in (x_e, x_r, x_n))  # [T, 1, C]
+        x_r = x_r[:, None, :]  # [T, 1, C]
+    # an engine's [T, 1, C] where the reference has [T, C] (vLLM's MLA k_pe): the reference's layout
+    x_e, x_n = (x.reshape(x_r.shape) if x.size == x_r.size else x for x in (x_e, x_n))
     pos, w_pos = _wrong(x_e, x_r, x_n, 0)
     heads, w_head = _wrong(x_e, x_r, x_n, 1)
     chans, w_chan = _wrong(x_e, x_r, x_n, 2)
@@ -200,6 +210,10 @@ def _base_fit(w: np.ndarray, rope: Rope) -> float | None:
     return float(np.exp(-slope))
 
 
+# Rope bases models ship (llama-2 / most 1e4, llama-3 5e5, qwen / gemma's global 1e6, ...), tried beside the fit.
+COMMON_BASES = (1e4, 5e4, 1e5, 5e5, 1e6, 1e7)
+
+
 def rope_variant(engine: np.ndarray, ref: np.ndarray, emu: np.ndarray, rope: Rope) -> dict[str, Any]:
     """Which rotary variant of the reference's own input the engine computed at a point after RoPE. The
     reference's rotary channels are rotated back to their input x (the reference's own pairing and angles),
@@ -227,11 +241,14 @@ def rope_variant(engine: np.ndarray, ref: np.ndarray, emu: np.ndarray, rope: Rop
         variants.append(("magnitude", f"without YaRN's magnitude factor {a:.4g} on the rotated pairs",
                          lambda: _rotate(x, ang, rope.neox, 1.0)))
     w = _turn_per_position(engine[..., lo:hi], x, rope)
-    base = _base_fit(w, rope)
-    if base is not None:
-        fitted = rope.inv_freq * (rope.base / base) ** (2 * np.arange(len(w)) / rope.dim)
+    fit = _base_fit(w, rope)
+    if fit is not None:  # the fitted base, it rounded, and the bases models ship: the closest one is tried
+        bases = {fit, float(f"{fit:.2g}"), *COMMON_BASES} - {rope.base}
+        err_at = {b: metrics.rel_l2(engine[..., lo:hi], _rotate(x, rope.positions[:, None] * rope.inv_freq_for(b)[None, :],
+                                                                 rope.neox, a)) for b in bases}
+        base = min(err_at, key=err_at.get)
         variants.append(("base", f"with a rope base of {base:.4g} instead of the reference's {rope.base:.4g}",
-                         lambda: _rotate(x, rope.positions[:, None] * fitted[None, :], rope.neox, a)))
+                         lambda: _rotate(x, rope.positions[:, None] * rope.inv_freq_for(base)[None, :], rope.neox, a)))
     ratio = w / np.where(rope.inv_freq > 0, rope.inv_freq, np.inf)
     scale = float(np.median(ratio))
     variants.append(("scale", f"with every angle {scale:.4g} x the reference's (positions scaled by {scale:.4g}: "

@@ -63,7 +63,7 @@ def captures_finding(engine: str, got: Mapping[str, Any], want: Mapping[str, Any
             bad.append({"point": name, "kind": _kinds(g[mask]), "values": int(mask.sum()), "of": int(mask.size)})
     if not bad:
         return Finding("engine-finite", engine, "activations", "pass", hypothesis=HYPOTHESIS,
-                       metrics={"points": len(shared)}, explanation=f"{len(shared)} captured points finite")
+                       metrics={"points": len(shared)}, explanation=f"every captured activation finite ({len(shared)} points)")
     b = bad[0]
     return Finding("engine-finite", engine, "activations", "fail", hypothesis=HYPOTHESIS, confidence="high",
                    metrics={"points": len(shared), "non_finite_points": len(bad), "first_point": b["point"]},

@@ -115,6 +115,84 @@ def routing_limit(noise: float, n_positions: int) -> float:
     return noise + 3 * math.sqrt(p * (1 - p) / max(n_positions, 1))
 
 
+# A healthy engine's chance of any alarm of the per-key DSA statistic over the whole diagnosis (issue 35).
+FAMILY_LEVEL = 1e-3
+
+
+def _normal_sf(z: np.ndarray) -> np.ndarray:
+    """P(N(0, 1) > z), elementwise."""
+    return 0.5 * np.vectorize(math.erfc)(np.asarray(z, dtype=np.float64) / math.sqrt(2.0))
+
+
+def _normal_isf(p: float) -> float:
+    """z with P(N(0, 1) > z) = p (bisection on erfc: p down to 1e-300)."""
+    lo, hi = -40.0, 40.0
+    for _ in range(200):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if 0.5 * math.erfc(mid / math.sqrt(2.0)) > p else (lo, mid)
+    return (lo + hi) / 2
+
+
+def poisson_allowance(lam: float, level: float) -> int:
+    """The smallest count a with P(Poisson(lam) > a) <= level."""
+    a, term = 0, math.exp(-lam)
+    cdf = term
+    while 1.0 - cdf > level and a < 10_000_000:
+        a += 1
+        term *= lam / a
+        cdf += term
+    return a
+
+
+def wrong_picks(scores: Any, selected: Any, emu_scores: Any, top_k: int) -> dict[str, Any]:
+    """The per-key statistic of a DSA layer over its queries that choose (they see more than top_k keys): a
+    pick is *wrong* when its reference score falls below the k-th best by more than the engine's score error
+    could move it (or it is no valid, visible, distinct key). The score error of query t: the emulated run's
+    RMS score error over the keys t sees, sigma_t (the engine's arithmetic, FP8 indexer included, on the
+    same scores); a pick of key j over the k-th key i needs e_j - e_i >= gap, of scale sqrt(2) sigma_t,
+    widened by the emulated run's own tail (its largest |e| / sigma_t over every score against the Gaussian
+    expectation for that many: never narrowed). A pick is wrong beyond that scale s_t (plus a float32
+    floor). A healthy engine still makes a wrong pick of a key j with probability at most
+    P(N(0, 1) > gap_j / s_t), so the expected healthy count is at most lam = the sum of that over every
+    visible key below the k-th by more than s_t (queries x keys, from the reference's own scores): the
+    allowance is Poisson(lam)'s count exceeded with probability `level` (set by dsa_rows for the whole
+    diagnosis). Where the FP8 indexer makes exact top-k sets rare, picks far below the k-th still stand out.
+    Returns {"wrong", "picks", "allowance", "expected" (lam), "scale" (the median s_t), "queries"}."""
+    sc = np.asarray(scores, dtype=np.float64)
+    em = np.asarray(emu_scores, dtype=np.float64)
+    sel = np.asarray(selected, dtype=np.int64)
+    t_n, s_n = sc.shape
+    k = min(top_k, s_n)
+    visible = np.isfinite(sc)
+    choosing = visible.sum(axis=1) > k  # [T]
+    out = {"wrong": 0, "picks": 0, "expected": 0.0, "scale": 0.0, "queries": int(choosing.sum())}
+    if not choosing.any() or sel.ndim != 2 or sel.shape[0] != t_n:
+        return {**out, "allowance": 0, "level": None}
+    sc, em, sel, visible = sc[choosing], em[choosing], sel[choosing], visible[choosing]
+    finite = np.where(visible, sc, -np.inf)
+    kth = -np.sort(-finite, axis=1)[:, k - 1]  # [Tc]
+    err = np.subtract(em, sc, out=np.zeros_like(sc), where=visible & np.isfinite(em))  # [Tc, S] the emulated
+    # run's score error
+    n_vis = visible.sum(axis=1)
+    sigma = np.sqrt((err * err).sum(axis=1) / n_vis)  # [Tc]
+    n_scores = int(n_vis.sum())
+    z = np.where(sigma[:, None] > 0, np.abs(err) / np.where(sigma > 0, sigma, 1.0)[:, None], 0.0)
+    tail = max(1.0, float(z.max()) / _normal_isf(0.5 / n_scores))
+    floor = 8 * 2.0**-24 * np.max(np.where(visible, np.abs(sc), 0.0), axis=1)  # [Tc]
+    scale = tail * math.sqrt(2.0) * sigma + floor  # [Tc]
+    gap = kth[:, None] - finite  # [Tc, S] how far below the k-th each key scores (inf: not visible)
+    beyond = visible & (gap > scale[:, None])
+    lam = float(_normal_sf(gap[beyond] / np.broadcast_to(scale[:, None], gap.shape)[beyond]).sum())
+    ok = (sel >= 0) & (sel < s_n)
+    picked_gap = np.take_along_axis(gap, np.where(ok, sel, 0), axis=1)  # [Tc, k]
+    order = np.sort(np.where(ok, sel, -1), axis=1)
+    dup = np.zeros_like(ok)
+    dup[:, 1:] = (order[:, 1:] == order[:, :-1]) & (order[:, 1:] >= 0)
+    wrong = ~ok | ~(picked_gap <= scale[:, None])  # invalid, invisible (gap inf) or beyond the scale
+    return {**out, "wrong": int(wrong.sum() + dup.sum()), "picks": int(sel.size), "expected": lam,
+            "scale": float(np.median(scale)), "allowance": 0, "level": None}
+
+
 def dsa_rows(n_layer: int, top_k: int, ref_caps: Mapping[str, Any], emu_caps: Mapping[str, Any],
              engine_caps: Mapping[str, Any]) -> list[dict]:
     """Per indexer layer, the engine's picks judged in two groups of queries: those that see more keys than
@@ -146,17 +224,27 @@ def dsa_rows(n_layer: int, top_k: int, ref_caps: Mapping[str, Any], emu_caps: Ma
 
             # a short query's selection is determined (every key it sees), which no rounding changes: it may
             # miss no more than the emulated run does (none), without routing_limit's one-flip allowance
-            rows.append({"layer": il, **group(choosing, routing_limit), "short": group(~choosing, lambda p, n: p)})
+            rows.append({"layer": il, **group(choosing, routing_limit), "short": group(~choosing, lambda p, n: p),
+                         "keys": wrong_picks(scores, engine_sel, emu_scores, top_k)})
+    for r in rows:  # the per-key allowance, set for every judged layer together (Bonferroni over layers)
+        r["keys"]["level"] = FAMILY_LEVEL / len(rows)
+        r["keys"]["allowance"] = poisson_allowance(r["keys"]["expected"], r["keys"]["level"])
     return rows
 
 
 def dsa_misses(row: dict) -> str:
-    """Why a dsa_rows row fails ("" when it passes): the group of queries beyond its limit."""
+    """Why a dsa_rows row fails ("" when it passes): a group of queries beyond its limit, or the picks far
+    below the k-th score beyond their allowance (wrong_picks)."""
     for what, g in (("of the queries that choose", row), ("of the queries that see at most top-k keys",
                                                            row["short"])):
         if g["disagreement"] > g["limit"]:
             return (f"{g['disagreement']:.0%} {what} ({g['queries']}; its arithmetic explains "
                     f"{g['limit']:.0%})")
+    keys = row.get("keys")
+    if keys and keys["wrong"] > keys["allowance"]:
+        return (f"{keys['wrong']} of {keys['picks']} picks of the {keys['queries']} queries that choose score below "
+                f"the k-th best by more than the engine's score error ({keys['scale']:.3g}), where a healthy "
+                f"engine makes at most {keys['allowance']} (false-alarm chance {keys['level']:.2g})")
     return ""
 
 

@@ -121,7 +121,7 @@ def transport_findings(subject: str, events: list[dict[str, Any]], n_requests: i
            "connect": "server-errors"}
     out = [probe_finding(subject, f"transport/{kind}", "fail", sym[kind],
                          metrics={"failed_attempts": n, "requests": n_requests},
-                         explanation=f"{n} of {n_requests} attempts failed with {kind}",
+                         explanation=f"the server fails requests with {kind}: {n} of {n_requests} attempts",
                          evidence=[e for e in events if e["kind"] == kind][:5])
            for kind, n in sorted(kinds.items())]
     if not kinds:

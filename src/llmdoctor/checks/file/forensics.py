@@ -148,7 +148,8 @@ def compare(stats: list[TensorStats], *, file: str | Path = "") -> list[Finding]
         else:
             out.append(Finding(CHECK, "gguf", "siblings", "pass", hypothesis=HYPOTHESIS, metrics=summary,
                                budget={"robust_z_max": summary["limit"]},
-                               explanation=f"{len(stats)} tensors finite; {_subblock_words(rules)}"
+                               explanation=f"no tensor stands out from its role siblings: {len(stats)} tensors finite; "
+                                           f"{_subblock_words(rules)}"
                                            f"{summary['tests']} statistics in {n} roles within "
                                            f"{summary['limit']:.1f} robust spreads of their siblings"))
     return out

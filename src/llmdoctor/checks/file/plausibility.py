@@ -226,8 +226,8 @@ def soft_findings(g: Any, file: str | Path = "") -> list[Finding]:
     if not out:
         out.append(Finding(CHECK, "gguf", "published-values", "pass", hypothesis=HYPOTHESIS,
                            metrics={"keys": [f"{arch}.{s}" for s in table]},
-                           explanation=f"{len(table)} {arch} hyperparameters near published values (numbers within "
-                                       f"a factor {FAR:g}, names among them)"))
+                           explanation=f"the {arch} hyperparameters are near published values ({len(table)} of them: numbers "
+                                       f"within a factor {FAR:g}, names among them)"))
     return out
 
 

@@ -106,12 +106,13 @@ class TensorReport:
                            explanation=f"{self.type}: integers, finite by type")
         if self.non_finite:
             return Finding(CHECK, "gguf", self.name, "fail", metrics=m, confidence="high",
-                           explanation=f"{self.non_finite} of {self.values} values are inf/NaN; first bad block "
+                           explanation=f"the tensor holds inf/NaN values: {self.non_finite} of {self.values}; first bad block "
                                        f"{self.first_bad_block} at offset {self.first_bad_offset} of "
                                        f"{Path(self.shard).name}")
         st = self.stats or {}
         more = f", rms {st['rms']:.4g}, max |w| {st['max_abs']:.4g}" if "rms" in st else ""
-        return Finding(CHECK, "gguf", self.name, "pass", metrics=m, explanation=f"{self.values} values finite{more}")
+        return Finding(CHECK, "gguf", self.name, "pass", metrics=m,
+                       explanation=f"every value finite ({self.values} values{more})")
 
 
 @dataclass

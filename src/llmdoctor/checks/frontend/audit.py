@@ -190,7 +190,7 @@ def audit_tokenizer(g: Any, tok: Any, file: str | Path = "") -> list[Finding]:
     if not out:
         out.append(Finding("tokenizer", "gguf", _K.LIST, "pass", hypothesis="the vocab is well-formed",
                            metrics={"tokens": n},
-                           explanation=f"{n} tokens: special ids in range and special, types consistent"
+                           explanation=f"special ids in range and special, types consistent ({n} tokens)"
                                        + (", merges present" if g.get(_K.MODEL) == "gpt2" else "")))
     return out
 
@@ -221,7 +221,8 @@ def parity(tok: Any, engine_piece: Callable[[int, bool], bytes], *, engine: str 
     return Finding("tokenizer-parity", engine, _K.LIST, "fail" if bad else "pass",
                    hypothesis=f"our tokenizer renders every token as {engine} does",
                    metrics={"tokens": tok.n_vocab, "compared": len(ids), "differing": len(bad)}, evidence=bad[:10],
-                   explanation=(f"{len(bad)} token piece(s) differ from {engine}'s, first id {bad[0]['id']}" if bad
+                   explanation=(f"our tokenizer renders token pieces unlike {engine}: {len(bad)} differ, first id {bad[0]['id']}"
+                                if bad
                                 else f"{what} token pieces render as {engine} renders them"))
 
 
