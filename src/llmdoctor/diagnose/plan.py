@@ -15,6 +15,7 @@ from ..checks.base import Finding
 from . import hypotheses as h
 from .configured import configured_engine, h_configured_ladder, h_configured_requests
 from .decode import h_decode_path
+from .kv_cache import h_kv_scales
 from .session import Session, Skip
 
 
@@ -137,6 +138,14 @@ PLAN: tuple[Hypothesis, ...] = (
                "inf/NaN in the engine's logits or captured activations where the reference is finite, its own "
                "finding in words (\"engine logits NaN at 54 of 54 positions\", the first non-finite capture point; "
                "`checks/compute/finite.py`), never folded into a KL or an error"),
+    Hypothesis("kv-scales", "fp8 KV scales", "Do the fp8 KV cache's k/v scales keep K and V inside e4m3's range?",
+               ("engine", "consistent"), h_kv_scales,
+               "with an fp8 KV cache (vLLM `--kv-cache-dtype fp8`: the scales the loaded model holds, per layer), the "
+               "float32 reference's own K (after RoPE) and V of the prompt stored as e4m3(x / scale) the way the engine "
+               "rounds: a layer's k_scale or v_scale whose round trip loses more than e4m3's resolution (relative L2 "
+               "2^-3 toward zero, 2^-4 to nearest) saturates or zeroes values and is named, with the share clipped or "
+               "zeroed and the scale that maps the largest \\|value\\| to 448 (the emulated run uses the same "
+               "scales, so engine-vs-reference alone would call the damage noise)"),
     Hypothesis("engine-vs-reference", "engine vs reference", "Does the engine compute the model's distribution?",
                ("engine", "consistent"), h.h_engine_vs_reference,
                "every position's next-token distribution, each criterion against the engine's noise (the emulated "

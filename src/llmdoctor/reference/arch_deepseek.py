@@ -42,8 +42,8 @@ from ..gguf.layout import kv_b_split
 from . import attention as attn
 from . import mla
 from .config import ModelConfig, gguf_key, register_gguf, register_hf
-from .forward import (Step, dense_ffn, emulating, engine_input, indexer_rounding, kv_cache_dtype, linear,
-                      register_block, rms_norm, tensor_name)
+from .forward import (Step, dense_ffn, emulating, engine_input, indexer_rounding, kv_cache_dtype, kv_cache_fp8,
+                      linear, register_block, rms_norm, tensor_name)
 
 
 @dataclass(frozen=True)
@@ -289,17 +289,20 @@ def _kv_b(st: Step, m: mla.MLA) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
 
 def _expanded_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor, k_pe: torch.Tensor,
                         kv_b: torch.Tensor, k_b: torch.Tensor, v_b: torch.Tensor, allowed: torch.Tensor, *,
-                        scale: float) -> torch.Tensor:
+                        scale: float, il: int) -> torch.Tensor:
     """MLA as llama.cpp runs a file without the MLA split (no key_length_mla): K and V expanded per
     head with attn_kv_b, then ordinary attention over an MHA cache, under the emulated engine's
     arithmetic (the expansion fed like any matmul; Q, K, V and P in the cache dtype) -> [T, H, Dv]."""
     k_nope, v = mla.decompress(engine_input(latent, kv_b), k_b, v_b)  # [S, H, Dn], [S, H, Dv]
     q = torch.cat([q_nope, q_pe], dim=-1)  # [T, H, Dn+Dr]
     k = torch.cat([k_nope, k_pe[:, None, :].expand(-1, k_nope.shape[1], -1)], dim=-1)  # [S, H, Dn+Dr]
-    kv_dtype = kv_cache_dtype()
+    kv_dtype, fp8 = kv_cache_dtype(), kv_cache_fp8()
     if kv_dtype is not None:
         q, k, v = (t.to(kv_dtype).to(t.dtype) for t in (q, k, v))
-    o, _ = attn.partial_attention(q, k, v, allowed, scale=scale, p_dtype=kv_dtype)
+    if fp8 is not None:  # an fp8 MHA cache of the expanded K and V, with the layer's scales
+        q, k, v = fp8.q(il, q), fp8.k(il, k), fp8.v(il, v)
+    o, _ = attn.partial_attention(q, k, v, allowed, scale=scale,
+                                  p_dtype=kv_dtype or (fp8.weights(il) if fp8 else None))
     return o.to(q.dtype)
 
 
@@ -343,17 +346,21 @@ def mla_attention(st: Step, h: torch.Tensor) -> torch.Tensor:
         allowed = mla.selection_mask(_selection(st, h, q_resid, cos, sin), T)
     if kv_b is not None and emulating():  # the engine runs this file as MHA, not as MLA
         o = _expanded_attention(q[..., :m.qk_nope], q_pe, latent, k_pe, kv_b, k_b, v_b, allowed,
-                                scale=cfg.attn_scale)  # [T, H, Dv]
+                                scale=cfg.attn_scale, il=st.il)  # [T, H, Dv]
     else:
         q_abs = mla.absorb_q(engine_input(q[..., :m.qk_nope], k_b), q_pe, k_b)
         k_cat = mla.mqa_keys(latent, k_pe)
         st.cap("Qcur", q_abs)
         st.cap("Kcur", k_cat)
         st.cap("Vcur", latent[:, None, :])
-        v_lat, kv_dtype = latent, kv_cache_dtype()
+        v_lat, kv_dtype, fp8 = latent, kv_cache_dtype(), kv_cache_fp8()
         if kv_dtype is not None:  # the engine's KV cache holds [latent, k_pe] (V is its latent part)
             q_abs, k_cat, v_lat = (t.to(kv_dtype).to(t.dtype) for t in (q_abs, k_cat, latent))
-        o = mla.latent_attention(q_abs, k_cat, v_lat, v_b, allowed, scale=cfg.attn_scale, p_dtype=kv_dtype,
+        if fp8 is not None:  # an fp8 cache row [latent, k_pe]: the layer's scale, or fp8_ds_mla's 128-tiles
+            v_lat, pe = fp8.mla_row(st.il, latent, k_pe)
+            q_abs, k_cat = fp8.q(st.il, q_abs), mla.mqa_keys(v_lat, pe)
+        o = mla.latent_attention(q_abs, k_cat, v_lat, v_b, allowed, scale=cfg.attn_scale,
+                                 p_dtype=kv_dtype or (fp8.weights(st.il) if fp8 else None),
                                  v_b_input=lambda o_lat: engine_input(o_lat, v_b))  # [T, H, Dv]
     o = st.cap("kqv_out", o.reshape(T, H * m.v_dim))
     return st.cap("attn_out", linear(o, st.w(MODEL_TENSOR.ATTN_OUT)))

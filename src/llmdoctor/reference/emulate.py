@@ -56,11 +56,48 @@ is not a float32 engine either:
   legacy and K-quant types computes in half precision whatever the output dtype: one rounding of the
   float32 value to half for Q4_0 / Q5_0 / Q8_0 (an integer times the f16 scale, rounded once: exact
   emulation), two or three roundings for Q4_1 / Q5_1 / K-quants (emulated by one: within a half ulp).
+
+vLLM with an fp8 KV cache (`--kv-cache-dtype fp8` / `fp8_e4m3`; vLLM 0.24 / 0.32, read from their sources and,
+for the CPU, measured against vLLM for CPU 0.32's own ops; `KVCacheFP8`):
+
+- Which values: K and V as the cache stores them (K after RoPE), each attention layer with its own per-tensor
+  scales `k_scale` / `v_scale` (the layer's `_k_scale_float` / `_v_scale_float`: 1.0 unless the checkpoint's
+  quantization config loads them, model_executor/layers/quantization/kv_cache.py `BaseKVCacheMethod`; a
+  checkpoint with a single `kv_scale` gives both the same; 0.24's `--calculate-kv-scales` set them from the
+  first batch as amax(|q|, |k|, |v|) / (200, 200, 100), deprecated; 0.32 has none). Stored value: e4m3(x /
+  scale), read back as e4m3 x scale.
+- vLLM for CPU (CPU_ATTN, csrc/cpu/cpu_attn_fp8.hpp `float_to_fp8e4m3_scalar`, used by both the VEC and AMX
+  cache writes): x times the float32 1 / scale, clamped to +-448 (saturating; NaN becomes +448), then the
+  low mantissa bits dropped: rounding *toward zero* on the e4m3 grid, subnormals (k 2^-9) included, after
+  the float32 product x 2^-120 rounds a value below 2^-6 to a multiple of 2^-29. Measured bit-exact on
+  0.32 (tests/reference/test_emulate_fp8_kv.py's notes): 0 of 6,000 values differ on the VEC (float32) and
+  AMX (bfloat16) layouts; round-to-nearest differs in 37% of them. Q stays in the model dtype; the VEC path
+  multiplies float32 Q by the float32 dequantized K and float32 P by V, the k/v scales folded into the
+  softmax scale and the output (cpu_attn_vec.hpp): emulated to float32 rounding (5e-7 of |out| on random
+  cases). The AMX (bfloat16) path feeds e4m3 x 2^-120 as bfloat16 to TDPBF16PS, whose denormal inputs and
+  outputs are zero: e4m3 subnormals read as 0 and products below 2^-126 flush (cpu_attn_amx.hpp): not
+  emulated (within the bfloat16 budget at scale 1.0 on the tiny llama; 5e-2 of |out| ~3 on random cases,
+  against 8e-3 at scale 0.05).
+- CUDA, FLASH_ATTN / FLASHINFER (csrc/cache_kernels.cu `reshape_and_cache_flash`, quantization/
+  fp8 `scaled_convert`): x / scale converted by `__nv_cvt_float_to_fp8(..., __NV_SATFINITE, E4M3)`: round
+  to nearest even, saturating at +-448. TRITON_ATTN (triton_reshape_and_cache_flash.py): x / scale stored
+  to an fp8e4nv pointer, Triton's round-to-nearest conversion. Backends that take an fp8 query
+  (`supports_quant_query_input`: FlashAttention 3, TRITON_ATTN on CUDA) quantize Q too, per tensor with the
+  layer's `q_scale` (static QuantFP8: clamp +-448, round to nearest; q_scale = 1.0 without a quantization
+  config, k_scale when the checkpoint's config gives k but not q), and the P·V product reads P (each row's
+  exp(S - max), largest 1) as e4m3 (Triton `P.to(V.dtype)`; FA3's fp8 kernel converts P for its second
+  GEMM); FA2 and FlashInfer's non-fp8-query paths read K and V dequantized into the query's dtype.
+- MLA (concat_and_cache_mla): the cache row [latent, k_pe] with the one layer scale (k_scale), V being the
+  latent part. `fp8_ds_mla` (sparse MLA, FlashMLA sparse; concat_and_cache_ds_mla_kernel): a 656-byte entry
+  per token: the 512 latent values in 4 tiles of 128, each with its own float32 scale max(amax / 448,
+  FLT_MIN) (not a power of two), values e4m3(x / tile scale) rounded to nearest; the 64 k_pe values kept in
+  bfloat16 (the model's dtype: exact); the layer scales unused.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 import torch
@@ -97,6 +134,7 @@ class EnginePrecision:
     dense_tf32: str | None = None  # unquantized weights: torch's float32 matmul in TF32 (precision "high")
     embedding_half: bool = False  # quantized token-embedding rows dequantized in half precision
     indexer_fp8: int = 0  # a DSA indexer's q and k in FP8 e4m3, power-of-two scales per this many (`fp8_blocks`)
+    kv_fp8: "KVCacheFP8 | None" = None  # an fp8 (e4m3) KV cache with the engine's own scales
 
     def product(self, x: torch.Tensor, w: torch.Tensor, qtype: int | None, raw=None) -> torch.Tensor:
         """x [T, in] @ w [out, in]^T as the engine computes it; `qtype` is w's GGML type (None: not from a
@@ -118,19 +156,20 @@ LLAMA_CPP_CPU = EnginePrecision("llama.cpp-cpu (Q8 activations, F16 KV cache)", 
 
 def vllm_cuda(*, attention_tf32: str | None = None, gguf_products: str | None = None,
               dense_tf32: str | None = None, embedding_half: bool = False,
-              indexer_fp8: int = 0) -> EnginePrecision | None:
+              indexer_fp8: int = 0, kv_fp8: "KVCacheFP8 | None" = None) -> EnginePrecision | None:
     """vLLM's arithmetic on CUDA as the run's info describes it (subjects/engines/vllm.py); None when
     it rounds nothing the float32 reference does not."""
     parts = [f"TF32 attention ({attention_tf32})" if attention_tf32 else "",
              {"q8_1": "Q8_1 activations", "tf32": "TF32 GGUF GEMMs"}.get(gguf_products or "", ""),
              f"TF32 dense matmuls ({dense_tf32})" if dense_tf32 else "",
-             "f16 embedding dequant" if embedding_half else "", f"FP8 indexer ({indexer_fp8})" if indexer_fp8 else ""]
+             "f16 embedding dequant" if embedding_half else "", f"FP8 indexer ({indexer_fp8})" if indexer_fp8 else "",
+             kv_fp8.name if kv_fp8 is not None else ""]
     parts = [p for p in parts if p]
     if not parts:
         return None
     return EnginePrecision(f"vllm-cuda ({', '.join(parts)})", attention_tf32=attention_tf32,
                            gguf_products=gguf_products, dense_tf32=dense_tf32, embedding_half=embedding_half,
-                           indexer_fp8=indexer_fp8)
+                           indexer_fp8=indexer_fp8, kv_fp8=kv_fp8)
 
 
 E4M3_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448
@@ -322,3 +361,101 @@ def half_dequant(rows: torch.Tensor, qtype: int | None) -> torch.Tensor:
     if qtype is None or Q(qtype) not in _PLUGIN_STANDARD | _PLUGIN_K:
         return rows
     return rows.to(torch.float16).to(rows.dtype)
+
+
+# ---- an fp8 KV cache (vLLM `--kv-cache-dtype fp8`) -------------------------------------------------------
+
+E4M3_TINY = 2.0 ** -9  # e4m3's smallest subnormal (its smallest normal is 2^-6)
+
+
+def e4m3(x: torch.Tensor, scale: float = 1.0, rounding: str = "rne") -> torch.Tensor:
+    """x as an fp8 e4m3 cache with per-tensor `scale` holds it: e4m3(x / scale) x scale, in x's dtype (the
+    product in float32). "rne": x / scale rounded to nearest even, saturating at +-448 (CUDA's satfinite
+    conversion; torch.float8_e4m3fn of the clamped value). "rz": vLLM for CPU's cache write: x times the
+    float32 1 / scale, saturating at +-448 (NaN to +448), rounded toward zero (the module docstring)."""
+    xf = x.float()
+    if rounding == "rne":
+        q = (xf / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).float()
+    elif rounding == "rz":
+        v = torch.nan_to_num(xf * torch.tensor(1.0 / scale, dtype=torch.float32), nan=E4M3_MAX)
+        a = v.abs().clamp(max=E4M3_MAX)
+        small = a < 2.0 ** -6  # the float32 product x 2^-120 is subnormal: rounded (to even) to a multiple of 2^-29
+        a = torch.where(small, torch.round(a * 2.0 ** 29) * 2.0 ** -29, a)
+        _, ex = torch.frexp(a)  # a = m 2^ex, m in [0.5, 1): the binade's quantum is 2^(ex - 4)
+        quantum = torch.where(small, torch.full_like(a, E4M3_TINY), torch.ldexp(torch.ones_like(a), ex - 4))
+        q = torch.copysign(torch.floor(a / quantum) * quantum, v)
+    else:
+        raise ValueError(f"e4m3 rounding {rounding!r}: expected 'rne' or 'rz'")
+    return (q * torch.tensor(scale, dtype=torch.float32)).to(x.dtype)
+
+
+def e4m3_tiles(x: torch.Tensor, tile: int = 128) -> torch.Tensor:
+    """x [..., D] (D a multiple of `tile`) as fp8_ds_mla stores its latent: per tile of `tile` values a float32
+    scale max(amax / 448, FLT_MIN), values e4m3(x / scale) rounded to nearest even; in x's dtype."""
+    d = x.shape[-1]
+    if d % tile:
+        raise ValueError(f"e4m3_tiles: last dim {d} is not a multiple of the tile {tile}")
+    xf = x.float().reshape(*x.shape[:-1], d // tile, tile)  # [..., tiles, tile]
+    scale = (xf.abs().amax(dim=-1, keepdim=True) / E4M3_MAX).clamp(min=torch.finfo(torch.float32).tiny)
+    q = (xf / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).float() * scale
+    return q.reshape(x.shape).to(x.dtype)
+
+
+def e4m3_weights(p: torch.Tensor) -> torch.Tensor:
+    """Attention weights p [..., S] (rows normalized) as an fp8 P·V reads them: the kernel's exp(S - row max)
+    (largest exactly 1) rounded to e4m3 (nearest even), the row sum divided after the dot; as `tf32_weights`."""
+    mx = p.amax(dim=-1, keepdim=True)
+    mx = torch.where(mx > 0, mx, torch.ones_like(mx))
+    return e4m3(p / mx) * mx
+
+
+@dataclass(frozen=True)
+class KVCacheFP8:
+    """An fp8 e4m3 KV cache as the engine writes and reads it (the module docstring has the sources):
+    `scales[il]` is layer il's (k_scale, v_scale), None for a layer whose cache is not fp8; `rounding` "rne"
+    (CUDA) or "rz" (vLLM for CPU); `q_scales[il]` the query's scale where the backend quantizes Q (and then
+    reads P as e4m3), None elsewhere; `tile` > 0: fp8_ds_mla (the MLA latent per tile of that many values with
+    its own scale, k_pe unquantized, the layer scales unused)."""
+
+    scales: tuple[tuple[float, float] | None, ...]
+    rounding: str = "rne"
+    q_scales: tuple[float | None, ...] = ()
+    tile: int = 0
+
+    @property
+    def name(self) -> str:
+        """What it does, in a few words (the emulated run's name, by which runs are cached)."""
+        kinds = {s for s in self.scales if s is not None}
+        scales = (f"{next(iter(kinds))[0]:g}/{next(iter(kinds))[1]:g}" if len(kinds) == 1 else
+                  ",".join("-" if s is None else f"{s[0]:g}/{s[1]:g}" for s in self.scales))
+        what = f"fp8_ds_mla tiles of {self.tile}" if self.tile else f"fp8 e4m3 KV {scales} {self.rounding}"
+        return what + (" with fp8 Q, P" if self.q_scales else "")
+
+    def _scale(self, il: int, which: int) -> float | None:
+        s = self.scales[il] if il < len(self.scales) else None
+        return None if s is None else s[which]
+
+    def k(self, il: int, x: torch.Tensor) -> torch.Tensor:
+        """Layer il's keys [..., D] as its cache holds them."""
+        s = self._scale(il, 0)
+        return x if s is None else e4m3(x, s, self.rounding)
+
+    def v(self, il: int, x: torch.Tensor) -> torch.Tensor:
+        s = self._scale(il, 1)
+        return x if s is None else e4m3(x, s, self.rounding)
+
+    def q(self, il: int, x: torch.Tensor) -> torch.Tensor:
+        """Layer il's queries as the backend feeds them (fp8 with the layer's q_scale, or unchanged)."""
+        s = self.q_scales[il] if il < len(self.q_scales) else None
+        return x if s is None else e4m3(x, s, "rne")
+
+    def weights(self, il: int) -> "Callable[[torch.Tensor], torch.Tensor] | None":
+        """The rounding of P before P·V in layer il (e4m3 where Q is fp8), or None."""
+        return e4m3_weights if il < len(self.q_scales) and self.q_scales[il] is not None else None
+
+    def mla_row(self, il: int, latent: torch.Tensor, k_pe: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """An MLA cache row's (latent [..., R], k_pe [..., Dr]) as layer il's cache holds them: fp8_ds_mla tiles
+        on the latent (k_pe exact), else both with the layer's k_scale (concat_and_cache_mla)."""
+        if self.tile:
+            return e4m3_tiles(latent, self.tile), k_pe
+        return self.k(il, latent), self.k(il, k_pe)

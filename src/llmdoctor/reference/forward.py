@@ -56,7 +56,7 @@ from . import attention as attn
 from .checkpoint import Checkpoint, CheckpointWeights
 from .config import ModelConfig, from_gguf
 from .device_cache import DeviceBudget, DeviceCache, minimum_bytes
-from .emulate import EnginePrecision, fp8_blocks, half_dequant, quantize_activations, tf32, tf32_weights
+from .emulate import EnginePrecision, KVCacheFP8, fp8_blocks, half_dequant, quantize_activations, tf32, tf32_weights
 from .stages import stage
 
 
@@ -321,6 +321,13 @@ def kv_cache_dtype() -> torch.dtype | None:
     return em[0].kv_dtype if em is not None else None
 
 
+def kv_cache_fp8() -> "KVCacheFP8 | None":
+    """The emulated engine's fp8 KV cache (its per-layer k/v scales and rounding: reference/emulate.py
+    `KVCacheFP8`), or None."""
+    em = _EMULATING.get()
+    return em[0].kv_fp8 if em is not None else None
+
+
 def attention_rounding() -> "tuple[Callable, Callable] | None":
     """The emulated engine's rounding of attention's dot inputs, (of Q, K and V; of the weights P), TF32 in a
     float32 Triton kernel (reference/emulate.py `tf32`, `tf32_weights`), or None."""
@@ -400,6 +407,9 @@ def dense_attention(st: Step, h: torch.Tensor) -> torch.Tensor:
     kv_dtype = kv_cache_dtype()
     if kv_dtype is not None:  # the engine's KV cache (and the matmuls against it) in kv_dtype
         q, k, v = (t.to(kv_dtype).to(t.dtype) for t in (q, k, v))
+    fp8 = kv_cache_fp8()
+    if fp8 is not None:  # the engine's fp8 KV cache with its scales (and Q in fp8 where its backend takes one)
+        q, k, v = fp8.q(st.il, q), fp8.k(st.il, k), fp8.v(st.il, v)
     dot_round = attention_rounding()
     if dot_round is not None:  # the engine's attention dots read Q, K, V (and P) rounded
         q, k, v = (dot_round[0](t) for t in (q, k, v))
@@ -409,7 +419,8 @@ def dense_attention(st: Step, h: torch.Tensor) -> torch.Tensor:
     else:
         o = attn.attention(q, k, v, scale=cfg.attn_scale, window=cfg.layer_window(st.il), q_chunk=st.kv_chunk,
                            softcap=cfg.attn_softcap, kv_chunk=st.kv_chunk,
-                           p_dtype=kv_dtype or (dot_round[1] if dot_round else None))  # [T, H, Dv]
+                           p_dtype=kv_dtype or (dot_round[1] if dot_round else None)
+                           or (fp8.weights(st.il) if fp8 else None))  # [T, H, Dv]
     o = st.cap("kqv_out", o.reshape(T, cfg.n_head * cfg.head_dim_v))
     return st.cap("attn_out", linear(o, st.w(MODEL_TENSOR.ATTN_OUT)))
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 import atexit
 import json
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -320,6 +321,61 @@ def default_python_or_reason() -> tuple[Optional[str], str]:
         return None, str(e)
 
 
+_E4M3 = ("fp8", "fp8_e4m3")  # vLLM's kv_cache_dtype names of an e4m3 cache with per-tensor scales
+
+
+def _layer_index(name: str) -> int | None:
+    """The decoder layer an attention module's name belongs to ("model.layers.3.self_attn.attn" -> 3)."""
+    m = re.search(r"(?:^|\.)layers\.(\d+)\.", name)
+    return int(m.group(1)) if m else None
+
+
+def kv_cache_emulation(config: dict[str, Any], device: str | None, dtype: str) -> tuple[Any, str]:
+    """(reference/emulate.py `KVCacheFP8` or None, words) for the KV cache of a run whose info's `engine_config`
+    is `config` (the driver's: `resolved.kv_cache_dtype`, `kv_scales` {layer: [k, v]}, `kv_quant` {layer:
+    {kv_cache_dtype, q_scale, query_fp8}}), on `device`. fp8 / fp8_e4m3: e4m3 with each layer's own scales,
+    rounded toward zero on the CPU (vLLM for CPU's cache write), to nearest on CUDA; the query too where the
+    layer quantizes it (and then P). fp8_ds_mla: the MLA latent per 128-tile. Another quantized cache (e5m2,
+    nvfp4, per-token-head) is named as not emulated; "auto" or no config: (None, "")."""
+    from ...reference.emulate import KVCacheFP8
+
+    kind = str((config.get("resolved") or {}).get("kv_cache_dtype") or "auto")
+    if kind == "auto":
+        return None, ""
+    if kind not in (*_E4M3, "fp8_ds_mla"):
+        return None, f"a {kind} KV cache: not emulated"
+    per_layer = {i: v for k, v in (config.get("kv_scales") or {}).items() if (i := _layer_index(k)) is not None}
+    quant = {i: v for k, v in (config.get("kv_quant") or {}).items() if (i := _layer_index(k)) is not None}
+    if not per_layer:
+        return None, f"a {kind} KV cache whose scales the engine did not report: not emulated"
+    n = max(per_layer) + 1
+    fp8 = [i in per_layer and str((quant.get(i) or {}).get("kv_cache_dtype", kind)) in (*_E4M3, "fp8_ds_mla")
+           for i in range(n)]
+    scales = tuple(tuple(map(float, per_layer[i])) if fp8[i] else None for i in range(n))
+    q_scales = tuple(float(quant[i]["q_scale"]) if fp8[i] and (quant.get(i) or {}).get("query_fp8") else None
+                     for i in range(n))
+    rounding = "rz" if device == "cpu" else "rne"
+    kv = KVCacheFP8(scales, rounding, q_scales if any(q is not None for q in q_scales) else (),
+                    tile=128 if kind == "fp8_ds_mla" else 0)
+    if kind == "fp8_ds_mla":
+        words = "fp8_ds_mla KV cache: the MLA latent in e4m3 per 128-value tile with its own scale, k_pe kept"
+    else:
+        distinct = sorted({s for s in scales if s is not None})
+        shown = (f"k/v scales {distinct[0][0]:g}/{distinct[0][1]:g} in all {sum(fp8)} layers" if len(distinct) == 1
+                 else "k/v scales " + ", ".join(f"layer {i} {s[0]:g}/{s[1]:g}" for i, s in enumerate(scales) if s))
+        how = ("rounded toward zero, saturating at 448 (vLLM for CPU's cache write)" if rounding == "rz"
+               else "rounded to nearest, saturating at 448")
+        words = f"fp8 e4m3 KV cache with {shown}, {how}"
+        skipped = [i for i in range(n) if not fp8[i]]
+        if skipped:
+            words += f"; layers {skipped} keep the model's dtype (kv_cache_dtype_skip_layers)"
+    if kv.q_scales:
+        words += "; the query in e4m3 with its q_scale and P in e4m3 (the backend's fp8 attention)"
+    if device == "cpu" and dtype == "bfloat16" and rounding == "rz":
+        words += " (the AMX bfloat16 kernel's flushed subnormal products not emulated)"
+    return kv, words
+
+
 class VLLMEngine(BackendSelecting, GGUFNameMapping, Reconfigurable, Engine):
     """vLLM in the deployment's own interpreter (`Deployment.python`, else the `python` on PATH that
     imports vllm), through the driver, resident between requests with the model it loaded (`close` ends
@@ -498,14 +554,21 @@ class VLLMEngine(BackendSelecting, GGUFNameMapping, Reconfigurable, Engine):
         vllm-gguf-plugin take Q8_1 activations when its CUDA ops loaded (its Triton GEMMs in TF32 when
         they did not, in float32), and its CUDA dequant leaves quantized embedding rows in half precision;
         torch's float32 matmul precision "high" (VLLM_FLOAT32_MATMUL_PRECISION) runs the unquantized
-        products in TF32; a sparse (DSA) indexer scores keys in FP8 in every dtype. The emulated run is
-        float32 for a float32 engine, else the engine's dtype."""
-        from ...reference.emulate import vllm_cuda
+        products in TF32; a sparse (DSA) indexer scores keys in FP8 in every dtype. On both, an fp8 KV cache
+        (the run info's `engine_config`: its kv_cache_dtype and each layer's k/v scales) stores K and V in
+        e4m3 with those scales (`kv_cache_emulation`). The emulated run is float32 for a float32 engine, else
+        the engine's dtype."""
+        from ...reference.emulate import EnginePrecision, vllm_cuda
 
         arith = ran.info.arithmetic or {}
-        if arith.get("device") != "cuda":
-            return super().noise_budget(ran)
         dtype = torch_dtype_name(str(ran.info.dtype or self.deployment.dtype or "float32"))
+        kv, kv_words = kv_cache_emulation(ran.info.details.get("engine_config") or {}, arith.get("device"), dtype)
+        if arith.get("device") != "cuda":
+            base = super().noise_budget(ran)
+            if kv is None:
+                return base if not kv_words else Budget(base.dtype, None, f"{base.words}; {kv_words}")
+            return Budget(dtype, EnginePrecision(f"vllm-{arith.get('device') or 'cpu'} ({kv.name})", kv_fp8=kv),
+                          f"{dtype} vLLM on {arith.get('device') or 'the CPU'}: {kv_words}")
         f32 = dtype == "float32"
         f32_dot = (arith.get("triton") or {}).get("f32_dot") or "tf32"  # Triton's NVIDIA default when unreported
         backends = sorted({b for b in (ran.info.backends or {}).get("decode", {}).values()
@@ -535,8 +598,10 @@ class VLLMEngine(BackendSelecting, GGUFNameMapping, Reconfigurable, Engine):
                          "vLLM's CUDA sparse indexer)")
         elif ix.get("layers"):
             words.append(f"the DSA indexer in FP8 with scale format {ix.get('scale_fmt')!r}: not emulated")
+        if kv_words:
+            words.append(kv_words)
         emulate = vllm_cuda(attention_tf32=attention, gguf_products=gguf, dense_tf32=dense, embedding_half=embedding,
-                            indexer_fp8=indexer)
+                            indexer_fp8=indexer, kv_fp8=kv)
         if emulate is None:
             base = super().noise_budget(ran)
             return base if not words else Budget(base.dtype, None, f"{base.words}; " + "; ".join(words))

@@ -600,6 +600,15 @@ def kv_scales(model) -> dict:
             if hasattr(m, "_k_scale_float") and hasattr(m, "_v_scale_float")}
 
 
+def kv_quant(model) -> dict:
+    """{attention layer: {"kv_cache_dtype", "q_scale", "query_fp8"}}: each layer's own KV-cache dtype (a layer in
+    `kv_cache_dtype_skip_layers` keeps "auto"), the query scale and whether the layer quantizes its query to fp8
+    before the backend (`query_quant`: FlashAttention 3, TRITON_ATTN on CUDA); what the noise budget emulates."""
+    return {name: {"kv_cache_dtype": str(getattr(m, "kv_cache_dtype", "")), "q_scale": float(getattr(m, "_q_scale_float", 1.0)),
+                   "query_fp8": getattr(m, "query_quant", None) is not None}
+            for name, m in model.named_modules() if hasattr(m, "_k_scale_float") and hasattr(m, "_v_scale_float")}
+
+
 def engine_config(req: dict, llm) -> dict:
     """{"engine_config": the deployment's configuration as the engine resolved it (`config_summary` of the
     running engine's VllmConfig), vLLM's defaults for the same model (the same parser on no arguments, with
@@ -621,6 +630,7 @@ def engine_config(req: dict, llm) -> dict:
            "env": vllm_environment()}
     if ran["kv_cache_dtype"] != "auto":
         out["kv_scales"] = kv_scales(_runner(llm).model)
+        out["kv_quant"] = kv_quant(_runner(llm).model)
     return {"engine_config": json.loads(json.dumps(out, default=str))}  # plain values (loaded weights_only)
 
 
