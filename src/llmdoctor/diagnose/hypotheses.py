@@ -526,11 +526,13 @@ def _error_pattern(s: Session, point):
     engine, ref, emu = s.engine_run().captures, s.reference("float32")[1], s.budget_reference()[1]
     if not math.isfinite(point.error) or not all(name in c for c in (engine, ref, emu)):
         return None
-    return error_pattern(engine[name], ref[name], emu[name], rope=_rope_at(s, point), point=name)
+    return error_pattern(engine[name], ref[name], emu[name], rope=rope_at(s.config(), point, len(s.tokens())),
+                         point=name)
 
 
-def _rope_at(s: Session, point):
-    """The reference's RoPE at a point right after it (checks/compute/error_pattern.Rope), or None: dense q/k
+def rope_at(cfg, point, n_tokens: int):
+    """The reference's RoPE (model config `cfg`) at `point` (a PointError) of a prompt of n_tokens positions from 0,
+    when that point is right after RoPE (checks/compute/error_pattern.Rope), else None: dense q/k
     (Qcur/Kcur) rotate the first rope_dim channels of each head, MLA's q_pe/k_pe every channel and its
     Qcur/Kcur the last qk_rope (after the latent). Its angles per position are read from the reference's own
     tables at positions 0 and 1 (reference/forward.py rope_qk, reference/mla.py rope_tables): every pair turns
@@ -540,7 +542,7 @@ def _rope_at(s: Session, point):
     from ..checks.compute.error_pattern import Rope
     from ..reference import attention as attn, mla as mla_ref
 
-    cfg, m = s.config(), s.config().mla
+    m = cfg.mla
     if point.point not in ("Qcur", "Kcur", "q_pe", "k_pe"):
         return None
     base, two = cfg.layer_rope_base(point.layer), torch.arange(2)
@@ -558,7 +560,7 @@ def _rope_at(s: Session, point):
         dim, neox = m.qk_rope, False  # reference/mla.py rope_pairs
         start = 0 if point.point in ("q_pe", "k_pe") else m.kv_lora_rank
     cos, sin = tables(base)
-    return Rope(dim, neox, torch.atan2(sin[1], cos[1]).numpy(), np.arange(len(s.tokens())), start=start,
+    return Rope(dim, neox, torch.atan2(sin[1], cos[1]).numpy(), np.arange(n_tokens), start=start,
                 attn_factor=float(cos[0, 0]), base=base,
                 inv_for=lambda b: torch.atan2(tables(b)[1][1], tables(b)[0][1]).numpy())
 

@@ -45,3 +45,39 @@ class _NormUnoffset:
 def missing_norm_offset(model: Any) -> Any:
     model.weights = _NormUnoffset(model.weights)
     return model
+
+
+@register("reference-rope-pairing", "engine",
+          "RoPE pairs taken the other way: by halves (i, i + d/2; llama.cpp NEOX) where the model interleaves "
+          "them (2i, 2i + 1; llama.cpp NORM), or the reverse", expect="RoPE applied wrongly")
+def rope_pairing(model: Any) -> Any:
+    model.config = dataclasses.replace(model.config, rope_neox=not model.config.rope_neox)
+    return model
+
+
+class _QKRowsUnpermuted:
+    """Weights whose attn_q / attn_k rows are in HF's rotate-half order under the GGUF's adjacent-pair RoPE."""
+
+    def __init__(self, inner: Any, heads: dict[str, int]):
+        self._inner, self._heads = inner, heads
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    def get(self, name: str):
+        from ..gguf.layout import rope_unpermute
+
+        w = self._inner.get(name)
+        kind = next((k for k in self._heads if name.endswith(f"{k}.weight")), None)
+        return w if kind is None else rope_unpermute(w, self._heads[kind])
+
+
+@register("reference-qk-rows-unpermuted", "file",
+          "attn_q / attn_k rows left in HF's rotate-half order under the GGUF's adjacent-pair RoPE (a converter "
+          "that skipped convert_hf_to_gguf's Q/K permutation): a weight fault, not a RoPE one", expect="attn_q")
+def qk_rows_unpermuted(model: Any) -> Any:
+    cfg = model.config
+    if cfg.mla is not None or cfg.rope_neox or cfg.rope_dim != cfg.head_dim:
+        raise ValueError("reference-qk-rows-unpermuted needs a dense model with adjacent-pair RoPE on whole heads")
+    model.weights = _QKRowsUnpermuted(model.weights, {"attn_q": cfg.n_head, "attn_k": cfg.n_head_kv})
+    return model

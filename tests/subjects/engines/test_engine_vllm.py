@@ -204,7 +204,6 @@ def test_planted_fault_in_the_engines_checkpoint_is_found_at_its_op(kind, tensor
     assert loc.explanation.startswith("the engine computes "), loc.explanation
 
 
-@pytest.mark.slow
 def test_a_wrong_rope_base_in_the_engines_config_is_named_as_rope(ckpts, vllm_python, tmp_path):
     """DeepSeek-V3 under vLLM for CPU loading a copy whose config.json says rope_theta 5e5 (the reference reads
     10000): its first divergence is at layer 0, op q_pe, right at position 0 and wrong after it; the finding's
