@@ -119,8 +119,10 @@ PLAN: tuple[Hypothesis, ...] = (
                "outputs, vLLM's `topk_indices_buffer`) must be among the reference's top k by the reference's own "
                "index scores, ties at the k-th score either way (ReLU scores are often exactly 0), in no more "
                "queries than the emulated run misses (the queries that choose judged apart from those that see at "
-               "most top-k keys and must keep them all); every reference run then attends to the engine's picks, "
-               "so a legitimate tie-break is not a divergence"),
+               "most top-k keys and must keep them all), and in no more picks scoring below the k-th by more than "
+               "the engine's score error than a healthy engine makes at a 1e-3 false-alarm chance (the per-key "
+               "count, with power where an FP8 indexer makes exact top-k sets rare); every reference run then "
+               "attends to the engine's picks, so a legitimate tie-break is not a divergence"),
     Hypothesis("moe-routing", "MoE routing", "Does the engine route tokens to the reference's experts?",
                ("moe", "engine", "consistent"), h.h_moe_routing,
                "the engine's chosen experts per MoE layer (llama.cpp's `ffn_moe_topk` nodes; transformers' router "
@@ -182,7 +184,9 @@ PLAN: tuple[Hypothesis, ...] = (
                ("engine", "consistent"), h.h_layer_localization,
                "the engine's activations layer by layer (llama.cpp: every graph node through `cb_eval`; "
                "transformers: hidden states; vLLM: forward hooks, with q and k after RoPE, so a divergence is named "
-               "to its op); then op substitution: the reference rerun with one suspect swapped in"),
+               "to its op); then op substitution: the reference rerun with one suspect swapped in; at an op right "
+               "after RoPE, the rotary variant (pairing, direction, positions, base, scale) that reproduces the "
+               "engine is named as the cause"),
 )
 
 
