@@ -74,8 +74,9 @@ def judge(findings: list[Finding], inputs: Inputs) -> tuple[list[Finding], list[
         layer = next((f for f in suspects if f.step == "layer-localization"), None)
         if layer is not None and suspects[0] is not layer:
             cause = layer.metrics.get("cause")
+            rope = (layer.metrics.get("error_pattern") or {}).get("cause")  # the RoPE variant it reproduces
             verdict += f" (first divergent layer: {layer.metrics['first_divergent_layer']}" \
-                       + (f"; confirmed by substitution: {cause})" if cause else ")")
+                       + (f"; confirmed by substitution: {cause})" if cause else f"; {rope})" if rope else ")")
         option = next((f for f in suspects if f.step == "configured-ladder"), None)
         if option is not None and suspects[0] is not option:
             verdict += f" ({option.explanation})"

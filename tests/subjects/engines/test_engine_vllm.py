@@ -227,6 +227,7 @@ def test_a_wrong_rope_base_in_the_engines_config_is_named_as_rope(ckpts, vllm_py
     print(loc.explanation)
     assert loc.explanation.startswith("RoPE applied wrongly to q_pe-0: with a rope base of 5e+05 instead of the "
                                       "reference's 1e+04, the engine agrees"), loc.explanation
+    assert "RoPE applied wrongly to q_pe-0: with a rope base of 5e+05" in res.verdict, res.verdict  # the cause in the verdict
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
