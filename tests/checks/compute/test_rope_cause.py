@@ -44,6 +44,7 @@ def llama(tmp_path_factory):
     return fixtures_hf.checkpoint("llama", tmp_path_factory.mktemp("llama"))[1]
 
 
+@pytest.mark.slow  # the tiny llama checkpoint through transformers: 2-3 s under load
 def test_the_other_rope_pairing_reads_as_rope(llama):
     point, p = _localize(llama, "reference-rope-pairing")
     assert (point.layer, point.point) == (0, "Qcur") and p.kind == "position", (point, p.words)
@@ -51,6 +52,7 @@ def test_the_other_rope_pairing_reads_as_rope(llama):
                               "instead of by halves (i, i + d/2), the engine agrees"), p.cause
 
 
+@pytest.mark.slow  # the tiny llama checkpoint through transformers: 2-3 s under load
 def test_rows_left_unpermuted_are_no_rope_fault(llama):
     """The converter that skipped the Q/K permutation: q's rows in the other order, wrong at position 0 too; no
     rotary variant reproduces it (the other pairing gives the engine's q permuted), so no RoPE cause."""
