@@ -156,3 +156,27 @@ def test_kv_scales_names_a_scale_that_saturates_or_zeroes():
     assert f.status == "fail" and f.target == "layer 2 v_scale, layer 1 k_scale"
     assert "layer 1's k_scale 0.001: " in f.explanation and "saturated" in f.explanation
     assert "too small" in f.explanation and "too large" in f.explanation
+
+
+def test_vllms_noise_budget_emulates_the_fp8_cache_on_the_cpu_and_on_cuda():
+    """The budget of a run whose engine_config says fp8: on the CPU an emulated run in the engine's dtype (float32
+    for float32) with the cache rounded toward zero; on CUDA beside the other emulated arithmetic, to nearest."""
+    from llmdoctor.subjects.engines.base import Deployment, EngineRun, RunInfo
+    from llmdoctor.subjects.engines.vllm import VLLMEngine
+
+    config = {"resolved": {"kv_cache_dtype": "fp8"}, "kv_scales": {"model.layers.0.self_attn.attn": [0.5, 0.25]}}
+
+    def budget(device, dtype):
+        info = {"dtype": dtype, "arithmetic": {"device": device}, "engine_config": config}
+        return VLLMEngine(Deployment(dtype=dtype)).noise_budget(EngineRun(np.zeros((1, 4), np.float32),
+                                                                          info=RunInfo.of(info)))
+
+    cpu = budget("cpu", "float32")
+    assert cpu.dtype == "float32" and cpu.emulate.kv_fp8 == KVCacheFP8(((0.5, 0.25),), "rz")
+    assert cpu.words == ("float32 vLLM on cpu: fp8 e4m3 KV cache with k/v scales 0.5/0.25 in all 1 layers, rounded "
+                         "toward zero, saturating at 448 (vLLM for CPU's cache write)")
+    cuda = budget("cuda", "bfloat16")
+    assert cuda.dtype == "bfloat16" and cuda.emulate.kv_fp8 == KVCacheFP8(((0.5, 0.25),), "rne")
+    assert "rounded to nearest, saturating at 448" in cuda.words
+    config["resolved"]["kv_cache_dtype"] = "auto"
+    assert budget("cpu", "float32").emulate is None

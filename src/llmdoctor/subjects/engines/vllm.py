@@ -389,7 +389,8 @@ class VLLMEngine(BackendSelecting, GGUFNameMapping, Reconfigurable, Engine):
                     captures="forward hooks: each layer's points, q and k after RoPE (MLA: q_pe, k_pe), routers",
                     noise="the reference in float64 for float32 on the CPU, else in the engine's dtype; on CUDA "
                           "with the arithmetic it built emulated (TF32 Triton attention, the GGUF plugin's Q8_1 "
-                          "activations, half-precision embedding dequant)",
+                          "activations, half-precision embedding dequant); an fp8 KV cache with the engine's own "
+                          "per-layer k/v scales, on the CPU and CUDA",
                     selects_backends=True, quantized_indexer=False)
 
     def __init__(self, deployment):
