@@ -54,6 +54,22 @@ def test_a_wrong_weight_is_wrong_everywhere():
     assert p.kind == "everywhere" and "position 0 included" in p.words
 
 
+def test_most_channels_wrong_without_a_layout_is_everywhere():
+    """A scaled op output leaves the channels whose error is small within their noise: a majority of wrong channels
+    with no layout among them is not read as a channel layout (the demo's layer-7 attention scales)."""
+    ref, emu, engine = _runs()
+    engine[..., 3:] *= 1.05  # channels 0-2 untouched
+    p = error_pattern(engine, ref, emu)
+    assert p.kind == "everywhere" and "13 of 16 channels" in p.words and "channel layout" not in p.words
+
+
+def test_a_minority_of_channels_is_a_channel_layout():
+    ref, emu, engine = _runs()
+    engine[..., [1, 6, 11]] *= 1.05
+    p = error_pattern(engine, ref, emu)
+    assert p.kind == "channels" and p.wrong_channels == [1, 6, 11] and "a channel layout" in p.words
+
+
 def test_two_dimensional_points():
     """kqv_out / l_out are [T, C]: positions and channels only."""
     ref, emu, engine = (x.reshape(T, H * D) for x in _runs())

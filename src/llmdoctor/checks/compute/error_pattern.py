@@ -10,7 +10,8 @@ pattern of the slices beyond their noise names a class of cause:
     heads      some heads right at every position, others wrong: a head layout (head order, GQA grouping)
                or one head's weights
     channels   only some channels wrong: the rotary channels alone (the RoPE pair layout or frequencies),
-               or one half of every head
+               one half of every head, or a minority of channels (most channels wrong with no such layout is
+               read as everywhere)
     everywhere every position wrong, position 0 included, every head: a weight or the op's input, not
                a position-dependent step
 
@@ -91,6 +92,11 @@ def _ranges(xs: list[int]) -> str:
     return ", ".join(out)
 
 
+def _halves_of(d: int) -> tuple[set[int], set[int]]:
+    """The first and the second half of a head's d channels."""
+    return set(range(d // 2)), set(range(d // 2, d))
+
+
 def _wrong(engine: np.ndarray, ref: np.ndarray, emu: np.ndarray, axis: int) -> tuple[list[int], float]:
     """(indices along `axis` whose slice is beyond its own noise, the worst slice's error / limit)."""
     bad, worst = [], 0.0
@@ -137,18 +143,18 @@ def error_pattern(engine: Any, ref: Any, emu: Any, *, rope_dim: int | None = Non
         p.kind = "heads"
         p.words = (f"heads {_ranges(heads)} wrong at every position, the other {h_n - len(heads)} right: a head layout "
                    "(head order, GQA grouping) or those heads' weights")
-    elif len(chans) < d_n:
-        half = set(range(d_n // 2)), set(range(d_n // 2, d_n))
+    elif len(chans) < d_n and (rope_only or set(chans) in _halves_of(d_n) or len(chans) <= d_n // 2):
         if rope_only:
             where = "the rotary channels only: the RoPE pair layout or its frequencies"
-        elif set(chans) in half:
+        elif set(chans) in _halves_of(d_n):
             where = "one half of every head: a split or concatenation order (e.g. nope/rope parts, halves of RoPE pairs)"
         else:
             where = "some channels only: a channel layout"
         p.kind, p.words = "channels", f"channels {_ranges(chans)} of {d_n} wrong, the others right: {where}"
     else:
-        p.kind = "everywhere"
-        p.words = ("every position wrong, position 0 included, in every head and channel: a weight or the op's "
+        p.kind = "everywhere"  # most channels wrong with no layout among them is no channel pattern either
+        where = "every channel" if len(chans) == d_n else f"{len(chans)} of {d_n} channels (the rest within their noise)"
+        p.words = (f"every position wrong, position 0 included, in every head and {where}: a weight or the op's "
                    "input, not a position-dependent step")
     if rope is not None:  # the experiment runs on any pattern; a variant that reproduces the engine is the cause
         p.rope = rope_variant(x_e, x_r, x_n, rope)
