@@ -26,7 +26,10 @@ SPECS=(vllm==0.24.0 xgrammar==0.2.2 gguf==0.19.0 vllm-gguf-plugin==0.0.5 annotat
        model-hosting-container-standards msgspec openai openai-harmony opentelemetry-api
        opentelemetry-exporter-otlp opentelemetry-sdk opentelemetry-semantic-conventions-ai outlines-core==0.2.14
        partial-json-parser prometheus-fastapi-instrumentator pybase64 pydantic python-json-logger pyzmq
-       setproctitle sniffio starlette truststore typing-inspection watchfiles)
+       setproctitle sniffio starlette truststore typing-inspection watchfiles
+       # `vllm serve`'s parser (--engine-args, issue 34) imports the OpenAI server's stack: absent on the H100/H200 host
+       uvicorn h11 click python-multipart annotated-doc a2wsgi uvloop httptools email-validator dnspython
+       prometheus-client anyio aiohttp aiohappyeyeballs aiosignal frozenlist multidict propcache yarl attrs)
 
 calls() {
     local i=1 d

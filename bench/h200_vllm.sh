@@ -21,6 +21,8 @@
 #   rest        one call for what a first pass left: the diagnose rows in ROWS (default demo-gguf:float32,
 #               started first), the dsa stage and the gpu stage side by side
 #               (MODELS=0: none; MODELS=glm: the dsa stage's checkpoint alone)
+#   args        issue 34 item 1: diagnose rows built from --engine-args (vLLM's defaults: CUDA graphs and
+#               torch.compile; fp8 KV; a tokenizer-only --tokenizer folder; a bad flag)
 #   mini        the least for a short pass: the dsa stage (when setup built the models: MODELS=0 skips them),
 #               bench/h200_fa_mla_probe.py, the GPU tests
 #
@@ -32,10 +34,10 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/llmdoctor-vllm}
 C=/tmp/carry M=/tmp/vmodels W=/tmp/vout
 mkdir -p "$OUT" "$C" "$M" "$W"
-export PYTHONPATH="/tmp/site:$PWD/src:$PWD/tests" HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+export PYTHONPATH="/tmp/site:$PWD/src:$PWD/tests:$PWD/tests/reference:$PWD/tests/subjects/engines" HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 export VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_ENABLE_V1_MULTIPROCESSING=0
 TOKENS=3,17,42,5,77,8,23,61,9,30,55,14,2,88,40,19  # tests/subjects/engines/test_engine_vllm.py's TOKENS
-stage=${1:?stage: stash DIR | setup | diagnose | dsa | gpu | rows | rest | types | mini}
+stage=${1:?stage: stash DIR | setup | diagnose | dsa | gpu | rows | rest | types | mini | args}
 t0=$(date +%s)
 step() { echo "[$(( $(date +%s) - t0 )) s] $*" | tee -a "$W/$stage.steps"; }
 left() { local n=$(( ${CALL_S:-545} - ($(date +%s) - t0) )); echo $(( n > 1 ? n : 1 )); }  # seconds left of this call
@@ -235,6 +237,36 @@ rest)  # after diagnose: the rows still open (ROWS="demo-gguf:float32 ..."), the
     step "end"
     pack
     python3 bench/h200_vllm.py summary "$W" > /dev/null 2>&1 && cp "$W/summary.md" "$OUT/summary.md"
+    ;;
+
+args)  # issue 34 item 1 on the H200 (after setup): --engine-args, the user's `vllm serve` line, parsed by vLLM 0.24's parser
+    D="$W/args"
+    mkdir -p "$D" "$M/tok-only"
+    cp "$M/llama-q8_0"/tokenizer*.json "$M/tok-only/" 2>/dev/null  # a folder of tokenizer files alone
+    export LLMDOCTOR_VLLM_GPU_MEMORY_UTILIZATION=0.2
+    argrow() {  # name "ARGS" [diagnose options]: one row, vLLM built from ARGS
+        local name=$1 args=$2
+        shift 2
+        timeout "$(left)" python3 -m llmdoctor.cli diagnose --engine vllm --engine-python /tmp/vpy --engine-args "$args" \
+            --token-ids "$TOKENS" --generate 0 "$@" --json-out "$D/$name.json" > "$D/$name.log" 2>&1
+        step "$name: exit $?"
+    }
+    step "rows, two lanes"
+    { diag llama-hf bfloat16 --hf "$M/llama/hf-llama"  # eager, as before (the refactor's check)
+      argrow llama-defaults "$M/llama/hf-llama --dtype bfloat16"  # vLLM's defaults: CUDA graphs, torch.compile
+      argrow llama-fp8kv "$M/llama/hf-llama --dtype bfloat16 --kv-cache-dtype fp8"; } &
+    { argrow deepseek-defaults "$M/deepseek/hf-deepseek --dtype bfloat16"
+      argrow q8-tok-only "$M/llama-q8_0/llama-q8_0.gguf --tokenizer $M/tok-only --dtype bfloat16"
+      argrow bad-flag "$M/llama/hf-llama --no-such-flag"; } &
+    # a prompt of 200 ids (the tiny models hold 256 positions) in prefill chunks of 64 under graphs + compile
+    LONG=$(python3 -c "print(','.join(str((7 * i * i + 3 * i + 1) % 96) for i in range(200)))")
+    { argrow llama-long-chunked "$M/llama/hf-llama --dtype bfloat16 --max-num-batched-tokens 64 --max-num-seqs 16" \
+          --token-ids "$LONG"
+      argrow deepseek-long-chunked "$M/deepseek/hf-deepseek --dtype bfloat16 --max-num-batched-tokens 64 --max-num-seqs 16" \
+          --token-ids "$LONG"; } &
+    wait
+    step "end"
+    pack
     ;;
 
 types)  # after setup (MODELS=0 is enough): check dequant --kernel vllm on every GGUF type, written straight

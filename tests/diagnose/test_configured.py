@@ -91,8 +91,15 @@ def test_each_planted_fault_is_named_by_its_rung(vllm_python, llama, tmp_path, m
     assert ladder["status"] == "fail" and ladder["metrics"]["option"] == option, ladder
     assert ladder["explanation"].startswith(RUNGS[option][1]), ladder["explanation"]
     tried = ladder["metrics"]["options_tried"]
-    assert tried[-1] == option and all(r["agrees"] is False for r in ladder["evidence"][:-1] if r["ran"])
+    rungs = [r for r in ladder["evidence"] if "option" in r]  # then the localization
+    assert tried[-1] == option and all(r["agrees"] is False for r in rungs[:-1] if r["ran"]) and rungs[-1]["agrees"]
     assert doc["verdict"].startswith("fault found: ") and RUNGS[option][1] in doc["verdict"], doc["verdict"]
+    where = ladder["metrics"]["localized"]
     if kind == "prefix-cache-collision":
         words = by_target(doc, "configured-requests")[failing]["explanation"]
         assert "read more tokens from the cache than it shares" in words, words
+        assert where["localized"] is False and "not localized" in ladder["explanation"], where  # no capture of a hit
+    else:  # RoPE's native pairing (compiled), the later chunks' positions (chunked): q after RoPE of layer 0
+        assert where["localized"] and where["layer"] == 0 and where["point"] == "Qcur", where
+        assert where["configuration"] == ("as configured" if kind == "chunk-offset" else
+                                          "made eager with vLLM's custom ops in their native forms"), where

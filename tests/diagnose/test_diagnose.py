@@ -125,7 +125,8 @@ def test_demo_fault_is_diagnosed(fault):
         evr = next(f for f in doc["findings"] if f["check"] == "engine-vs-reference")
         failed = evr["metrics"]["failed_criteria"]
         assert evr["status"] == "fail" and failed, evr
-        assert evr["explanation"].startswith(f"the {failed[0]} criterion fails: "), evr["explanation"]
+        words = "the engine's next-token distributions differ from the model's beyond its own noise: "
+        assert evr["explanation"].startswith(f"{words}the {failed[0]} criterion fails: "), evr["explanation"]
         assert {e["criterion"] for e in evr["evidence"] if not e["ok"]} == set(failed)
     page = render(doc)  # the report shows the evidence that fits the fault
     assert html.escape(doc["verdict"]) in page

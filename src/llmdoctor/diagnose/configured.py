@@ -19,11 +19,15 @@ the engine starts again with one option put back at a time, in the order of the 
 the KV-cache dtype, prefix caching, chunked prefill, the attention backend the deployment chose), in the
 same driver process (vLLM frees one engine before the next loads), and the first option whose reversal makes every
 failing request agree is named. Each rung is judged with its own noise budget (its own arithmetic: an fp8 cache
-put back is no longer emulated).
+put back is no longer emulated). The named fault is then localized to a layer and op in a configuration that keeps
+it (`localize_failing`): forward hooks fire neither in a compiled graph nor under CUDA-graph replay, so a compiled
+configuration is captured eagerly with vLLM's custom ops in their native forms (the code torch.compile traces);
+where that configuration agrees, the words say the fault lives only in code no hook sees.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -302,6 +306,7 @@ def h_configured_ladder(s: Session) -> list[Finding]:
         if not applies(cfg):
             continue
         s.progress(f"configured ladder: {option} put back ({', '.join(names)})")
+        t0 = time.perf_counter()
         rung = engine.reverted(option)
         try:
             ran = rung.run(s.tokens(), s.given_config())
@@ -313,6 +318,8 @@ def h_configured_ladder(s: Session) -> list[Finding]:
         agrees = all(j.ok for j in got)
         rungs.append({"option": option, "ran": True, "agrees": agrees,
                       "set": (ran.info.details.get("engine_config") or {}).get("llmdoctor_sets", {}).get("revert"),
+                      # the rung's cost in the resident driver: its engine's load, and the rung in all
+                      "load_s": ran.info.details.get("load_s"), "seconds": round(time.perf_counter() - t0, 2),
                       "requests": [j.as_dict() for j in got]})
         if agrees:
             cause = (option, words)
@@ -325,6 +332,53 @@ def h_configured_ladder(s: Session) -> list[Finding]:
                         status="pass", confidence="medium", hypothesis=LADDER_HYPOTHESIS, metrics=metrics, evidence=rungs,
                         explanation=f"no single option's reversal makes the engine agree (tried: {tried}; failing: "
                                     f"{', '.join(names)}): the fault is in the path every configuration runs")]
+    where = localize_failing(s, engine, cfg, failing)
+    metrics["localized"] = {k: v for k, v in where.items() if k != "curve"}
     return [Finding(check="configured-ladder", subject=s.inputs.engine, target=f"option {cause[0]}", status="fail",
-                    confidence="high", hypothesis=LADDER_HYPOTHESIS, metrics=metrics, evidence=rungs,
-                    explanation=f"{cause[1]} ({', '.join(names)} disagreed as configured; tried in order: {tried})")]
+                    confidence="high", hypothesis=LADDER_HYPOTHESIS, metrics=metrics, evidence=[*rungs, {"localization": where}],
+                    explanation=f"{cause[1]} ({', '.join(names)} disagreed as configured; tried in order: {tried}); "
+                                f"{where['words']}")]
+
+
+def _eager(cfg: dict[str, Any]) -> bool:
+    return all(str(cfg.get(k) or "NONE") == "NONE" for k in ("compilation_mode", "cudagraph_mode"))
+
+
+def localize_failing(s: Session, engine: Engine, cfg: dict[str, Any], failing: list[Judged]) -> dict[str, Any]:
+    """The first divergent layer and op of a failing request (the prompt, else the chunked-prefill request) in a
+    configuration that keeps the fault: the configured engine when it runs eagerly, else the same made eager with
+    vLLM's custom ops in their native forms (the code torch.compile traces), since forward hooks fire neither in a
+    compiled graph nor under CUDA-graph replay. That configuration's own logits say whether it kept the fault;
+    where it did not, the fault lives only in code no hook sees, and the words say so."""
+    from ..checks.compute.layers import CURVE_POINTS, error_curve, first_divergent_layer, off_by
+
+    names = [j.request for j in failing]
+    request = next((r for r in ("prompt", "chunked-prefill") if r in names), None)
+    if request is None:
+        return {"localized": False, "words": f"not localized to a layer: only the {' and the '.join(names)} request "
+                                             "disagrees, and its activations are not captured (a request read from the "
+                                             "prefix cache or a decode step runs through generation)"}
+    tokens = s.tokens() if request == "prompt" else long_prompt(s, cfg)
+    eager = _eager(cfg)
+    what = "as configured" if eager else "made eager with vLLM's custom ops in their native forms"
+    capturer = engine if eager else engine.reverted("eager_native")
+    s.progress(f"configured ladder: localizing the {request} {what}")
+    ran = s.engine_run() if capturer is s.engine() and tokens == s.tokens() else capturer.run(tokens, s.given_config())
+    budget = capturer.noise_budget(ran)
+    out: dict[str, Any] = {"localized": False, "request": request, "configuration": what}
+    if all(c.ok for c in _criteria(s, ran.logits, tokens, slice(0, len(tokens)), budget)):
+        return {**out, "kept_fault": False,
+                "words": f"not localized to a layer: {what} the engine agrees on the {request}, so the fault lives only "
+                         "in code forward hooks cannot see (a compiled graph, CUDA-graph replay)"}
+    ref_caps = s.reference("float32", tokens=tokens)[1]
+    emu_caps = s.reference(budget.dtype, budget.emulate, tokens=tokens)[1]
+    curve = error_curve(ref_caps, emu_caps, ran.captures, s.config().n_layer, points=CURVE_POINTS)
+    layer, point = first_divergent_layer(curve) if curve else (None, None)
+    if point is None:
+        why = "every captured activation is within its noise" if curve else "the engine exposed no activations"
+        return {**out, "kept_fault": True, "points": len(curve),
+                "words": f"not localized to a layer: {what} the {request} still disagrees, but {why}"}
+    return {**out, "localized": True, "kept_fault": True, "layer": layer, "point": point.point, "error": point.error,
+            "limit": point.limit, "curve": [q.as_dict() for q in curve if q.layer in (layer - 1, layer, layer + 1)],
+            "words": f"{what} the {request} still disagrees: first divergent layer {layer}, {point.point}-{layer} "
+                     f"{off_by(point)}"}

@@ -318,7 +318,8 @@ def h_engine_vs_reference(s: Session) -> list[Finding]:
         "engine-vs-reference", s.inputs.engine, "next-token distributions", "fail" if failed else "pass",
         confidence="high", hypothesis="the engine computes the model's distribution", metrics=metrics,
         budget=budget, evidence=[c.as_dict() for c in crit],
-        explanation=("; ".join(f"the {c.name} criterion fails: {c.reason}" for c in failed) if failed else
+        explanation=("the engine's next-token distributions differ from the model's beyond its own noise: "
+                     + "; ".join(f"the {c.name} criterion fails: {c.reason}" for c in failed) if failed else
                      f"KL {by['kl'].value:.3g} (noise {by['kl'].noise:.3g}), top-1 {top1:.0%}: every top-1 flip "
                      "and the KL within the engine's noise") + f" (the engine's arithmetic: {budget['arithmetic']})",
     )]

@@ -177,7 +177,9 @@ PLAN: tuple[Hypothesis, ...] = (
                "when the prompt, the generated steps or a configured request disagrees: the engine started again with "
                "one option put back at a time (CUDA graphs off, torch.compile off, KV cache in the model's dtype, "
                "prefix caching off, chunked prefill off, vLLM's own attention backend), in one driver process; the "
-               "first whose reversal makes every failing request agree is named"),
+               "first whose reversal makes every failing request agree is named, and the fault localized to a layer "
+               "and op in a configuration that keeps it (a compiled one captured eagerly with the custom ops' native "
+               "forms), or why not"),
     Hypothesis("symptom-bisection", "symptom bisection", "Which symptom class does the endpoint show?", ("endpoint",),
                h.h_symptom_bisection, "`probe` of `--endpoint`"),
     Hypothesis("layer-localization", "layer localization", "Where does the engine leave the reference?",

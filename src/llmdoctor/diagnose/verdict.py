@@ -70,16 +70,17 @@ def judge(findings: list[Finding], inputs: Inputs) -> tuple[list[Finding], list[
     ruled_out = [f for f in findings if f.status == "pass"]
     c = count(findings)
     if suspects:
-        verdict, code = f"fault found: {suspects[0].explanation}", 1
+        # the option whose reversal makes the engine agree is the most specific cause: it leads where it is named
+        option = next((f for f in suspects if f.step == "configured-ladder"), None)
+        verdict, code = f"fault found: {(option or suspects[0]).explanation}", 1
+        if option is not None and suspects[0] is not option:
+            verdict += f"; {suspects[0].explanation}"
         layer = next((f for f in suspects if f.step == "layer-localization"), None)
         if layer is not None and suspects[0] is not layer:
             cause = layer.metrics.get("cause")
             rope = (layer.metrics.get("error_pattern") or {}).get("cause")  # the RoPE variant it reproduces
             verdict += f" (first divergent layer: {layer.metrics['first_divergent_layer']}" \
                        + (f"; confirmed by substitution: {cause})" if cause else f"; {rope})" if rope else ")")
-        option = next((f for f in suspects if f.step == "configured-ladder"), None)
-        if option is not None and suspects[0] is not option:
-            verdict += f" ({option.explanation})"
     elif missing := [f for f in findings if f.status == "skip" and f.step in named_subjects(inputs)
                      and not any(g.step == f.step and g.status != "skip" for g in findings)]:
         verdict, code = f"could not diagnose: {missing[0].step} could not run: {missing[0].reason}", 2

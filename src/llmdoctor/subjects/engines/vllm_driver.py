@@ -483,6 +483,10 @@ REVERTS = {
     "prefix_caching": "enable_prefix_caching = False",
     "chunked_prefill": "enable_chunked_prefill = False (each prompt in one step: the token budget holds the model length)",
     "attention_backend": "attention_backend = None (vLLM selects, VLLM_ATTENTION_BACKEND unset)",
+    # not a rung: where the ladder localizes a fault of a compiled or graph-captured configuration (forward hooks
+    # fire only in eager code; the custom ops' native forms are the code torch.compile traces)
+    "eager_native": "compilation_config.mode = NONE, cudagraph_mode = NONE, custom_ops base 'none' (eager, vLLM's "
+                    "custom ops in their native forms)",
 }
 
 
@@ -492,16 +496,18 @@ def revert(engine_args, name: str | None) -> str | None:
         return None
     if name not in REVERTS:
         raise ValueError(f"no such option to revert: {name!r} (one of {', '.join(REVERTS)})")
-    if name in ("cudagraphs", "compilation"):
+    if name in ("cudagraphs", "compilation", "eager_native"):
         from vllm.config import CompilationConfig
         from vllm.config.compilation import CompilationMode, CUDAGraphMode
 
         cc = engine_args.compilation_config
         cc = CompilationConfig(**cc) if isinstance(cc, dict) else cc
-        if name == "cudagraphs":
+        if name in ("cudagraphs", "eager_native"):
             cc.cudagraph_mode = CUDAGraphMode.NONE
-        else:
+        if name in ("compilation", "eager_native"):
             cc.mode = CompilationMode.NONE
+        if name == "eager_native" and not {"all", "none"} & set(cc.custom_ops):
+            cc.custom_ops = ["none", *cc.custom_ops]  # the base mode Inductor resolves to; the user's +op/-op kept
         engine_args.compilation_config = cc
     elif name == "kv_cache_dtype":
         engine_args.kv_cache_dtype = "auto"
