@@ -8,14 +8,17 @@ on the tiny llama checkpoint of the tests:
 
 The anchor for a rung is a fresh driver process: the interpreter's start and `import vllm` (timed here in the same
 run), which a rung in the resident process does not pay. Prints one JSON object per run and the ratio.
+With `rows`: issue 34's healthy rows that vLLM for CPU runs (tiny llama, DeepSeek-V3 MLA and GLM-5 DSA under
+vLLM's defaults in bfloat16, with and without an fp8 KV cache), one markdown row each.
 
-    LLMDOCTOR_VLLM_PYTHON=... python bench/bench_configured_ladder.py
+    LLMDOCTOR_VLLM_PYTHON=... python bench/bench_configured_ladder.py [rows]
 """
 
 from __future__ import annotations
 
 import json
 import os
+from math import nan
 import subprocess
 import sys
 import tempfile
@@ -32,23 +35,56 @@ TOKENS = ",".join(map(str, range(3, 40)))  # 37 positions: three prefill chunks 
 ARGS = "--dtype float32 --enforce-eager --max-num-batched-tokens 16 --max-num-seqs 16 --enable-prefix-caching --block-size 32"
 
 
-def diagnose(python: str, model: Path, engine_args: str | None, env: dict[str, str]) -> tuple[float, dict]:
+ENV = {"HF_HUB_OFFLINE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+# `rows`: the healthy rows of issue 34 item 4 that vLLM for CPU runs: vLLM's defaults (torch.compile on; no CUDA
+# graphs on a CPU) in bfloat16, with and without an fp8 KV cache, chunks of 16 and prefix caching on
+ROW_ARGS = {"defaults": "--dtype bfloat16 --max-num-batched-tokens 16 --max-num-seqs 16 --enable-prefix-caching "
+                        "--block-size 32",
+            "fp8-kv": "--dtype bfloat16 --max-num-batched-tokens 16 --max-num-seqs 16 --enable-prefix-caching "
+                      "--block-size 32 --kv-cache-dtype fp8"}
+
+
+def diagnose(python: str, model: Path, engine_args: str | None, env: dict[str, str]) -> tuple[float, int, dict | None, str]:
+    """(seconds, exit code, the JSON report or None, stderr's tail) of one `diagnose --engine vllm`."""
     cmd = [sys.executable, "-m", "llmdoctor.cli", "diagnose", "--engine", "vllm", "--engine-python", python,
            "--token-ids", TOKENS, "--generate", "4", "--json"]
     cmd += ["--engine-args", f"{model} {engine_args}"] if engine_args else ["--hf", str(model), "--engine-dtype", "float32"]
     t0 = time.perf_counter()
     p = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **env}, timeout=1800)
-    wall = time.perf_counter() - t0
-    if p.returncode not in (0, 1):
-        raise SystemExit(f"diagnose failed ({p.returncode}): {p.stderr[-2000:]}")
-    return wall, json.loads(p.stdout)
+    doc = json.loads(p.stdout) if p.stdout.strip().startswith("{") else None
+    return time.perf_counter() - t0, p.returncode, doc, p.stderr[-600:]
+
+
+def rows(python: str) -> None:
+    """One markdown row per model and configuration: the verdict and what each configured check said."""
+    print("| model | configuration | verdict | engine-vs-reference | configured requests | ladder | wall |")
+    print("|---|---|---|---|---|---|---|")
+    with tempfile.TemporaryDirectory() as tmp:
+        for kind in ("llama", "deepseek", "glm"):
+            model = vllm_checkpoint(kind, Path(tmp) / kind)[0]
+            for name, args in ROW_ARGS.items():
+                wall, rc, doc, err = diagnose(python, model, args, ENV)
+                if doc is None:
+                    print(f"| {kind} | {name} | exit {rc}: {err.strip().splitlines()[-1] if err.strip() else ''} | | | | "
+                          f"{wall:.0f} s |", flush=True)
+                    continue
+                by = {f["check"] + ":" + f["target"]: f for f in doc["findings"]}
+                evr = next((f for k, f in by.items() if k.startswith("engine-vs-reference:")), {})
+                reqs = "; ".join(f"{'chunked' if 'budget' in f['target'] else 'prefix'}: {f['status']}"
+                                 for k, f in by.items() if k.startswith("configured-requests:"))
+                lad = next((f for k, f in by.items() if k.startswith("configured-ladder:")), {})
+                kl, noise = evr.get("metrics", {}).get("kl_mean", nan), evr.get("budget", {}).get("kl_noise_mean", nan)
+                print(f"| {kind} | {name} | {doc['verdict'][:90]} | {evr.get('status')} (KL {kl:.3g}, noise {noise:.3g}) "
+                      f"| {reqs} | {lad.get('status')} | {wall:.0f} s |", flush=True)
 
 
 def main() -> None:
     python = os.environ.get("LLMDOCTOR_VLLM_PYTHON")
     if not python:
         raise SystemExit("set LLMDOCTOR_VLLM_PYTHON to vLLM's interpreter")
-    env = {"HF_HUB_OFFLINE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+    if sys.argv[1:] == ["rows"]:
+        return rows(python)
+    env = ENV
     with tempfile.TemporaryDirectory() as tmp:
         model = vllm_checkpoint("llama", Path(tmp) / "llama")[0]
         t0 = time.perf_counter()
@@ -58,7 +94,9 @@ def main() -> None:
         out = {"fresh_process_import_s": round(fresh, 2)}
         for name, args, extra in (("default", None, {}), ("configured", ARGS, {}),
                                   ("ladder", ARGS, plant_env("chunk-offset", Path(tmp) / "plant"))):
-            wall, doc = diagnose(python, model, args, {**env, **extra})
+            wall, rc, doc, err = diagnose(python, model, args, {**env, **extra})
+            if doc is None or rc not in (0, 1):
+                raise SystemExit(f"diagnose failed ({rc}): {err}")
             ladder = next((f for f in doc["findings"] if f["check"] == "configured-ladder"), {})
             rungs = [{k: r.get(k) for k in ("option", "agrees", "load_s", "seconds")}
                      for r in ladder.get("evidence", []) if "option" in r]

@@ -29,7 +29,12 @@ SPECS=(vllm==0.24.0 xgrammar==0.2.2 gguf==0.19.0 vllm-gguf-plugin==0.0.5 annotat
        setproctitle sniffio starlette truststore typing-inspection watchfiles
        # `vllm serve`'s parser (--engine-args, issue 34) imports the OpenAI server's stack: absent on the H100/H200 host
        uvicorn h11 click python-multipart annotated-doc a2wsgi uvloop httptools email-validator dnspython
-       prometheus-client anyio aiohttp aiohappyeyeballs aiosignal frozenlist multidict propcache yarl attrs)
+       prometheus-client anyio aiohttp aiohappyeyeballs aiosignal frozenlist multidict propcache yarl attrs
+       jmespath websockets sse-starlette pydantic-settings python-dotenv pydantic-extra-types referencing rpds-py
+       jsonschema-specifications pyjwt cryptography cffi pycparser mcp-types docstring-parser interegular
+       opentelemetry-semantic-conventions opentelemetry-proto googleapis-common-protos astor dill pycountry
+       rich-toolkit fastapi-cli opentelemetry-exporter-otlp-proto-grpc opentelemetry-exporter-otlp-proto-http
+       opentelemetry-exporter-otlp-proto-common opentelemetry-exporter-http-transport opentelemetry-exporter-otlp-common)
 
 calls() {
     local i=1 d

@@ -178,3 +178,19 @@ def torch_randn(shape):
     import torch
 
     return torch.randn(shape, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+
+
+def test_positions_shifted_from_mid_prompt_are_named():
+    """A later prefill chunk whose positions are one too far (vLLM's chunked prefill, tests/vllm_plants.py's
+    chunk-offset): right up to position 5, wrong from there; no whole-prompt variant fits, the step from 5 does."""
+    from llmdoctor.reference.attention import apply_rope, rope_cos_sin
+
+    def chunked(x, pos):
+        cos, sin = rope_cos_sin((pos + (pos >= 5)).double(), x.shape[-1], 10_000.0)
+        return apply_rope(x, cos, sin, neox=False).numpy()
+
+    engine, ref, emu, rope = _rope_runs(False, chunked)
+    p = error_pattern(engine, ref, emu, rope=rope, point="Qcur-0")
+    assert p.kind == "position" and p.wrong_positions[0] == 5, p.words
+    assert p.rope["agrees"]["variant"] == "position+1-from-5", p.rope
+    assert p.cause.startswith("RoPE applied wrongly to Qcur-0: with the positions from 5 on one later"), p.cause

@@ -19,7 +19,8 @@ At a point right after RoPE (q and k: Qcur/Kcur, MLA's q_pe/k_pe) the rotary pat
 later positions wrong, or the rotary channels alone wrong) is named as a RoPE fault, and an experiment says
 which rotary variant the engine computed (`rope_variant`): the reference's output is rotated back to its
 input and rotated again another way (the pairs by halves instead of interleaved or the reverse, no
-rotation, the opposite direction, positions one off, the engine's own frequencies measured pair by pair);
+rotation, the opposite direction, positions one off throughout or from the first wrong position on, the
+engine's own frequencies measured pair by pair);
 a variant the engine agrees with within the point's own limit is the cause, said in words.
 """
 
@@ -157,7 +158,7 @@ def error_pattern(engine: Any, ref: Any, emu: Any, *, rope_dim: int | None = Non
         p.words = (f"every position wrong, position 0 included, in every head and {where}: a weight or the op's "
                    "input, not a position-dependent step")
     if rope is not None:  # the experiment runs on any pattern; a variant that reproduces the engine is the cause
-        p.rope = rope_variant(x_e, x_r, x_n, rope)
+        p.rope = rope_variant(x_e, x_r, x_n, rope, first_wrong=pos[0] if p.kind == "position" else None)
         found = p.rope["agrees"]
         rotary = p.kind == "position" and (rope_only or dim == d_n) or p.kind == "channels" and rope_only
         if found:
@@ -167,7 +168,7 @@ def error_pattern(engine: Any, ref: Any, emu: Any, *, rope_dim: int | None = Non
         elif rotary:
             p.cause = (f"RoPE applied wrongly to {point or 'this point'}: {p.words}; none of the rotary variants "
                        "tried reproduces it (the other pairing, no rotation, the opposite direction, positions one "
-                       "off, the engine's own turn per pair measured)")
+                       "off, from the first wrong one or throughout, the engine's own turn per pair measured)")
     return p
 
 
@@ -220,11 +221,13 @@ def _base_fit(w: np.ndarray, rope: Rope) -> float | None:
 COMMON_BASES = (1e4, 5e4, 1e5, 5e5, 1e6, 1e7)
 
 
-def rope_variant(engine: np.ndarray, ref: np.ndarray, emu: np.ndarray, rope: Rope) -> dict[str, Any]:
+def rope_variant(engine: np.ndarray, ref: np.ndarray, emu: np.ndarray, rope: Rope,
+                 first_wrong: int | None = None) -> dict[str, Any]:
     """Which rotary variant of the reference's own input the engine computed at a point after RoPE. The
     reference's rotary channels are rotated back to their input x (the reference's own pairing and angles),
     then each variant rotates x again; the point with those channels is judged like the point itself (rel_l2
-    against K x the emulated run's error + FLOOR). engine, ref, emu: float64 [T, H, D]. Returns {"error",
+    against K x the emulated run's error + FLOOR). engine, ref, emu: float64 [T, H, D]; `first_wrong`: the first
+    wrong position where earlier ones are right (the positions shifted from there on are tried too). Returns {"error",
     "limit" (the point as the reference rotates it), "tried" (the variants' words), "agrees" (None, or the
     first variant within the limit: {"variant", "words", "error", ...})}."""
     lo, hi = rope.start, rope.start + rope.dim
@@ -243,6 +246,13 @@ def rope_variant(engine: np.ndarray, ref: np.ndarray, emu: np.ndarray, rope: Rop
         ("position-1", "with every position one earlier (p - 1)",
          lambda: _rotate(x, ang - rope.inv_freq, rope.neox, a)),
     ]
+    if first_wrong:  # a step in the positions from one position on: a later prefill chunk's or a cached prefix's
+        late = (np.arange(len(rope.positions)) >= first_wrong)[:, None]  # [T, 1]
+        for step, word in ((1, "later"), (-1, "earlier")):
+            variants.append((f"position{step:+d}-from-{first_wrong}",
+                             f"with the positions from {first_wrong} on one {word} (an offset that starts mid-prompt: "
+                             "a later prefill chunk's or a cached prefix's positions)",
+                             lambda step=step: _rotate(x, ang + step * late * rope.inv_freq, rope.neox, a)))
     if a != 1.0:
         variants.append(("magnitude", f"without YaRN's magnitude factor {a:.4g} on the rotated pairs",
                          lambda: _rotate(x, ang, rope.neox, 1.0)))
