@@ -103,3 +103,7 @@ def test_each_planted_fault_is_named_by_its_rung(vllm_python, llama, tmp_path, m
         assert where["localized"] and where["layer"] == 0 and where["point"] == "Qcur", where
         assert where["configuration"] == ("as configured" if kind == "chunk-offset" else
                                           "made eager with vLLM's custom ops in their native forms"), where
+    if kind == "chunk-offset":  # the RoPE experiment names the step: positions one too far from the second chunk on
+        loc = next(f for f in doc["findings"] if f["check"] == "layer-localization")
+        cause = loc["metrics"]["error_pattern"]["cause"]
+        assert "with the positions from 16 on one later" in cause and "the engine agrees" in cause, cause
