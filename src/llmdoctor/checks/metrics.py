@@ -181,6 +181,8 @@ def logit_pair_noise(got: Any, want: Any, *, dim: int = -1) -> torch.Tensor:
     KL = Var_P(δ)/2 to second order) vanishes where P is confident and hides the error on the others."""
     g, w = _t(got).to(torch.float64), _t(want).to(torch.float64)
     keep = torch.isfinite(w)
+    if w.shape[dim] > 1 and bool(keep.all()):  # the usual case, in a quarter of the time: no masks
+        return (2 * (g - w).var(dim=dim, correction=1)).sqrt()
     delta = torch.where(keep, g - w, torch.zeros_like(w))
     n = keep.sum(dim=dim, keepdim=True)
     mean = delta.sum(dim=dim, keepdim=True) / n.clamp_min(1)

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from ..checks.base import Finding
+from ..checks.compute.allowance import SETTLE, marginal, times
 from ..checks.compute.layers import off_by
 from ..subjects.engines.base import EngineError, torch_dtype_name
 from .session import Session, Skip
@@ -24,27 +25,64 @@ def _finding(check: str, subject: str, target: str, status: str, **kw: Any) -> F
 
 
 # ---- judgements several hypotheses share, each made once per diagnosis from the session's evidence ----------
+def draw_columns(s: Session) -> torch.Tensor:
+    """[T, C]: the tokens whose logits each randomized draw keeps (checks/compute/allowance.py `columns`: the
+    reference's top tokens and the engine's top-1)."""
+    from ..checks.compute.allowance import columns
+
+    return s.once("draw-columns", lambda: columns(s.reference("float32")[0], torch.as_tensor(s.engine_run().logits)))
+
+
+def draws(s: Session) -> list:
+    """The session's n_draws randomized draws of the engine's arithmetic (Session.draw), each summarized against the
+    float32 reference (allowance.summarize): the allowances of engine-vs-reference and layer-localization."""
+    from ..checks.compute.allowance import summarize
+
+    if not s.n_draws:
+        return []
+    ref, ref_caps, _ = s.reference("float32")
+    cols = draw_columns(s)
+    return [s.draw(i, lambda logits, caps: summarize(logits, caps, ref, ref_caps, cols)) for i in range(s.n_draws)]
+
+
+def family(s: Session) -> int:
+    """How many items the diagnosis judges against the draws (allowance.py sets every threshold for all of them):
+    two per position (top-1, KL), the mean KL, and every layer point the engine and the reference both captured."""
+    from ..checks.compute.layers import CURVE_POINTS
+
+    def make() -> int:
+        engine_caps, (_, ref_caps, _) = s.engine_run().captures, s.reference("float32")
+        points = sum(f"{p}-{il}" in engine_caps and f"{p}-{il}" in ref_caps
+                     for il in range(s.config().n_layer) for p in CURVE_POINTS)
+        return 2 * len(s.tokens()) + 1 + points
+
+    return s.once("family", make)
+
+
 def prefill_criteria(s: Session) -> list:
     """The engine's next-token distributions of the prompt against the reference's, each criterion against the
-    emulated run's noise (checks/compute/layers.py `distribution_criteria`): engine-vs-reference reports them,
-    the decode path asks whether the prefill already disagrees (float64 over [T, V]: seconds, so made once)."""
+    spread of the randomized draws of the engine's arithmetic, set for the whole diagnosis (checks/compute/layers.py
+    `distribution_criteria`): engine-vs-reference reports them, the decode path asks whether the prefill already
+    disagrees (float64 over [T, V]: seconds, so made once)."""
     from ..checks.compute.layers import distribution_criteria
 
     return s.once("prefill-criteria", lambda: distribution_criteria(
-        torch.as_tensor(s.engine_run().logits), s.reference("float32")[0], s.budget_reference()[0], s.tokens()))
+        torch.as_tensor(s.engine_run().logits), s.reference("float32")[0], s.budget_reference()[0], s.tokens(),
+        draws=draws(s), cols=draw_columns(s), family=family(s)))
 
 
 def divergence(s: Session):
     """(error curve, first divergent layer or None, its point) of the engine's activations against the
-    reference, noise-aware (checks/compute/layers.py): made once, for dsa-selection, moe-routing and
-    layer-localization."""
+    reference, each point against its spread over the randomized draws (checks/compute/layers.py): made once,
+    for dsa-selection, moe-routing and layer-localization."""
     def make():
         from ..checks.compute.layers import CURVE_POINTS, error_curve, first_divergent_layer
 
         engine_caps = s.engine_run().captures
         _, ref_caps, _ = s.reference("float32")
         _, emu_caps, _ = s.budget_reference()
-        curve = error_curve(ref_caps, emu_caps, engine_caps, s.config().n_layer, points=CURVE_POINTS)
+        curve = error_curve(ref_caps, emu_caps, engine_caps, s.config().n_layer, points=CURVE_POINTS,
+                            draws=draws(s), family=family(s))
         return (curve, *first_divergent_layer(curve)) if curve else (curve, None, None)
 
     return s.once("divergence", make)
@@ -312,16 +350,22 @@ def h_engine_vs_reference(s: Session) -> list[Finding]:
         budget.update(kl_mean_limit=by["kl"].limit, kl_noise_mean=by["kl"].noise,
                       top1_flips_allowed=int(by["top1"].limit))
     budget["arithmetic"] = s.budget().words  # whose noise: what the emulated run reproduces of the engine
+    budget["allowances"] = {c.name: c.allowance for c in crit if c.allowance}
     metrics.update(positions=got.shape[0], failed_criteria=[c.name for c in failed],
-                   reference_reads=str(s.reference_path()))
+                   reference_reads=str(s.reference_path()), criteria_ratio={c.name: c.times for c in crit},
+                   marginal=[c.name for c in crit if c.marginal])
+    edge = max((c for c in crit if c.ok), key=lambda c: c.times, default=None)
     return [_finding(
         "engine-vs-reference", s.inputs.engine, "next-token distributions", "fail" if failed else "pass",
-        confidence="high", hypothesis="the engine computes the model's distribution", metrics=metrics,
+        confidence="medium" if failed and all(c.marginal for c in failed) else "high",
+        hypothesis="the engine computes the model's distribution", metrics=metrics,
         budget=budget, evidence=[c.as_dict() for c in crit],
         explanation=("the engine's next-token distributions differ from the model's beyond its own noise: "
                      + "; ".join(f"the {c.name} criterion fails: {c.reason}" for c in failed) if failed else
                      f"KL {by['kl'].value:.3g} (noise {by['kl'].noise:.3g}), top-1 {top1:.0%}: every top-1 flip "
-                     "and the KL within the engine's noise") + f" (the engine's arithmetic: {budget['arithmetic']})",
+                     "and the KL within the engine's noise" + (f"; closest to its allowance: {edge.name}, "
+                                                                f"{times(edge.times)}" if edge else ""))
+        + f" (the engine's arithmetic: {budget['arithmetic']})",
     )]
 
 
@@ -459,9 +503,11 @@ def h_layer_localization(s: Session) -> list[Finding]:
         return [_finding("layer-localization", s.inputs.engine, "layers", "pass", confidence="high",
                          hypothesis="every layer stays within the engine's noise",
                          metrics={"points": len(curve), "worst_ratio": worst.error / worst.limit,
-                                  "worst": f"{worst.point}-{worst.layer}"},
+                                  "worst": f"{worst.point}-{worst.layer}", "marginal": marginal(worst.ratio),
+                                  "allowance": worst.allowance, "draws": worst.draws},
                          explanation=f"{len(curve)} points within budget; worst {worst.point}-{worst.layer} "
-                                     f"at {worst.error / worst.limit:.2f} of its limit")]
+                                     f"at {worst.error / worst.limit:.2f} of its limit"
+                                     + (f" (marginal: {SETTLE})" if marginal(worst.ratio) else ""))]
     swaps = substitutions(s, point)
     confirmed = [w for w in swaps if w["reproduces"]]
     pattern = _error_pattern(s, point)
@@ -469,10 +515,13 @@ def h_layer_localization(s: Session) -> list[Finding]:
     held_differ = held.get("differ", [])[:2]
     causes = [f"the engine holds {w['tensor']} as {w['words']}" for w in held_differ if w.get("reproduces")]
     causes += [w["swap"] for w in confirmed]
-    return [_finding("layer-localization", s.inputs.engine, f"layer {layer}", "fail", confidence="high",
+    return [_finding("layer-localization", s.inputs.engine, f"layer {layer}", "fail",
+                     confidence="medium" if marginal(point.ratio) else "high",
                      hypothesis="every layer stays within the engine's noise",
                      metrics={"first_divergent_layer": layer, "point": point.point, "error": point.error,
-                              "noise": point.noise, "limit": point.limit, "cause": causes[0] if causes else None,
+                              "noise": point.noise, "limit": point.limit, "ratio": point.ratio,
+                              "marginal": marginal(point.ratio), "allowance": point.allowance, "draws": point.draws,
+                              "cause": causes[0] if causes else None,
                               "substitutions": swaps, "error_pattern": pattern.as_dict() if pattern else None,
                               "engine_weights": held},
                      evidence=[p.as_dict() for p in curve if p.layer in (layer - 1, layer, layer + 1)],

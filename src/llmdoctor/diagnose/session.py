@@ -43,6 +43,11 @@ class Session:
         self.threads = inputs.threads or torch.get_num_threads()
         # every reference model's dequantized weights on --device, together, within --max-gpu-memory
         self.device_budget = DeviceBudget(inputs.max_gpu_memory)
+        # randomized draws of the engine's arithmetic that set the allowances (checks/compute/allowance.py);
+        # fewer than its MIN_DRAWS: the single emulated run's K-times rule
+        from ..checks.compute.allowance import N_DRAWS
+
+        self.n_draws = N_DRAWS
 
     @contextlib.contextmanager
     def pinned_threads(self) -> Iterator[None]:
@@ -192,6 +197,32 @@ class Session:
         """The reference run with the engine's arithmetic: how far a healthy engine may be."""
         b = self.budget()
         return self.reference(b.dtype, emulate=b.emulate)
+
+    def draw(self, i: int, summarize: Callable[[torch.Tensor, dict], Any]) -> Any:
+        """Randomized draw `i` of the budget run (reference/draws.py: the engine's arithmetic rounded
+        stochastically, standing for another machine's healthy engine), replaying the engine's discrete choices
+        as every reference run does, kept as `summarize(logits, captures)` (a draw's [T, V] logits are not
+        held) and cached by `i`. The weights are the budget model's, dequantized before the first draw (a
+        draw rounds the computation, not the weights). A float32 engine (budget float64) is drawn in float32
+        with float32 rounded stochastically; every other in the budget's dtype and emulation."""
+        from ..reference.draws import draw_dtypes, randomized
+
+        b = self.budget()
+        float32 = b.dtype == "float64"
+        dtype = "float32" if float32 else b.dtype
+
+        def make():
+            self.budget_reference()
+            self.reference("float32")
+            model = self.model(dtype)
+            self.progress(f"randomized draw {i + 1} of the engine's arithmetic ({dtype}"
+                          f"{', ' + b.emulate.name if b.emulate else ''})")
+            with stage("reference"), self.pinned_threads(), randomized(self.inputs.seed * 1000 + i, draw_dtypes(float32)):
+                logits, caps = model.forward(self.tokens(), capture=set(REFERENCE_POINTS), emulate=b.emulate,
+                                             extra=self.replayed_choices())
+            return summarize(logits.cpu(), caps)
+
+        return self.once(f"draw-{i}-{self.reference_path()}", make)
 
     def close(self) -> None:
         for key, value in self._cache.items():

@@ -106,6 +106,8 @@ from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import Q4_K
 
+from .draws import random_integer
+
 _Q8_0_TYPES = {Q.Q4_0, Q.Q5_0, Q.Q8_0, Q.IQ4_NL, Q.MXFP4, Q.Q4_1, Q.Q5_1}
 _Q8_K_TYPES = {Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ2_XXS, Q.IQ2_XS, Q.IQ2_S, Q.IQ3_XXS,
                Q.IQ3_S, Q.IQ1_S, Q.IQ1_M, Q.IQ4_XS, Q.TQ1_0, Q.TQ2_0}
@@ -204,7 +206,8 @@ def tf32(x: torch.Tensor, mode: str = "rna") -> torch.Tensor:
     _, e = torch.frexp(xd)
     quantum = torch.ldexp(torch.ones_like(xd), torch.clamp(e, min=-125) - 11)
     a = xd.abs() / quantum  # exact: a power-of-two scaling
-    n = torch.floor(a + 0.5) if mode == "rna" else torch.floor(a)
+    n = random_integer(a) if mode == "rna" else None  # a randomized draw rounds "rna" stochastically (draws.py);
+    n = n if n is not None else torch.floor(a + 0.5) if mode == "rna" else torch.floor(a)  # "rz" truncates anyway
     out = torch.copysign(n * quantum, xd).to(torch.float32)
     return torch.where(torch.isfinite(x), out, x.float()).to(x.dtype)
 
@@ -236,7 +239,9 @@ def vec_dot_type(qtype: int) -> str:
 
 
 def _round_half_away(x: torch.Tensor) -> torch.Tensor:
-    return torch.sign(x) * torch.floor(x.abs() + 0.5)
+    """ggml's roundf; stochastic while a randomized draw runs (reference/draws.py)."""
+    drawn = random_integer(x)
+    return drawn if drawn is not None else torch.sign(x) * torch.floor(x.abs() + 0.5)
 
 
 def q8_0(x: torch.Tensor) -> torch.Tensor:

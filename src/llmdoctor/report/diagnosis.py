@@ -62,6 +62,9 @@ def render(doc: dict[str, Any], console: Console) -> None:
         for f in skipped:
             t.add_row(f["check"], f"skipped: {f['reason']}")
         console.print(t)
+    from .terminal import allowance_table
+
+    allowance_table(doc["findings"], console)  # how far each criterion is from its allowance, marginal ones flagged
     _engine_config((doc.get("engine_run") or {}).get("engine_config"), console)
 
 

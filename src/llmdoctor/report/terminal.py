@@ -75,6 +75,28 @@ def findings_table(findings: list[Any], title: str | None = None, console: Conso
         console.print(table)
 
 
+def allowance_table(findings: list[dict[str, Any]], console: Console = stdout) -> None:
+    """diagnose: each judged criterion (a finding's evidence rows with a `ratio`, and the layer points' worst or
+    first divergent one) against its allowance, how many times it, and whether the verdict is marginal (within
+    2x either way: a longer prompt or another dtype settles it). Printed only when there is a row."""
+    table = Table("check", "criterion", "verdict", "x allowance", "marginal", title="Confidence",
+                  title_justify="left")
+    for f in findings:
+        rows = [(e["criterion"], "pass" if e["ok"] else "fail", e["ratio"], e.get("marginal"))
+                for e in f.get("evidence") or [] if isinstance(e, dict) and "criterion" in e and "ratio" in e]
+        m = f.get("metrics") or {}
+        if f["check"] == "layer-localization" and f["status"] != "skip":
+            ratio = m.get("ratio", m.get("worst_ratio"))
+            if ratio is not None:
+                rows.append((m.get("point") and f"{m['point']}-{m.get('first_divergent_layer')}" or m.get("worst", "points"),
+                             f["status"], ratio, m.get("marginal")))
+        for name, verdict, ratio, near in rows:
+            table.add_row(f["check"], str(name), verdict, f"{ratio:.3g}" if isinstance(ratio, (int, float)) else str(ratio),
+                          "marginal" if near else "")
+    if table.row_count:
+        console.print(table)
+
+
 def summary_line(verdict: str, findings: list[Any], seconds: float | None = None, console: Console = stdout) -> None:
     """"<verdict>: N passed, N failed, N skipped[ in S s]"."""
     from ..checks.base import count

@@ -66,6 +66,7 @@ def test_layer_localization_says_non_finite_in_words(demo_path, monkeypatch):
     caps["l_out-2"][1] = caps["l_out-3"][1] = np.nan  # it propagates, as in a real engine
     monkeypatch.setattr(hypotheses, "substitutions", lambda s, point: [])
     s = dg.Session(dg.Inputs(gguf=demo_path, engine="llama.cpp"))
+    s.n_draws = 0  # the runs are stand-ins: nothing to draw
     try:
         s.engine_run = lambda: EngineRun(None, caps)
         s.reference = lambda dtype="float32", emulate=None: (None, ref_caps, [])

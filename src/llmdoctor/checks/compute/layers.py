@@ -21,6 +21,13 @@ stream, a one-off excursion that heals is reported but not named as the cause.
 The next-token distributions (`distribution_criteria`, diagnose's engine-vs-reference) are judged by
 the same noise model: each criterion compares the engine with the reference against what the
 emulated run's own arithmetic explains, scaled by the same K.
+
+With several randomized draws of the engine's arithmetic (reference/draws.py; `draws`), every point and
+criterion is judged instead against its own spread over the draws, with the threshold set for the whole
+diagnosis (checks/compute/allowance.py): a point's noise is the draws' RMS error there and its multiplier
+the family's (K_MODEL = K where the draws agree); the distributions gain a per-position KL criterion, and a
+top-1 flip is judged against that token pair's spread. Each verdict carries its ratio to the allowance and
+a marginal flag (within 2x either way). Without draws (the decode path) the single-run rule above holds.
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ from typing import Any, Mapping
 import torch
 
 from .. import metrics
+from . import allowance as A
 
 K = 3.0
 FLOOR = 1e-6
@@ -47,11 +55,18 @@ class PointError:
     layer: int
     point: str
     error: float  # rel_l2(engine, ref)
-    noise: float  # rel_l2(budget, ref)
+    noise: float  # rel_l2(budget, ref); with draws, their RMS
+    allowance: float = K  # the noise multiplier: K, or the family's from the draws (allowance.py)
+    draws: int = 1  # how many runs measured the noise
 
     @property
     def limit(self) -> float:
-        return K * self.noise + FLOOR
+        return self.allowance * self.noise + FLOOR
+
+    @property
+    def ratio(self) -> float:
+        """error over its limit (inf when the error is not finite)."""
+        return self.error / self.limit if math.isfinite(self.error) else math.inf
 
     @property
     def divergent(self) -> bool:
@@ -61,12 +76,16 @@ class PointError:
 
     def as_dict(self) -> dict:
         return {"layer": self.layer, "point": self.point, "error": self.error, "noise": self.noise,
-                "limit": self.limit, "divergent": self.divergent}
+                "limit": self.limit, "divergent": self.divergent, "ratio": self.ratio,
+                "marginal": A.marginal(self.ratio), "allowance": self.allowance, "draws": self.draws}
 
 
 def error_curve(ref: Mapping[str, Any], budget: Mapping[str, Any], engine: Mapping[str, Any],
-                n_layer: int, points: tuple[str, ...] = POINTS) -> list[PointError]:
-    """Every (layer, point) present in all three captures, in graph order."""
+                n_layer: int, points: tuple[str, ...] = POINTS, draws: "list[A.DrawSummary] | None" = None,
+                family: int | None = None) -> list[PointError]:
+    """Every (layer, point) present in all three captures, in graph order. With `draws` (at least
+    MIN_DRAWS), a point every draw measured takes the draws' RMS as its noise and the multiplier set for a
+    diagnosis of `family` judged items (default: the curve's points)."""
     curve = []
     for il in range(n_layer):
         for p in points:
@@ -74,7 +93,23 @@ def error_curve(ref: Mapping[str, Any], budget: Mapping[str, Any], engine: Mappi
             if name in ref and name in budget and name in engine:
                 curve.append(PointError(il, p, metrics.rel_l2(engine[name], ref[name]),
                                         metrics.rel_l2(budget[name], ref[name])))
+    if draws and len(draws) >= A.MIN_DRAWS:
+        _drawn_noise(curve, draws, family)
     return curve
+
+
+def _drawn_noise(curve: list[PointError], draws: "list[A.DrawSummary]", family: int | None) -> None:
+    """Each point of `curve` every draw measured: noise = the draws' RMS error, allowance = the family's."""
+    judged = [p for p in curve if all(f"{p.point}-{p.layer}" in d.points for d in draws)]
+    if not judged:
+        return
+    err = torch.tensor([[d.points[f"{p.point}-{p.layer}"] for p in judged] for d in draws],
+                       dtype=torch.float64)  # [N, M]
+    sq = err.nan_to_num(math.inf) ** 2
+    null = err / A.loo_scale(sq)  # [N, M]: each draw against the others
+    allow = A.magnitude_allowance(null, len(judged), family or len(judged), len(draws))
+    for p, rms in zip(judged, sq.mean(0).sqrt().tolist()):
+        p.noise, p.allowance, p.draws = rms, allow.threshold, len(draws)
 
 
 def first_divergent_layer(curve: list[PointError]) -> tuple[int | None, PointError | None]:
@@ -92,7 +127,7 @@ def off_by(p: PointError) -> str:
     (never "off by nan")."""
     if not math.isfinite(p.error):
         return "is not finite in the engine (inf/NaN) where the reference is finite"
-    return f"is off by {p.error:.3g} (rel. L2) where the engine's noise is {p.noise:.3g}"
+    return f"is off by {p.error:.3g} (rel. L2) where the engine's noise is {p.noise:.3g}: {A.times(p.ratio)}"
 
 
 # ---- the next-token distributions ---------------------------------------------------------------
@@ -108,15 +143,35 @@ class Criterion:
     ok: bool
     reason: str  # one line: what was measured, against which budget
     evidence: list = field(default_factory=list)
+    ratio: float | None = None  # the worst item over its allowance; None: value / limit
+    allowance: dict | None = None  # how the draws set the threshold (allowance.Allowance.as_dict)
+
+    @property
+    def times(self) -> float:
+        """How far the criterion is from its allowance: > 1 beyond it."""
+        if self.ratio is not None:
+            return self.ratio
+        if not math.isfinite(self.value):
+            return math.inf
+        return self.value / self.limit if self.limit > 0 else (math.inf if self.value > 0 else 0.0)
+
+    @property
+    def marginal(self) -> bool:
+        return A.marginal(self.times)
 
     def as_dict(self) -> dict:
         return {"criterion": self.name, "value": self.value, "limit": self.limit, "noise": self.noise,
-                "ok": self.ok, "reason": self.reason, "evidence": self.evidence}
+                "ok": self.ok, "reason": self.reason, "evidence": self.evidence, "ratio": self.times,
+                "marginal": self.marginal, "allowance": self.allowance}
 
 
-def distribution_criteria(engine: Any, ref: Any, budget: Any, tokens: list[int] | None = None) -> list[Criterion]:
+def distribution_criteria(engine: Any, ref: Any, budget: Any, tokens: list[int] | None = None,
+                          draws: "list[A.DrawSummary] | None" = None, cols: torch.Tensor | None = None,
+                          family: int | None = None) -> list[Criterion]:
     """The engine's next-token distributions against the reference's, every criterion noise-aware.
-    engine, ref, budget: logits [T, V] (budget: the reference run with the engine's arithmetic).
+    engine, ref, budget: logits [T, V] (budget: the reference run with the engine's arithmetic). With
+    `draws` (at least MIN_DRAWS randomized runs summarized at `cols`, allowance.columns(ref, engine)) the
+    criteria after `finite` are `drawn_criteria`'s, set for a diagnosis of `family` judged items.
 
     - finite: no inf/NaN logit where the reference is finite (no rounding noise explains one). The
       other criteria judge the finite positions only (a KL over NaN is NaN, which says nothing).
@@ -142,6 +197,8 @@ def distribution_criteria(engine: Any, ref: Any, budget: Any, tokens: list[int] 
     keep = (~nonfinite).nonzero().flatten()  # [T']: the positions the other criteria judge
     if not len(keep):
         return out
+    if draws and len(draws) >= A.MIN_DRAWS:
+        return out + drawn_criteria(got[keep], want[keep], keep, draws, cols[keep], family, tokens)
     got, want, emu = got[keep], want[keep], emu[keep]
     position = keep.tolist()  # index among the judged -> position
     kl, kl_noise = metrics.kl_divergence(got, want), metrics.kl_divergence(emu, want)  # [T']
@@ -172,4 +229,91 @@ def distribution_criteria(engine: Any, ref: Any, budget: Any, tokens: list[int] 
         "top1", float(len(beyond)), float(allowed), float(allowed), len(beyond) <= allowed,
         f"{len(flipped)} of {len(keep)} top-1 flips, {len(beyond)} beyond the engine's noise (the emulated run has "
         f"{allowed}){first}", sorted(rows, key=lambda r: -r["reference_margin"] / r["noise_bound"])[:5]))
+    return out
+
+
+def drawn_criteria(got: torch.Tensor, want: torch.Tensor, keep: torch.Tensor, draws: "list[A.DrawSummary]",
+                   cols: torch.Tensor, family: int | None, tokens: list[int] | None = None) -> list[Criterion]:
+    """kl, kl_position and top1 of the finite positions `keep` (got, want: their logits [T', V]; cols [T', C])
+    against the draws' spread (allowance.py), each threshold set for `family` judged items (default: these).
+
+    - kl: the mean KL over positions against the draws' RMS of theirs, times the magnitude allowance.
+    - kl_position: every position's sqrt(KL) against the RMS of the draws' sqrt(KL) there (a signed-noise
+      statistic: KL is half the P-weighted variance of the logit errors), at the family's t threshold.
+    - top1: a flip from the reference's top-1 a to the engine's b is beyond the noise when the engine's error
+      on the pair difference, (E_a - E_b) - (R_a - R_b), exceeds the family's t threshold times that pair's
+      spread: the RMS of the draws' error on the same pair, pooled half and half with the draws' vocabulary-
+      averaged pair noise there (a pair seen in N draws alone is a poor scale), plus PAIR_FLOOR of the
+      logits' spread. The tail is measured on the pair every position could flip to, the reference's top-2.
+    """
+    n_draws, t_n = len(draws), got.shape[0]
+    family = family or 2 * t_n + 1
+    position = keep.tolist()
+    at = lambda x: x[keep] if x.shape[0] != t_n else x  # noqa: E731  (a summary of all positions, or of these)
+    kl_d = torch.stack([at(d.kl) for d in draws]).to(torch.float64)  # [N, T']
+    pn_d = torch.stack([at(d.pair_noise) for d in draws]).to(torch.float64)  # [N, T']
+    delta_d = torch.stack([at(d.delta) for d in draws]).to(torch.float64)  # [N, T', C]
+    kl = metrics.kl_divergence(got, want)  # [T']
+    out = []
+
+    # the mean KL: a pooled magnitude
+    mean_d = kl_d.mean(1)  # [N]
+    allow = A.magnitude_allowance(mean_d / A.loo_scale(mean_d ** 2), 1, family, n_draws)
+    noise = float((mean_d ** 2).mean().sqrt())
+    limit, value = allow.threshold * noise + FLOOR, float(kl.mean())
+    worst = int(kl.argmax())
+    out.append(Criterion("kl", value, limit, noise, value <= limit,
+                         f"KL {value:.3g} against the draws' {noise:.3g} (limit {allow.threshold:.3g}x + {FLOOR:g} = "
+                         f"{limit:.3g}, {n_draws} draws): {A.times(value / limit)}",
+                         [{"position": position[worst], "kl": float(kl[worst]),
+                           "kl_noise": float(kl_d[:, worst].mean())}], value / limit, allow.as_dict()))
+
+    # every position's KL: signed noise sqrt(KL)
+    floor = FLOOR ** 2
+    z = (kl.clamp_min(0) / (kl_d.mean(0) + floor)).sqrt()  # [T']
+    null = kl_d.clamp_min(0).sqrt() / (A.loo_scale(kl_d) ** 2 + floor).sqrt()  # [N, T']
+    allow = A.signed_allowance(null, t_n, family, n_draws)
+    bad = (~(z <= allow.threshold)).nonzero().flatten().tolist()
+    worst = int(z.argmax())
+    ratio = float(z[worst]) / allow.threshold
+    out.append(Criterion(
+        "kl_position", float(len(bad)), 0.0, float(kl_d.mean()), not bad,
+        f"{len(bad)} of {t_n} positions' KL beyond their draws' spread; the worst, position {position[worst]}, "
+        f"KL {float(kl[worst]):.3g} where the draws' is {float(kl_d[:, worst].mean()):.3g}: {A.times(ratio)}",
+        [{"position": position[i], "kl": float(kl[i]), "kl_draws": float(kl_d[:, i].mean()), "z": float(z[i])}
+         for i in sorted(range(t_n), key=lambda i: -float(z[i]))[:5]], ratio, allow.as_dict()))
+
+    # top-1 flips against their own pair's spread
+    spread2 = (A.PAIR_FLOOR * metrics.logit_pair_noise(torch.zeros_like(want), want)) ** 2  # [T']
+    e_null = delta_d[..., 0] - delta_d[..., 1]  # [N, T']: the draws' error on (top-1, top-2) of the reference
+    loo = (0.5 * (A.loo_scale(e_null ** 2) ** 2 + A.loo_scale(pn_d ** 2) ** 2) + spread2).sqrt()
+    allow = A.signed_allowance(e_null.abs() / loo, t_n, family, n_draws)
+    margin = metrics.top1_margin(got, want)  # [T']
+    g_top = got.argmax(-1, keepdim=True)  # [T', 1]
+    a = cols[:, :1]  # [T', 1]: the reference's top-1
+    j = (cols == g_top).to(torch.int8).argmax(-1, keepdim=True)  # [T', 1]: the engine's top-1 among the columns
+    e_eng = ((got.gather(-1, a) - got.gather(-1, g_top)) - (want.gather(-1, a) - want.gather(-1, g_top)))[:, 0].abs()
+    e_d = delta_d[..., 0] - delta_d.gather(-1, j.expand(n_draws, -1, -1))[..., 0]  # [N, T']
+    scale = (0.5 * ((e_d ** 2).mean(0) + (pn_d ** 2).mean(0)) + spread2).sqrt()  # [T']
+    z_pair = torch.where(scale > 0, e_eng / scale, torch.full_like(scale, math.inf))  # [T']
+    rows, beyond = [], []
+    for i in (margin > 0).nonzero().flatten().tolist():
+        zi = float(z_pair[i])
+        if not zi <= allow.threshold:
+            beyond.append(i)
+        rows.append({"position": position[i], "reference_top1": int(a[i, 0]), "engine_top1": int(g_top[i, 0]),
+                     "reference_margin": float(margin[i]), "pair_error": float(e_eng[i]), "pair_spread": float(scale[i]),
+                     "z": zi, "noise_bound": allow.threshold * float(scale[i]), "beyond_noise": not zi <= allow.threshold})
+    if tokens is not None:
+        for r in rows:
+            r["context_token"] = int(tokens[r["position"]])
+    rows.sort(key=lambda r: -r["z"])
+    ratio = rows[0]["z"] / allow.threshold if rows else 0.0
+    first = (f": at position {rows[0]['position']} the engine's error on the reference's top-1 vs its own is "
+             f"{rows[0]['pair_error']:.3g} where that pair's spread over {n_draws} draws is {rows[0]['pair_spread']:.3g} "
+             f"(allowance {allow.threshold:.3g}x): {A.times(ratio)}") if rows else ""
+    out.append(Criterion(
+        "top1", float(len(beyond)), 0.0, 0.0, not beyond,
+        f"{len(rows)} of {t_n} top-1 flips, {len(beyond)} beyond their pair's spread over the draws{first}",
+        rows[:5], ratio, allow.as_dict()))
     return out

@@ -1,0 +1,125 @@
+"""Allowances from randomized draws (checks/compute/allowance.py): stochastic rounding is unbiased, a healthy
+draw judged against the others passes at any length, a planted fault beyond its allowance fails and says how
+far, a verdict near the edge is marginal."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from llmdoctor.checks.compute import allowance as A
+from llmdoctor.checks.compute.layers import distribution_criteria, error_curve, first_divergent_layer
+from llmdoctor.reference.draws import draw_dtypes, randomized, stochastic_round
+
+
+def test_stochastic_rounding_is_unbiased_on_the_grid_and_twice_as_noisy():
+    x = 3 * torch.randn(20000, dtype=torch.float32)
+    ys = torch.stack([stochastic_round(x, torch.bfloat16, torch.Generator().manual_seed(i)).float() for i in range(64)])
+    lo, hi = torch.minimum(ys.min(0).values, x), torch.maximum(ys.max(0).values, x)
+    assert torch.equal(ys.to(torch.bfloat16).float(), ys)  # on bfloat16's grid
+    assert bool(((ys == lo) | (ys == hi)).all())  # one of the two neighbours
+    assert abs(float(((ys.mean(0) - x) / (x.abs() * 2 ** -8)).mean())) < 0.01  # unbiased (in ulps, on average)
+    sr = float((ys - x).pow(2).mean().sqrt())
+    rn = float((x.to(torch.bfloat16).float() - x).pow(2).mean().sqrt())
+    assert 1.25 < sr / rn < 1.6  # sqrt(2) in theory
+
+
+def test_randomized_matmul_is_a_fresh_draw_each_seed():
+    a, b = torch.randn(16, 64).bfloat16(), torch.randn(64, 8).bfloat16()
+    exact = a.float() @ b.float()
+    with randomized(1, draw_dtypes(False)):
+        y1 = a @ b
+    with randomized(2, draw_dtypes(False)):
+        y2 = a @ b
+    assert y1.dtype == torch.bfloat16 and not torch.equal(y1, y2)
+    assert float((y1.float() - exact).abs().max()) <= float(exact.abs().max()) * 2 ** -7
+
+
+def test_t_quantile_matches_known_values():
+    assert abs(A.t_quantile(0.025, 8) - 2.306) < 1e-3
+    assert abs(A.t_quantile(0.005, 4) - 4.604) < 1e-3
+    assert abs(A.t_quantile(0.025, 1) - 12.706) < 1e-3 and abs(A.t_quantile(0.025, 7) - 2.365) < 1e-3  # odd dof
+    assert abs(A.t_sf(1.0, 1) - 0.25) < 1e-12  # Cauchy: atan(1) = pi/4
+
+
+# ---- synthetic logits: the reference, healthy draws, a faulty engine ---------------------------
+
+def _logits(t: int, v: int = 300, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    ref = torch.randn(t, v, generator=g, dtype=torch.float64)
+    ref[:, 0] += 0.05  # token 0 leads token 1 by little: flips are common
+    ref[:, 1] += 0.02 + ref[:, 0] - ref[:, 1]
+    return ref
+
+
+def _draw(ref: torch.Tensor, seed: int, noise: float = 0.03) -> torch.Tensor:
+    """A healthy draw: heavy-ish tailed noise (Student t, 5 dof) on every logit."""
+    g = torch.Generator().manual_seed(seed)
+    z = torch.randn(ref.shape, generator=g, dtype=torch.float64)
+    chi = torch.stack([torch.randn(ref.shape, generator=g, dtype=torch.float64) ** 2 for _ in range(5)]).mean(0)
+    return ref + noise * z / chi.sqrt()
+
+
+def _judge(ref, engine, draws_logits):
+    cols = A.columns(ref, engine)
+    draws = [A.summarize(d, {}, ref, {}, cols) for d in draws_logits]
+    return {c.name: c for c in distribution_criteria(engine, ref, draws_logits[0], draws=draws, cols=cols)}
+
+
+def _healthy_passes(lengths):
+    for t in lengths:
+        ref = _logits(t)
+        crit = _judge(ref, _draw(ref, 100), [_draw(ref, i) for i in range(A.N_DRAWS)])
+        assert all(c.ok for c in crit.values()), {n: c.reason for n, c in crit.items()}
+        assert crit["top1"].evidence, "the near ties flip: the criterion is exercised"
+
+
+def test_healthy_draw_passes():
+    _healthy_passes((16, 256))
+
+
+@pytest.mark.slow
+def test_healthy_draw_passes_on_a_long_prompt():
+    _healthy_passes((4096,))
+
+
+def test_planted_fault_fails_and_says_how_far():
+    ref = _logits(64)
+    draws = [_draw(ref, i) for i in range(A.N_DRAWS)]
+    engine = _draw(ref, 100)
+    engine[10, 5] += 6.0  # one position: another token wins by far
+    crit = _judge(ref, engine, draws)
+    assert not crit["top1"].ok and crit["top1"].evidence[0]["position"] == 10
+    assert crit["top1"].times > 1 and "x its allowance" in crit["top1"].reason
+    assert not crit["kl_position"].ok
+    d = crit["top1"].as_dict()
+    assert d["ratio"] == crit["top1"].times and d["marginal"] is False and d["allowance"]["draws"] == A.N_DRAWS
+
+
+def test_marginal_words():
+    assert A.marginal(1.5) and A.marginal(0.6) and not A.marginal(3) and not A.marginal(math.inf)
+    assert "marginal" in A.times(1.5) and "longer prompt" in A.times(0.7) and "marginal" not in A.times(5)
+
+
+def test_layer_points_against_their_draws():
+    g = torch.Generator().manual_seed(0)
+    names = [f"l_out-{i}" for i in range(6)]
+    ref = {n: torch.randn(32, 64, generator=g) for n in names}
+
+    def noisy(seed, fault_from=None):
+        gg = torch.Generator().manual_seed(seed)
+        out = {n: x + 1e-3 * torch.randn(x.shape, generator=gg) for n, x in ref.items()}
+        if fault_from is not None:
+            for i in range(fault_from, 6):
+                out[f"l_out-{i}"] = out[f"l_out-{i}"] + 0.05 * ref[f"l_out-{i}"]
+        return out
+
+    draws = [A.DrawSummary(*(torch.zeros(1),) * 5, points={n: float((d[n] - ref[n]).norm() / ref[n].norm())
+                                                          for n in names}) for d in map(noisy, range(1, 9))]
+    healthy = error_curve(ref, noisy(20), noisy(21), 6, points=("l_out",), draws=draws)
+    assert first_divergent_layer(healthy) == (None, None) and healthy[0].draws == 8
+    assert healthy[0].allowance >= A.K_MODEL and "ratio" in healthy[0].as_dict()
+    layer, point = first_divergent_layer(error_curve(ref, noisy(20), noisy(21, 3), 6, points=("l_out",), draws=draws))
+    assert layer == 3 and point.ratio > A.MARGINAL
