@@ -816,6 +816,29 @@ def cmd_explain(req: dict) -> dict:
     return {**explain_config(EngineArgs(**_engine_kwargs(req)).create_engine_config()), **cmd_info(req)}
 
 
+def _detached_replace(vllm_config, **changes):
+    """dataclasses.replace(vllm_config, **changes) whose re-run VllmConfig.__post_init__ edits copies of the
+    sub-configs (and of their lists, dicts and sets), never the live engine's: a plain replace shares them, and
+    the platform's check_and_update_config rewrites them in place (vLLM for CPU under CPU_MLA: block size 16,
+    chunked prefill and prefix caching off, a 2,048-token budget) while the running scheduler keeps its own
+    budget, so a later request longer than that budget is never scheduled."""
+    import copy
+    import dataclasses
+
+    def copied(sub):
+        if not dataclasses.is_dataclass(sub) or isinstance(sub, type):
+            return sub
+        twin = copy.copy(sub)  # no __init__/__post_init__ re-run; pydantic's assignment checks bypassed below
+        for name, value in vars(sub).items():
+            if isinstance(value, (list, dict, set)):
+                twin.__dict__[name] = copy.copy(value)
+        return twin
+
+    subs = {f.name: copied(getattr(vllm_config, f.name)) for f in dataclasses.fields(vllm_config)
+            if f.init and f.name not in changes}
+    return dataclasses.replace(vllm_config, **subs, **changes)
+
+
 def explain_config(vllm_config) -> dict:
     """The selection for the model of `vllm_config` and what each backend setting would select instead."""
     import dataclasses
@@ -834,7 +857,7 @@ def explain_config(vllm_config) -> dict:
     chosen = selection(vllm_config)
     knobs = {}
     for member in AttentionBackendEnum:  # what each attention_config.backend setting would select
-        cfg = dataclasses.replace(vllm_config, attention_config=dataclasses.replace(
+        cfg = _detached_replace(vllm_config, attention_config=dataclasses.replace(
             vllm_config.attention_config, backend=member))
         try:
             got = selection(cfg)
