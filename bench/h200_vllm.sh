@@ -23,6 +23,9 @@
 #               (MODELS=0: none; MODELS=glm: the dsa stage's checkpoint alone)
 #   args        issue 34 item 1: diagnose rows built from --engine-args (vLLM's defaults: CUDA graphs and
 #               torch.compile; fp8 KV; a tokenizer-only --tokenizer folder; a bad flag)
+#   configured  issue 34 items 2 and 4 on the GPU: a value frozen at CUDA-graph capture (planted), fp8 KV (healthy and
+#               with wrong k/v scales), DeepSeek-V3 chunked and fp8, GLM-5 DSA under the defaults, the tokenizer-only
+#               GGUF, a bad flag and a missing model; beside them issue 35's vLLM false-alarm rows (bench_vllm_alarms.py)
 #   mini        the least for a short pass: the dsa stage (when setup built the models: MODELS=0 skips them),
 #               bench/h200_fa_mla_probe.py, the GPU tests
 #
@@ -269,6 +272,50 @@ args)  # issue 34 item 1 on the H200 (after setup): --engine-args, the user's `v
     pack
     ;;
 
+configured)  # issue 34 items 2 and 4 on the GPU (after setup), and issue 35's vLLM rows: six lanes, 0.12 of the GPU each
+    D="$W/configured"
+    mkdir -p "$D" "$M/tok-only"
+    cp "$M/llama-q8_0"/tokenizer*.json "$M/tok-only/" 2>/dev/null
+    export LLMDOCTOR_VLLM_GPU_MEMORY_UTILIZATION=0.12
+    [ -d "$M/llama-bad-scales" ] || python3 -c "import sys; from pathlib import Path; from vllm_plants import wrong_kv_scales_copy as w; w(Path(sys.argv[1]), Path(sys.argv[2]))" \
+        "$M/llama/hf-llama" "$M/llama-bad-scales"
+    # the plant's interpreter: vllm_plants.py as sitecustomize first on its path (the engine is broken by the bench)
+    python3 -c "import sys; from pathlib import Path; from vllm_plants import plant_env; plant_env(sys.argv[1], Path(sys.argv[2]))" \
+        graph-frozen-scale /tmp/plant-graph
+    printf '#!/bin/sh\nexport PYTHONPATH=/tmp/plant-graph:/tmp/vsite VLLM_USE_FLASHINFER_SAMPLER=0\nexec python3 "$@"\n' > /tmp/vpy-plant
+    chmod +x /tmp/vpy-plant
+    crow() {  # name PYTHON "ARGS" [diagnose options]: one row, vLLM built from ARGS under PYTHON
+        local name=$1 py=$2 args=$3
+        shift 3
+        timeout "$(left)" python3 -m llmdoctor.cli diagnose --engine vllm --engine-python "$py" --engine-args "$args" \
+            "$@" --json-out "$D/$name.json" > "$D/$name.log" 2>&1
+        step "$name: exit $?"
+    }
+    LONG=$(python3 -c "print(','.join(str((7 * i * i + 3 * i + 1) % 96) for i in range(200)))")
+    step "six lanes"
+    { crow graph-frozen-scale /tmp/vpy-plant "$M/llama/hf-llama --dtype bfloat16" --token-ids "$TOKENS" --generate 4
+      crow llama-fp8kv /tmp/vpy "$M/llama/hf-llama --dtype bfloat16 --kv-cache-dtype fp8" --token-ids "$TOKENS" --generate 4
+      crow llama-bad-scales /tmp/vpy "$M/llama-bad-scales --dtype bfloat16 --kv-cache-dtype fp8" --hf "$M/llama/hf-llama" \
+          --token-ids "$TOKENS" --generate 0; } &
+    { crow deepseek-long-chunked /tmp/vpy "$M/deepseek/hf-deepseek --dtype bfloat16 --max-num-batched-tokens 64 --max-num-seqs 16" \
+          --token-ids "$LONG" --generate 0
+      crow deepseek-fp8kv /tmp/vpy "$M/deepseek/hf-deepseek --dtype bfloat16 --kv-cache-dtype fp8" --token-ids "$TOKENS" --generate 4; } &
+    { crow glm-dsa-defaults /tmp/vpy "$M/glm/hf-glm --dtype bfloat16" --token-ids "$(python3 bench/h200_vllm.py dsa-tokens)" --generate 0
+      crow glm-dsa-fp8kv /tmp/vpy "$M/glm/hf-glm --dtype bfloat16 --kv-cache-dtype fp8" --token-ids "$(python3 bench/h200_vllm.py dsa-tokens)" --generate 0; } &
+    { crow q8-tok-only /tmp/vpy "$M/llama-q8_0/llama-q8_0.gguf --tokenizer $M/tok-only --dtype bfloat16" --token-ids "$TOKENS" --generate 0
+      crow bad-flag /tmp/vpy "$M/llama/hf-llama --no-such-flag" --token-ids "$TOKENS" --generate 0
+      crow missing-model /tmp/vpy "$M/no-such-model --dtype bfloat16" --token-ids "$TOKENS" --generate 0; } &
+    for dt in bfloat16 float32; do  # issue 35's vLLM rows, one lane per dtype
+      { timeout "$(left)" python3 bench/bench_vllm_alarms.py --python /tmp/vpy --model "$M/llama/hf-llama" --dtypes $dt \
+            --lengths 16,64,200 --per-row "${ALARMS_PER_ROW:-30}" --seconds "$(( $(left) - 40 ))" \
+            --json-out "$D/vllm-alarms-$dt.json" > "$D/vllm-alarms-$dt.log" 2>&1
+        step "vLLM false alarms $dt: $(tail -1 "$D/vllm-alarms-$dt.log")"; } &
+    done
+    wait
+    step "end"
+    pack
+    ;;
+
 types)  # after setup (MODELS=0 is enough): check dequant --kernel vllm on every GGUF type, written straight
     G="$OUT"  # to $OUT (what a call cut short at the device budget's end leaves there still comes back)
     types
@@ -292,7 +339,7 @@ mini)  # the least a short pass needs after setup: the dsa stage, the FlashAttn 
     ;;
 
 *)
-    echo "unknown stage $stage (stash DIR | setup | diagnose | dsa | gpu | rows | rest | types | mini)" >&2
+    echo "unknown stage $stage (stash DIR | setup | diagnose | dsa | gpu | rows | rest | types | mini | args | configured)" >&2
     exit 2
     ;;
 esac

@@ -17,6 +17,9 @@ ladder", has the measurements and the rung that names each):
   later request's full blocks at the same positions hit an earlier request's blocks and read their KV (the
   class of vllm #12621 / #8229, a block-hash collision serving another prompt's KV). Only with prefix caching;
   vLLM reads the cache only for requests without prompt logprobs (SamplingParams.skip_reading_prefix_cache).
+- "graph-frozen-scale" (CUDA only): FlashAttentionImpl.forward uses a softmax scale of 1 / head_size while a CUDA
+  graph is captured, so the FULL decode graphs replay it and eager attention never does (the class of vllm
+  #27057/#27114, a graph capture that differs from the eager path). Named by the CUDA-graphs rung.
 - "chunk-offset": GPUModelRunner._prepare_inputs gives the tokens of a prefill's later chunk (a request
   already scheduled, still inside its prompt) RoPE positions one too far; the KV slots stay right. Only when a
   prompt is longer than --max-num-batched-tokens. A prefix-cache hit (a new request starting past 0) is not
@@ -32,9 +35,34 @@ import os
 import sys
 from pathlib import Path
 
-KINDS = ("compiled-path", "prefix-cache-collision", "chunk-offset")
+KINDS = ("compiled-path", "prefix-cache-collision", "chunk-offset", "graph-frozen-scale")
 KIND_FILE = "vllm_plant.txt"
 FIRED: dict[str, int] = {}  # patched function -> calls (traced once under torch.compile); the runner reports it
+
+
+def wrong_kv_scales_copy(src: Path, dst: Path, scales=((1e-3, 1.0), (1.0, 1e4))) -> Path:
+    """A copy of checkpoint `src` at `dst` declaring an fp8 KV cache (compressed-tensors' kv_cache_scheme) with
+    ModelOpt-named per-layer scales vLLM loads into each attention layer: `scales` [(k_scale, v_scale) per layer];
+    the default saturates layer 0's keys (448 x 1e-3) and stores every layer-1 value as 0. The k_scale fault of
+    issue 34 item 4, the engine's own loader untouched."""
+    import json
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg["quantization_config"] = {
+        "quant_method": "compressed-tensors", "format": "dense", "config_groups": {}, "ignore": [],
+        "kv_cache_scheme": {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False, "symmetric": True}}
+    (dst / "config.json").write_text(json.dumps(cfg))
+    sd = load_file(dst / "model.safetensors")
+    for il, (k, v) in enumerate(scales):
+        sd[f"model.layers.{il}.self_attn.k_proj.k_scale"] = torch.tensor(k)
+        sd[f"model.layers.{il}.self_attn.v_proj.v_scale"] = torch.tensor(v)
+    save_file(sd, dst / "model.safetensors", metadata={"format": "pt"})
+    return dst
 
 
 def plant_env(kind: str, folder: Path) -> dict[str, str]:
@@ -104,10 +132,36 @@ def _later_chunk_positions_shifted(module) -> None:
     cls._prepare_inputs = _prepare_inputs
 
 
+def _scale_frozen_at_capture(module):
+    """FlashAttentionImpl.forward computing its softmax scale as 1 / head_size, not 1 / sqrt(head_size), while a
+    CUDA graph is being captured: the graph replays that stale value, eager execution (cudagraph mode NONE) never
+    sees it. Under FULL_AND_PIECEWISE only the FULL graphs of decode batches hold attention, so the prompt's
+    prefill agrees and the generated steps do not. GPU only (no CUDA graphs on a CPU). The class of vllm
+    #27057/#27114 (what a graph captured differs from what runs eagerly)."""
+    import torch
+
+    cls = module.FlashAttentionImpl
+    original = cls.forward
+
+    def forward(self, layer, query, *args, **kwargs):
+        if not torch.cuda.is_current_stream_capturing():
+            return original(self, layer, query, *args, **kwargs)
+        _fired("FlashAttentionImpl.forward under capture")
+        right = self.scale
+        self.scale = 1.0 / query.shape[-1]  # query: [tokens, heads, head_size]
+        try:
+            return original(self, layer, query, *args, **kwargs)
+        finally:
+            self.scale = right
+
+    cls.forward = forward
+
+
 PATCHES = {  # kind -> (the vLLM module, its patch)
     "compiled-path": ("vllm.model_executor.layers.rotary_embedding.base", _rope_native_pairs),
     "prefix-cache-collision": ("vllm.v1.core.kv_cache_utils", _hash_ignores_tokens),
     "chunk-offset": ("vllm.v1.worker.gpu_model_runner", _later_chunk_positions_shifted),
+    "graph-frozen-scale": ("vllm.v1.attention.backends.flash_attn", _scale_frozen_at_capture),
 }
 
 

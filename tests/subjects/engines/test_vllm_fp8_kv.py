@@ -7,12 +7,12 @@ starts, and two more for the runs without the emulation (eager: 4-30 s each on 2
 from __future__ import annotations
 
 import json
-import shutil
 
 import pytest
 
 from llmdoctor.subjects.engines import vllm as vllm_engine
 from test_engine_vllm import TOKENS, by_check, diagnose, vllm_checkpoint
+from vllm_plants import wrong_kv_scales_copy
 
 pytestmark = pytest.mark.slow
 
@@ -56,22 +56,8 @@ def test_a_wrong_scale_in_the_checkpoint_is_named(llama, vllm_python, tmp_path, 
     scales that vLLM loads into each attention layer: layer 0's k_scale 1e-3 (the keys saturate at 448 x 1e-3)
     and layer 1's v_scale 1e4 (every value stored as 0). The engine holds them (engine_config.kv_scales), the
     emulated run uses them too (engine-vs-reference cannot tell), and kv-scales fails naming both scales."""
-    from safetensors.torch import load_file, save_file
-    import torch
-
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-    bad = tmp_path / "llama-bad-scales"
-    shutil.copytree(llama, bad)
-    cfg = json.loads((bad / "config.json").read_text())
-    cfg["quantization_config"] = {
-        "quant_method": "compressed-tensors", "format": "dense", "config_groups": {}, "ignore": [],
-        "kv_cache_scheme": {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False, "symmetric": True}}
-    (bad / "config.json").write_text(json.dumps(cfg))
-    sd = load_file(bad / "model.safetensors")
-    for il, (k, v) in enumerate(((1e-3, 1.0), (1.0, 1e4))):
-        sd[f"model.layers.{il}.self_attn.k_proj.k_scale"] = torch.tensor(k)
-        sd[f"model.layers.{il}.self_attn.v_proj.v_scale"] = torch.tensor(v)
-    save_file(sd, bad / "model.safetensors", metadata={"format": "pt"})
+    bad = wrong_kv_scales_copy(llama, tmp_path / "llama-bad-scales")
 
     code, doc, _ = served(llama, vllm_python, "--dtype float32", model=bad)
     f = by_check(doc)
