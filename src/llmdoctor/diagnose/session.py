@@ -19,6 +19,7 @@ from ..reference.stages import stage
 from ..subjects.engines import create, engine_class
 from ..subjects.engines.base import Budget, Deployment, Engine, EngineError, EngineRun, Generation, NotOffered
 from . import replay
+from .replay import choices as replay_choices
 from .inputs import Inputs
 
 NO_GGUF = "no GGUF file (the reference reads the HF checkpoint)"
@@ -170,24 +171,43 @@ class Session:
 
         return self.once(f"model-{dtype}-{path}", make)
 
-    def reference(self, dtype: str = "float32", emulate=None, tokens: list[int] | None = None):
+    def reference(self, dtype: str = "float32", emulate=None, tokens: list[int] | None = None, replay: bool = True):
         """(logits [T, V], captures, per-layer stats) of the reference run in `dtype`, optionally with
         an engine's arithmetic emulated (`emulate`: a reference/emulate.py EnginePrecision), of the prompt's
-        tokens or of other `tokens` (the decode path's prompt + the engine's continuation)."""
+        tokens or of other `tokens` (the decode path's prompt + the engine's continuation). `replay`: the run
+        takes the discrete choices (MoE experts, DSA keys) of the engine's run of the same tokens (replay.py);
+        else the float32 reference's own (the model as specified, which the engine may legitimately leave at a
+        near-tie), which the other dtypes and the emulated run then take too, so that a pair differs in
+        arithmetic only (taking their own, a bfloat16 run's near-tie taken the other way made the noise 0.24
+        where the arithmetic's is 0.0002). One run where nothing is replayed (a dense model, an engine that
+        exposes no choices)."""
         ids = self.tokens() if tokens is None else list(tokens)
         other = ids != self.tokens()
+        own = not replay and self.replays(ids)
 
         def make():
-            extra = self.replayed_choices(ids if other else None)
+            if not own:
+                extra = self.replayed_choices(ids if other else None)
+            elif dtype == "float32" and emulate is None:
+                extra = None
+            else:  # the float32 reference's own choices
+                caps = self.reference("float32", tokens=ids, replay=False)[1]
+                extra = replay_choices(self.config(), caps, len(ids), self.inputs.device)
             self.progress(f"reference forward pass ({dtype}{', ' + emulate.name + ' arithmetic' if emulate else ''}"
-                          f"{f', {len(ids)} tokens' if other else ''})")
+                          f"{f', {len(ids)} tokens' if other else ''}{', its own choices' if own else ''})")
             model = self.model(dtype)
             with stage("reference"), self.pinned_threads():
                 logits, caps = model.forward(ids, capture=set(REFERENCE_POINTS), emulate=emulate, extra=extra)
             return logits.cpu(), caps, [st.as_dict() for st in model.stats]
 
         key = f"reference-{dtype}-{emulate.name if emulate else None}-{self.reference_path()}"
-        return self.once(key + (f"-on-{tuple(ids)}" if other else ""), make)
+        return self.once(key + (f"-on-{tuple(ids)}" if other else "") + ("-own-choices" if own else ""), make)
+
+    def replays(self, tokens: list[int] | None = None) -> bool:
+        """Whether the reference's runs of `tokens` (default the prompt's) replay any choice of the engine's, so
+        that `reference(..., replay=False)` is another run."""
+        ids = self.tokens() if tokens is None else list(tokens)
+        return self.replayed_choices(None if ids == self.tokens() else ids) is not None
 
     def budget(self) -> Budget:
         """Which reference run emulates the engine's arithmetic (the engine's answer, from its run)."""
