@@ -32,7 +32,7 @@ from .layers import FLOOR, K, Criterion, distribution_criteria
 @dataclass
 class DecodeJudgement:
     decode: list[Criterion]  # the decode steps against the reference
-    control: list[Criterion]  # the engine's prefill of the same tokens against the reference
+    control: list[Criterion]  # the engine's prefill of the same tokens against the reference (none: not judged)
     steps: list[dict]  # per generated step (0: from the prompt's prefill): KL, its bound, top-1s
     first_wrong: int | None  # the first decode step (0-based) beyond its bound, or None
 
@@ -47,12 +47,18 @@ class DecodeJudgement:
 
 def judge(generated: Any, control: Any, ref: Any, budget: Any, ids: list[int]) -> DecodeJudgement:
     """generated, control, ref, budget: logits [n, V] of the n generated steps (row i: the distribution
-    that chose ids[i]); row 0 comes from the prompt's prefill and is shown, not judged."""
-    got, ctl, want, emu = (torch.as_tensor(x).to(torch.float64) for x in (generated, control, ref, budget))
+    that chose ids[i]); row 0 comes from the prompt's prefill and is shown, not judged. `control` None: no
+    control is judged (its criteria are none, and a step's bound is the emulated run's alone)."""
+    got, want, emu = (torch.as_tensor(x).to(torch.float64) for x in (generated, ref, budget))
     tokens = list(ids)
     decode = distribution_criteria(got[1:], want[1:], emu[1:], tokens[:-1])
-    control_crit = distribution_criteria(ctl[1:], want[1:], emu[1:], tokens[:-1])
-    kl, kl_noise, kl_ctl = (metrics.kl_divergence(x, want) for x in (got, emu, ctl))  # [n]
+    kl, kl_noise = (metrics.kl_divergence(x, want) for x in (got, emu))  # [n]
+    if control is None:
+        control_crit, kl_ctl = [], torch.zeros_like(kl)
+    else:
+        ctl = torch.as_tensor(control).to(torch.float64)
+        control_crit = distribution_criteria(ctl[1:], want[1:], emu[1:], tokens[:-1])
+        kl_ctl = metrics.kl_divergence(ctl, want)
     bound = K * torch.maximum(kl_noise, kl_ctl) + FLOOR  # [n]
     beyond_top1 = {r["position"] + 1 for c in decode if c.name == "top1" for r in c.evidence if r["beyond_noise"]}
     steps, first = [], None
@@ -61,6 +67,7 @@ def judge(generated: Any, control: Any, ref: Any, budget: Any, ids: list[int]) -
         if wrong and first is None:
             first = i
         steps.append({"step": i + 1, "token": tokens[i], "source": "prefill" if i == 0 else "decode",
-                      "kl": float(kl[i]), "kl_noise": float(kl_noise[i]), "kl_control": float(kl_ctl[i]),
+                      "kl": float(kl[i]), "kl_noise": float(kl_noise[i]),
+                      "kl_control": None if control is None else float(kl_ctl[i]),
                       "bound": float(bound[i]), "reference_top1": int(want[i].argmax()), "beyond": wrong})
     return DecodeJudgement(decode, control_crit, steps, first)
