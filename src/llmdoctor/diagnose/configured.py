@@ -118,12 +118,25 @@ def _repeated(tokens: list[int], n: int) -> list[int]:
 
 # ---- the requests ----------------------------------------------------------------------------------------------
 def _criteria(s: Session, engine_logits: Any, tokens: list[int], rows: slice, budget) -> list:
-    """The distribution criteria of `engine_logits` [n, V] against the reference's rows of `tokens`."""
+    """The distribution criteria of `engine_logits` [n, V] against the reference's rows of `tokens`, the float32 run
+    and the emulated run always under one set of discrete choices (MoE experts, DSA keys): those of the engine's run
+    of the same tokens, replayed, and where the rows disagree under those, the reference's own (the model as
+    specified: agreeing with it is no fault; decode.py StepsJudgement says why). The first set's criteria where
+    neither agrees. A dense model has one set."""
     from ..checks.compute.layers import distribution_criteria
 
-    ref = s.reference_logits_on(tokens)[rows]
-    emu = s.reference(budget.dtype, budget.emulate, tokens=tokens)[0][rows]
-    return distribution_criteria(torch.as_tensor(engine_logits), ref, emu, tokens[rows])
+    got = torch.as_tensor(engine_logits)
+    first = None
+    for replay in (True, False):
+        if not replay and not s.replays(tokens):
+            break
+        ref = s.reference("float32", tokens=tokens, replay=replay)[0][rows]
+        emu = s.reference(budget.dtype, budget.emulate, tokens=tokens, replay=replay)[0][rows]
+        crit = distribution_criteria(got, ref, emu, tokens[rows])
+        if all(c.ok for c in crit):
+            return crit
+        first = first or crit
+    return first
 
 
 def long_prompt(s: Session, cfg: dict[str, Any]) -> list[int]:
@@ -203,14 +216,20 @@ def judge_prompt(s: Session, engine: Engine, cfg: dict[str, Any], budget) -> Jud
 
 
 def judge_generated(s: Session, engine: Engine, cfg: dict[str, Any], budget) -> Judged:
+    """The generated steps, judged as the decode-path finding judges them (decode.py `judge_steps`, without its
+    control: a rung is not the engine whose prefill would be the control)."""
+    from .decode import judge_steps
+
     n = s.inputs.generate
     if n < 2:
         raise Skip(f"--generate {n}: no decode step")
     gen = s.generation() if engine is s.engine() else engine.generate(s.tokens(), n)
-    p = len(s.tokens())
-    full = s.tokens() + gen.ids[:-1]
-    rows = slice(p, p - 1 + len(gen.ids))  # the decode steps' rows (step 0 comes out of the prefill)
-    return Judged("generated", _criteria(s, gen.logits[1:], full, rows, budget), {"generated_ids": gen.ids})
+    steps = judge_steps(s, gen, budget, control=False)
+    facts: dict[str, Any] = {"generated_ids": gen.ids}
+    if steps.own is not None:
+        facts["choices"] = "reference_own" if steps.by_own else "neither"
+        facts["choice_sets"] = steps.choice_sets()
+    return Judged("generated", steps.decisive.decode, facts)
 
 
 JUDGES = {"prompt": judge_prompt, "generated": judge_generated, "chunked-prefill": judge_chunked,
