@@ -26,6 +26,7 @@
 #   configured  issue 34 items 2 and 4 on the GPU: a value frozen at CUDA-graph capture (planted), fp8 KV (healthy and
 #               with wrong k/v scales), DeepSeek-V3 chunked and fp8, GLM-5 DSA under the defaults, the tokenizer-only
 #               GGUF, a bad flag and a missing model; beside them issue 35's vLLM false-alarm rows (bench_vllm_alarms.py)
+#   settle      after configured: the Q8_0 GGUF row eager and with --hf, GLM-5 DSA eager, longer false-alarm rows
 #   mini        the least for a short pass: the dsa stage (when setup built the models: MODELS=0 skips them),
 #               bench/h200_fa_mla_probe.py, the GPU tests
 #
@@ -72,6 +73,21 @@ lanes() {  # the rows of ROWS (name:dtype ..., default demo-gguf:float32; "none"
         *) step "unknown row $row" ;;
         esac
     done
+}
+
+crow() {  # name PYTHON "ARGS" [diagnose options]: one row into $D, vLLM built from ARGS (`vllm serve` arguments) under PYTHON
+    local name=$1 py=$2 args=$3
+    shift 3
+    timeout "$(left)" python3 -m llmdoctor.cli diagnose --engine vllm --engine-python "$py" --engine-args "$args" \
+        "$@" --json-out "$D/$name.json" > "$D/$name.log" 2>&1
+    step "$name: exit $?"
+}
+
+alarms() {  # DTYPE LENGTHS: issue 35's vLLM false-alarm rows for tiny llama into $D (bench_vllm_alarms.py)
+    timeout "$(left)" python3 bench/bench_vllm_alarms.py --python /tmp/vpy --model "$M/llama/hf-llama" --dtypes "$1" \
+        --lengths "$2" --per-row "${ALARMS_PER_ROW:-30}" --seconds "$(( $(left) - 40 ))" \
+        --json-out "$D/vllm-alarms-$1.json" > "$D/vllm-alarms-$1.log" 2>&1
+    step "vLLM false alarms $1: $(tail -1 "$D/vllm-alarms-$1.log")"
 }
 
 dsa() {  # DIR: issue 22 part 4, the tiny GLM-5 (real MLA dims, indexer 64 x 128, top-k 128) under vLLM's sparse MLA
@@ -284,13 +300,6 @@ configured)  # issue 34 items 2 and 4 on the GPU (after setup), and issue 35's v
         graph-frozen-scale /tmp/plant-graph
     printf '#!/bin/sh\nexport PYTHONPATH=/tmp/plant-graph:/tmp/vsite VLLM_USE_FLASHINFER_SAMPLER=0\nexec python3 "$@"\n' > /tmp/vpy-plant
     chmod +x /tmp/vpy-plant
-    crow() {  # name PYTHON "ARGS" [diagnose options]: one row, vLLM built from ARGS under PYTHON
-        local name=$1 py=$2 args=$3
-        shift 3
-        timeout "$(left)" python3 -m llmdoctor.cli diagnose --engine vllm --engine-python "$py" --engine-args "$args" \
-            "$@" --json-out "$D/$name.json" > "$D/$name.log" 2>&1
-        step "$name: exit $?"
-    }
     LONG=$(python3 -c "print(','.join(str((7 * i * i + 3 * i + 1) % 96) for i in range(200)))")
     step "six lanes"
     { crow graph-frozen-scale /tmp/vpy-plant "$M/llama/hf-llama --dtype bfloat16" --token-ids "$TOKENS" --generate 4
@@ -305,12 +314,26 @@ configured)  # issue 34 items 2 and 4 on the GPU (after setup), and issue 35's v
     { crow q8-tok-only /tmp/vpy "$M/llama-q8_0/llama-q8_0.gguf --tokenizer $M/tok-only --dtype bfloat16" --token-ids "$TOKENS" --generate 0
       crow bad-flag /tmp/vpy "$M/llama/hf-llama --no-such-flag" --token-ids "$TOKENS" --generate 0
       crow missing-model /tmp/vpy "$M/no-such-model --dtype bfloat16" --token-ids "$TOKENS" --generate 0; } &
-    for dt in bfloat16 float32; do  # issue 35's vLLM rows, one lane per dtype
-      { timeout "$(left)" python3 bench/bench_vllm_alarms.py --python /tmp/vpy --model "$M/llama/hf-llama" --dtypes $dt \
-            --lengths 16,64,200 --per-row "${ALARMS_PER_ROW:-30}" --seconds "$(( $(left) - 40 ))" \
-            --json-out "$D/vllm-alarms-$dt.json" > "$D/vllm-alarms-$dt.log" 2>&1
-        step "vLLM false alarms $dt: $(tail -1 "$D/vllm-alarms-$dt.log")"; } &
-    done
+    for dt in bfloat16 float32; do alarms $dt 16,64,200 & done  # issue 35's vLLM rows, one lane per dtype
+    wait
+    step "end"
+    pack
+    ;;
+
+settle)  # after `configured`: the rows it left unsettled, each with one thing changed, and more false-alarm rows
+    D="$W/settle"
+    mkdir -p "$D" "$M/tok-only"
+    cp "$M/llama-q8_0"/tokenizer*.json "$M/tok-only/" 2>/dev/null
+    export LLMDOCTOR_VLLM_GPU_MEMORY_UTILIZATION=0.15
+    step "five lanes"
+    { crow q8-tok-only-eager /tmp/vpy "$M/llama-q8_0/llama-q8_0.gguf --tokenizer $M/tok-only --dtype bfloat16 --enforce-eager" \
+          --token-ids "$TOKENS" --generate 0
+      crow q8-with-hf /tmp/vpy "$M/llama-q8_0/llama-q8_0.gguf --tokenizer $M/tok-only --dtype bfloat16" --hf "$M/llama/hf-llama" \
+          --token-ids "$TOKENS" --generate 0; } &
+    crow glm-dsa-eager /tmp/vpy "$M/glm/hf-glm --dtype bfloat16 --enforce-eager" --token-ids "$(python3 bench/h200_vllm.py dsa-tokens)" \
+        --generate 0 &
+    alarms bfloat16 64,200 &
+    alarms float32 64,200 &
     wait
     step "end"
     pack
@@ -339,7 +362,7 @@ mini)  # the least a short pass needs after setup: the dsa stage, the FlashAttn 
     ;;
 
 *)
-    echo "unknown stage $stage (stash DIR | setup | diagnose | dsa | gpu | rows | rest | types | mini | args | configured)" >&2
+    echo "unknown stage $stage (stash DIR | setup | diagnose | dsa | gpu | rows | rest | types | mini | args | configured | settle)" >&2
     exit 2
     ;;
 esac
