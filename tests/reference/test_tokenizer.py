@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import ctypes
 import json
-import time
 
 import numpy as np
 import pytest
@@ -143,19 +142,11 @@ def test_demo_roundtrip_and_llama_cpp_python_detokenize(gemma, gemma_llm):
             assert gemma_llm.detokenize(ids) == gemma.decode_bytes(ids)
 
 
-def test_demo_speed(demo_path):
-    """Measured here (2 shared cores): build 0.2-0.5 s, 600+ tokens encode in a few ms (an ad hoc
-    timing; no recorded benchmark).
-    The bounds leave room for a loaded CI machine."""
-    t0 = time.perf_counter()
-    tok = Tokenizer.from_gguf(demo_path)
-    build = time.perf_counter() - t0
+def test_demo_long_text(gemma, gemma_llm):
+    """The benchmark's text (bench/bench_tokenizer.py times it against llama.cpp): 600+ tokens, llama.cpp's ids."""
     text = TEXT.replace("<", "") * 2
-    t0 = time.perf_counter()
-    ids = tok.encode(text)
-    encode = time.perf_counter() - t0
-    assert len(ids) >= 600
-    assert build < 1.5 and encode < 0.25, (build, encode)
+    ids = gemma.encode(text)
+    assert len(ids) >= 600 and ids == gemma_llm.tokenize(text.encode(), add_bos=True, special=False)
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
