@@ -17,6 +17,7 @@ tiny checkpoints of tests/fixtures_hf.py (llama, gemma3, deepseek MLA, glm DSA).
 
     python bench/bench_false_alarms.py --models tiny-llama,tiny-glm --lengths 16,256,4096 --pool 40
     python bench/bench_false_alarms.py --models demo --engines llama.cpp,transformers --dtypes bfloat16 --lengths 16,64
+    python bench/bench_false_alarms.py --models tiny-llama --lengths 32,272 --pool 40 --decode-steps 16
 
 Prints one row per configuration and the total; --json-out writes them.
 """
@@ -81,7 +82,10 @@ def arithmetic(engine: str, dtype: str) -> tuple[str, object, bool]:
     return dtype, None, dtype == "float32"
 
 
-def run_config(path: Path, engine: str, dtype: str, length: int, pool: int, seed: int) -> dict:
+def run_config(path: Path, engine: str, dtype: str, length: int, pool: int, seed: int, steps: int = 0) -> dict:
+    """`steps` > 0: the decode-path judgement instead (diagnose/decode.py): the last `steps` rows of each run,
+    standing for generated steps, judged against 2 x N_DRAWS other draws of the same tokens kept at the
+    reference's columns alone, in a family that counts them and their control too (hypotheses.py `family`)."""
     model_dtype, emulate, f32 = arithmetic(engine, dtype)
     ref_model = load(path, dtype=torch.float32, cache=True)
     model = ref_model if model_dtype == "float32" else load(path, dtype=getattr(torch, model_dtype), cache=True)
@@ -102,15 +106,21 @@ def run_config(path: Path, engine: str, dtype: str, length: int, pool: int, seed
     forward_s = (time.time() - t0) / (pool + 2)
     n_points = sum(f"{p}-{il}" in ref_caps for il in range(cfg.n_layer) for p in CURVE_POINTS)
     family = 2 * length + 1 + n_points
+    rows = slice(length - steps, length) if steps else slice(0, length)
+    if steps:
+        family += 2 * (2 * (steps - 1) + 1)
+    n_draws = 2 * A.N_DRAWS if steps else A.N_DRAWS
     alarms, worst = [], {}
     for j in range(pool):
         eng_logits, eng_caps = runs[j]
-        others = [runs[(j + 1 + k) % pool] for k in range(A.N_DRAWS)]
-        cols = A.columns(ref, eng_logits)
-        draws = [A.summarize(lg, cp, ref, ref_caps, cols) for lg, cp in others]
-        crit = distribution_criteria(eng_logits, ref, others[0][0], draws=draws, cols=cols, family=family)
-        curve = error_curve(ref_caps, others[0][1], eng_caps, cfg.n_layer, points=CURVE_POINTS, draws=draws,
-                            family=family)
+        others = [runs[(j + 1 + k) % pool] for k in range(n_draws)]
+        cols = A.columns(ref[rows]) if steps else A.columns(ref, eng_logits)
+        draws = [A.summarize(lg[rows], {} if steps else cp, ref[rows], {} if steps else ref_caps, cols)
+                 for lg, cp in others]
+        crit = distribution_criteria(eng_logits[rows], ref[rows], others[0][0][rows], draws=draws, cols=cols,
+                                     family=family)
+        curve = [] if steps else error_curve(ref_caps, others[0][1], eng_caps, cfg.n_layer, points=CURVE_POINTS,
+                                             draws=draws, family=family)
         failed = [c.name for c in crit if not c.ok] + [f"{p.point}-{p.layer}" for p in curve if p.divergent]
         alarms.append(failed)
         for c in crit:
@@ -120,7 +130,7 @@ def run_config(path: Path, engine: str, dtype: str, length: int, pool: int, seed
     return {"model": path.name, "engine": engine, "dtype": dtype if engine != "llama.cpp" else "float32+Q8",
             "length": length, "diagnoses": pool, "false_alarms": k, "upper95": clopper_pearson_upper(k, pool),
             "worst_ratio": worst, "alarms": [a for a in alarms if a][:5], "forward_s": round(forward_s, 2),
-            "family": family}
+            "family": family, "judged": "decode steps" if steps else "prompt", "steps": steps}
 
 
 def main() -> None:
@@ -131,6 +141,8 @@ def main() -> None:
     ap.add_argument("--lengths", default="16,256,1024")
     ap.add_argument("--pool", type=int, default=40, help="draws per configuration (= its diagnoses)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--decode-steps", type=int, default=0,
+                    help="judge the last N rows as the decode path judges its steps (2 x N_DRAWS draws; pool > that)")
     ap.add_argument("--json-out")
     a = ap.parse_args()
     rows = []
@@ -142,7 +154,7 @@ def main() -> None:
                     for length in map(int, a.lengths.split(",")):
                         t = time.time()
                         try:
-                            r = run_config(path, engine, dtype, length, a.pool, a.seed)
+                            r = run_config(path, engine, dtype, length, a.pool, a.seed, a.decode_steps)
                         except Exception as e:  # a configuration that cannot run is said, not hidden
                             print(f"{name} {engine} {dtype} {length}: skipped: {type(e).__name__}: {e}", flush=True)
                             continue

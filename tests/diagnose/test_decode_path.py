@@ -55,23 +55,32 @@ def test_healthy_demo_decode_path_passes(demo_path):
     assert f.metrics["engine"]["kv_cache_type"] == "f16/f16"
 
 
-@pytest.mark.parametrize("fault,first", [("decode-kv-overwritten", 2), ("decode-rope-previous-position", None)])
-def test_planted_llama_cpp_decode_fault_is_the_decode_path(demo_path, fault, first):
-    """A KV cache entry holding another token's K/V, or decode steps rotated at p-1: the prefill control agrees,
-    the decode steps do not; the finding names the first generated step and the decode steps' first divergent
-    layer and op (captured from a second generation of the same tokens)."""
-    f, tokens = decode_finding(demo_path, plant=fault)
+def test_planted_llama_cpp_decode_fault_is_the_decode_path(demo_path):
+    """A KV cache entry holding another token's K/V: the prefill control agrees, the decode steps do not (step 2's
+    KL 0.080 where the 16 draws' at that position is 0.0014: beyond its per-position allowance); the finding names
+    the first generated step and the decode steps' first divergent layer and op (captured from a second generation
+    of the same tokens)."""
+    f, tokens = decode_finding(demo_path, plant="decode-kv-overwritten")
     assert f.status == "fail", f.explanation
-    assert f.explanation.startswith("decode path: first wrong at generated step")
+    assert f.explanation.startswith("decode path: first wrong at generated step 2")
     assert "prefill of the same tokens agrees" in f.explanation
-    step = f.metrics["first_wrong_step"]
-    assert step is not None and step >= 2  # step 1 comes out of the prompt's prefill
-    if first is not None:
-        assert step == first
-    assert f"position {len(tokens) + step - 2}" in f.explanation
+    assert f.metrics["first_wrong_step"] == 2  # step 1 comes out of the prompt's prefill
+    assert f"position {len(tokens)}" in f.explanation
     loc = f.metrics["localization"]
     assert loc.get("layer") is not None and loc["point"] in ("kqv_out", "ffn_inp", "l_out", "ffn_out"), loc
     assert f"first divergent layer {loc['layer']}" in f.explanation
+
+
+def test_a_rope_fault_one_position_off_is_below_the_allowance_of_seven_steps(demo_path):
+    """The measured edge of the decode path's power (bench/RESULTS.md): decode steps rotated at p-1 raise the 7 decode
+    steps' mean KL on the demo to 0.0159, about twice the randomized draws' (stochastic rounding, standing for another
+    machine's healthy engine), where the allowance set for the whole diagnosis from 16 draws is 4.2x: the criterion
+    cannot tell it from noise, and its ratio says how close it came. (The single-run 3x rule of before named it, at
+    1.5x of its limit, by judging against one round-to-nearest run: a rule whose false alarms grow with length.)"""
+    f, _ = decode_finding(demo_path, plant="decode-rope-previous-position")
+    kl = next(c for c in f.evidence[0]["decode"] if c["criterion"] == "kl")
+    assert kl["value"] > 1.5 * kl["noise"], kl  # the fault's effect is there ...
+    assert f.status == "pass" and 0.3 < kl["ratio"] < 1, (f.status, kl)  # ... within what the draws allow
 
 
 def test_a_prefill_fault_is_not_reported_as_the_decode_path(demo_path, tmp_path):

@@ -118,12 +118,14 @@ def _repeated(tokens: list[int], n: int) -> list[int]:
 
 # ---- the requests ----------------------------------------------------------------------------------------------
 def _criteria(s: Session, engine_logits: Any, tokens: list[int], rows: slice, budget) -> list:
-    """The distribution criteria of `engine_logits` [n, V] against the reference's rows of `tokens`, the float32 run
-    and the emulated run always under one set of discrete choices (MoE experts, DSA keys): those of the engine's run
-    of the same tokens, replayed, and where the rows disagree under those, the reference's own (the model as
-    specified: agreeing with it is no fault; decode.py StepsJudgement says why). The first set's criteria where
-    neither agrees. A dense model has one set."""
+    """The distribution criteria of `engine_logits` [n, V] against the reference's rows of `tokens`, each against the
+    spread of the randomized draws of the engine's arithmetic on the same tokens, set for the whole diagnosis
+    (hypotheses.py `draws_on`, `family`); the float32 run, the emulated run and the draws always under one set of
+    discrete choices (MoE experts, DSA keys): those of the engine's run of the same tokens, replayed, and where the
+    rows disagree under those, the reference's own (the model as specified: agreeing with it is no fault; decode.py
+    StepsJudgement says why). The first set's criteria where neither agrees. A dense model has one set."""
     from ..checks.compute.layers import distribution_criteria
+    from .hypotheses import draws_on, family
 
     got = torch.as_tensor(engine_logits)
     first = None
@@ -132,11 +134,30 @@ def _criteria(s: Session, engine_logits: Any, tokens: list[int], rows: slice, bu
             break
         ref = s.reference("float32", tokens=tokens, replay=replay)[0][rows]
         emu = s.reference(budget.dtype, budget.emulate, tokens=tokens, replay=replay)[0][rows]
-        crit = distribution_criteria(got, ref, emu, tokens[rows])
+        draws, cols = draws_on(s, tokens, rows, replay)
+        crit = distribution_criteria(got, ref, emu, tokens[rows], draws=draws, cols=cols, family=family(s))
         if all(c.ok for c in crit):
             return crit
         first = first or crit
     return first
+
+
+def planned_items(s: Session) -> int:
+    """The items the configured requests judge beyond the prompt's and the decode steps' (hypotheses.py `family`):
+    two per position of the chunked-prefill request and of the prefix-cache request's steps, and each one's mean KL;
+    0 without a deployment command line."""
+    try:
+        configured_engine(s)
+        cfg = resolved(s)
+    except Skip:
+        return 0
+    n = 0
+    for items in (lambda: 2 * len(long_prompt(s, cfg)) + 1, lambda: prefix_requests(s, cfg) and 2 * PREFIX_STEPS + 1):
+        try:
+            n += items()
+        except Skip:
+            pass
+    return n
 
 
 def long_prompt(s: Session, cfg: dict[str, Any]) -> list[int]:

@@ -74,6 +74,7 @@ def judge_steps(s: Session, gen: Generation, budget: Any, control: bool = True) 
     the configured ladder's rungs judge the steps alone). One judgement for the decode-path finding and the
     configured deployment's generated request, so that the two cannot disagree."""
     from ..checks.compute import decode
+    from .hypotheses import draws_on, family
 
     p = len(s.tokens())
     full = s.tokens() + gen.ids[:-1]  # the last generated token is chosen, never fed
@@ -81,12 +82,13 @@ def judge_steps(s: Session, gen: Generation, budget: Any, control: bool = True) 
     ref, ref_caps, _ = s.reference("float32", tokens=full)
     emu, emu_caps, _ = s.reference(budget.dtype, budget.emulate, tokens=full)
     ctl = s.engine_run_on(full).logits[rows] if control else None
-    first = decode.judge(gen.logits, ctl, ref[rows], emu[rows], gen.ids)
+    first = decode.judge(gen.logits, ctl, ref[rows], emu[rows], gen.ids, *draws_on(s, full, rows, more=2), family(s))
     own = None
     if not first.decode_ok and s.replays(full):
         ref_own = s.reference("float32", tokens=full, replay=False)[0]
         emu_own = s.reference(budget.dtype, budget.emulate, tokens=full, replay=False)[0]
-        own = decode.judge(gen.logits, None, ref_own[rows], emu_own[rows], gen.ids)
+        own = decode.judge(gen.logits, None, ref_own[rows], emu_own[rows], gen.ids, *draws_on(s, full, rows, False, 2),
+                           family(s))
     return StepsJudgement(list(gen.ids), p, first, own, ref_caps, emu_caps)
 
 

@@ -45,16 +45,44 @@ def draws(s: Session) -> list:
     return [s.draw(i, lambda logits, caps: summarize(logits, caps, ref, ref_caps, cols)) for i in range(s.n_draws)]
 
 
+def draws_on(s: Session, tokens: list[int], rows: slice, replay: bool = True, more: int = 1) -> tuple[list, Any]:
+    """(summaries, cols): the session's randomized draws of the engine's arithmetic on other `tokens` (the decode
+    steps' prompt + continuation, a configured request), each summarized at `rows` against the float32 reference of
+    the same tokens under the same choice set (`replay`, Session.reference), keeping the reference's top tokens
+    (the engine that will be judged is not known when they are made: several configurations' runs share them).
+    `more` times the session's number of draws: the decode steps ask twice as many (a step is one position, judged
+    against its own spread: t_16's quantile at a diagnosis's level is 6.7 where t_8's is 10.6, so a single wrong
+    step stands out; few rows make them cheap). The prompt's own draws where they are the same. ([], None) without
+    draws."""
+    from ..checks.compute.allowance import columns, summarize
+
+    if not s.n_draws:
+        return [], None
+    ids = list(tokens)
+    if ids == s.tokens() and replay and more == 1 and range(*rows.indices(len(ids))) == range(len(ids)):
+        return draws(s), draw_columns(s)
+    ref = s.reference("float32", tokens=ids, replay=replay)[0][rows]
+    cols = columns(ref)
+    key = f"-rows-{rows.start}-{rows.stop}"
+    return [s.draw(i, lambda logits, caps: summarize(logits[rows], {}, ref, {}, cols), tokens=ids, replay=replay,
+                   key=key) for i in range(more * s.n_draws)], cols
+
+
 def family(s: Session) -> int:
     """How many items the diagnosis judges against the draws (allowance.py sets every threshold for all of them):
-    two per position (top-1, KL), the mean KL, and every layer point the engine and the reference both captured."""
+    two per position (top-1, KL), the mean KL, and every layer point the engine and the reference both captured;
+    two per decode step and the mean KL, for the decode steps and for the engine's prefill of them (decode-path);
+    and the configured deployment's own requests (configured.py `planned_items`)."""
     from ..checks.compute.layers import CURVE_POINTS
+    from .configured import planned_items
 
     def make() -> int:
         engine_caps, (_, ref_caps, _) = s.engine_run().captures, s.reference("float32")
         points = sum(f"{p}-{il}" in engine_caps and f"{p}-{il}" in ref_caps
                      for il in range(s.config().n_layer) for p in CURVE_POINTS)
-        return 2 * len(s.tokens()) + 1 + points
+        steps = max(s.inputs.generate - 1, 0)
+        decode = 2 * (2 * steps + 1) if steps else 0
+        return 2 * len(s.tokens()) + 1 + points + decode + planned_items(s)
 
     return s.once("family", make)
 

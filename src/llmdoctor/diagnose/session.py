@@ -186,13 +186,7 @@ class Session:
         own = not replay and self.replays(ids)
 
         def make():
-            if not own:
-                extra = self.replayed_choices(ids if other else None)
-            elif dtype == "float32" and emulate is None:
-                extra = None
-            else:  # the float32 reference's own choices
-                caps = self.reference("float32", tokens=ids, replay=False)[1]
-                extra = replay_choices(self.config(), caps, len(ids), self.inputs.device)
+            extra = None if own and dtype == "float32" and emulate is None else self._choices(ids, own)
             self.progress(f"reference forward pass ({dtype}{', ' + emulate.name + ' arithmetic' if emulate else ''}"
                           f"{f', {len(ids)} tokens' if other else ''}{', its own choices' if own else ''})")
             model = self.model(dtype)
@@ -202,6 +196,14 @@ class Session:
 
         key = f"reference-{dtype}-{emulate.name if emulate else None}-{self.reference_path()}"
         return self.once(key + (f"-on-{tuple(ids)}" if other else "") + ("-own-choices" if own else ""), make)
+
+    def _choices(self, ids: list[int], own: bool) -> dict | None:
+        """The discrete choices a run of `ids` other than the float32 reference's own takes: the engine's, replayed,
+        or (`own`) the float32 reference's own run's."""
+        if not own:
+            return self.replayed_choices(None if ids == self.tokens() else ids)
+        caps = self.reference("float32", tokens=ids, replay=False)[1]
+        return replay_choices(self.config(), caps, len(ids), self.inputs.device)
 
     def replays(self, tokens: list[int] | None = None) -> bool:
         """Whether the reference's runs of `tokens` (default the prompt's) replay any choice of the engine's, so
@@ -218,31 +220,39 @@ class Session:
         b = self.budget()
         return self.reference(b.dtype, emulate=b.emulate)
 
-    def draw(self, i: int, summarize: Callable[[torch.Tensor, dict], Any]) -> Any:
+    def draw(self, i: int, summarize: Callable[[torch.Tensor, dict], Any], tokens: list[int] | None = None,
+             replay: bool = True, key: str = "") -> Any:
         """Randomized draw `i` of the budget run (reference/draws.py: the engine's arithmetic rounded
-        stochastically, standing for another machine's healthy engine), replaying the engine's discrete choices
-        as every reference run does, kept as `summarize(logits, captures)` (a draw's [T, V] logits are not
-        held) and cached by `i`. The weights are the budget model's, dequantized before the first draw (a
-        draw rounds the computation, not the weights). A float32 engine (budget float64) is drawn in float32
-        with float32 rounded stochastically; every other in the budget's dtype and emulation."""
+        stochastically, standing for another machine's healthy engine) of the prompt's tokens or of other
+        `tokens`, taking the discrete choices every reference run of them takes (`replay`: as `reference`), kept
+        as `summarize(logits, captures)` (a draw's [T, V] logits are not held) and cached by `i`, the tokens,
+        the choice set and `key` (which names the summary). The weights are the budget model's, dequantized
+        before the first draw (a draw rounds the computation, not the weights). A float32 engine (budget
+        float64) is drawn in float32 with float32 rounded stochastically; every other in the budget's dtype and
+        emulation."""
         from ..reference.draws import draw_dtypes, randomized
 
         b = self.budget()
         float32 = b.dtype == "float64"
         dtype = "float32" if float32 else b.dtype
+        ids = self.tokens() if tokens is None else list(tokens)
+        other = ids != self.tokens()
+        own = not replay and self.replays(ids)
 
         def make():
             self.budget_reference()
             self.reference("float32")
+            extra = self._choices(ids, own)
             model = self.model(dtype)
             self.progress(f"randomized draw {i + 1} of the engine's arithmetic ({dtype}"
-                          f"{', ' + b.emulate.name if b.emulate else ''})")
+                          f"{', ' + b.emulate.name if b.emulate else ''}{f', {len(ids)} tokens' if other else ''}"
+                          f"{', the reference choices' if own else ''})")
             with stage("reference"), self.pinned_threads(), randomized(self.inputs.seed * 1000 + i, draw_dtypes(float32)):
-                logits, caps = model.forward(self.tokens(), capture=set(REFERENCE_POINTS), emulate=b.emulate,
-                                             extra=self.replayed_choices())
+                logits, caps = model.forward(ids, capture=set(REFERENCE_POINTS), emulate=b.emulate, extra=extra)
             return summarize(logits.cpu(), caps)
 
-        return self.once(f"draw-{i}-{self.reference_path()}", make)
+        return self.once(f"draw-{i}-{self.reference_path()}" + (f"-on-{tuple(ids)}" if other else "")
+                         + ("-own-choices" if own else "") + key, make)
 
     def close(self) -> None:
         for key, value in self._cache.items():

@@ -98,6 +98,46 @@ def test_planted_fault_fails_and_says_how_far():
     assert d["ratio"] == crit["top1"].times and d["marginal"] is False and d["allowance"]["draws"] == A.N_DRAWS
 
 
+def test_draws_made_before_the_engine_ran_keep_the_reference_columns_alone():
+    """Draws shared by several configurations' runs keep the reference's top tokens only (allowance.columns(ref)):
+    a healthy engine flipping to a near-tie still passes (a pair the draws did not keep has the vocabulary-averaged
+    pair noise), and the planted flip still fails."""
+    for t in (16, 256):
+        ref = _logits(t)
+        cols = A.columns(ref)
+        draws_logits = [_draw(ref, i) for i in range(A.N_DRAWS)]
+        draws = [A.summarize(d, {}, ref, {}, cols) for d in draws_logits]
+        engine = _draw(ref, 100)
+        crit = {c.name: c for c in distribution_criteria(engine, ref, draws_logits[0], draws=draws, cols=cols)}
+        assert all(c.ok for c in crit.values()), {n: c.reason for n, c in crit.items()}
+        engine[3, 250] += 8.0  # a token far down the reference's list wins: not among the kept columns
+        assert int(engine[3].argmax()) not in cols[3].tolist()
+        crit = {c.name: c for c in distribution_criteria(engine, ref, draws_logits[0], draws=draws, cols=cols)}
+        assert not crit["top1"].ok and crit["top1"].evidence[0]["position"] == 3
+
+
+def test_decode_steps_against_their_draws():
+    """checks/compute/decode.judge with draws of the same rows: a healthy engine's steps pass, each step's bound is
+    the per-position allowance of the draws' KL there; one wrong decode step is the first wrong and fails."""
+    from llmdoctor.checks.compute import decode
+
+    ref = _logits(12)
+    cols = A.columns(ref)
+    draws_logits = [_draw(ref, i) for i in range(2 * A.N_DRAWS)]
+    draws = [A.summarize(d, {}, ref, {}, cols) for d in draws_logits]
+    got = _draw(ref, 100)
+    ids = [int(r.argmax()) for r in got]
+    j = decode.judge(got, None, ref, draws_logits[0], ids, draws, cols, 100)
+    assert j.decode_ok and j.first_wrong is None, [c.reason for c in j.decode]
+    threshold = next(c.allowance["threshold"] for c in j.decode if c.name == "kl_position")
+    kl_d = torch.stack([d.kl for d in draws]).mean(0)
+    assert all(abs(st["bound"] - threshold ** 2 * (float(kl_d[i]) + 1e-12)) < 1e-9 for i, st in enumerate(j.steps))
+    bad = got.clone()
+    bad[5] = ref[5] + 0.5 * torch.randn(ref.shape[1], generator=torch.Generator().manual_seed(7), dtype=torch.float64)
+    j = decode.judge(bad, None, ref, draws_logits[0], ids, draws, cols, 100)
+    assert not j.decode_ok and j.first_wrong == 5
+
+
 def test_marginal_words():
     assert A.marginal(1.5) and A.marginal(0.6) and not A.marginal(3) and not A.marginal(math.inf)
     assert "marginal" in A.times(1.5) and "longer prompt" in A.times(0.7) and "marginal" not in A.times(5)

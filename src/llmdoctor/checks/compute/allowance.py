@@ -67,10 +67,15 @@ class DrawSummary:
     finite: torch.Tensor  # [T] bool: every logit finite where the reference's is
     points: dict[str, float] = field(default_factory=dict)  # capture name -> rel_l2(draw, reference)
 
+    def rows(self, sl: slice) -> "DrawSummary":
+        """The summary of positions `sl` only (no layer points)."""
+        return DrawSummary(self.delta[sl], self.pair_noise[sl], self.kl[sl], self.top1[sl], self.finite[sl])
+
 
 def columns(ref: torch.Tensor, *others: torch.Tensor) -> torch.Tensor:
     """long [T, C]: the reference's TOP_COLUMNS best tokens per position, then each of `others`' top-1
-    (the engine's): the tokens whose logit errors a draw keeps. ref, others: logits [T, V]."""
+    (the engine's): the tokens whose logit errors a draw keeps. ref, others: logits [T, V]. Draws made before
+    an engine's logits are known (another configuration's run of the same tokens) keep the reference's alone."""
     k = min(TOP_COLUMNS, ref.shape[-1])
     cols = [torch.as_tensor(ref).topk(k, dim=-1).indices]
     cols += [torch.as_tensor(o).argmax(-1, keepdim=True) for o in others]

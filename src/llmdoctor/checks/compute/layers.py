@@ -27,7 +27,9 @@ criterion is judged instead against its own spread over the draws, with the thre
 diagnosis (checks/compute/allowance.py): a point's noise is the draws' RMS error there and its multiplier
 the family's (K_MODEL = K where the draws agree); the distributions gain a per-position KL criterion, and a
 top-1 flip is judged against that token pair's spread. Each verdict carries its ratio to the allowance and
-a marginal flag (within 2x either way). Without draws (the decode path) the single-run rule above holds.
+a marginal flag (within 2x either way). The decode steps and the configured deployment's requests are judged the
+same way, against draws of their own tokens (diagnose/hypotheses.py `draws_on`). Without draws (a session of stand-in runs) the
+single-run rule above holds.
 """
 
 from __future__ import annotations
@@ -244,7 +246,9 @@ def drawn_criteria(got: torch.Tensor, want: torch.Tensor, keep: torch.Tensor, dr
       on the pair difference, (E_a - E_b) - (R_a - R_b), exceeds the family's t threshold times that pair's
       spread: the RMS of the draws' error on the same pair, pooled half and half with the draws' vocabulary-
       averaged pair noise there (a pair seen in N draws alone is a poor scale), plus PAIR_FLOOR of the
-      logits' spread. The tail is measured on the pair every position could flip to, the reference's top-2.
+      logits' spread; a pair the draws did not keep (the engine's top-1 is not among `cols`) has the
+      vocabulary-averaged pair noise alone. The tail is measured on the pair every position could flip to, the
+      reference's top-2.
     """
     n_draws, t_n = len(draws), got.shape[0]
     family = family or 2 * t_n + 1
@@ -291,10 +295,12 @@ def drawn_criteria(got: torch.Tensor, want: torch.Tensor, keep: torch.Tensor, dr
     margin = metrics.top1_margin(got, want)  # [T']
     g_top = got.argmax(-1, keepdim=True)  # [T', 1]
     a = cols[:, :1]  # [T', 1]: the reference's top-1
+    kept = (cols == g_top).any(-1)  # [T']: the draws kept the engine's top-1
     j = (cols == g_top).to(torch.int8).argmax(-1, keepdim=True)  # [T', 1]: the engine's top-1 among the columns
     e_eng = ((got.gather(-1, a) - got.gather(-1, g_top)) - (want.gather(-1, a) - want.gather(-1, g_top)))[:, 0].abs()
     e_d = delta_d[..., 0] - delta_d.gather(-1, j.expand(n_draws, -1, -1))[..., 0]  # [N, T']
-    scale = (0.5 * ((e_d ** 2).mean(0) + (pn_d ** 2).mean(0)) + spread2).sqrt()  # [T']
+    pair2 = torch.where(kept, (e_d ** 2).mean(0), (pn_d ** 2).mean(0))  # [T']: that pair's own, else the average
+    scale = (0.5 * (pair2 + (pn_d ** 2).mean(0)) + spread2).sqrt()  # [T']
     z_pair = torch.where(scale > 0, e_eng / scale, torch.full_like(scale, math.inf))  # [T']
     rows, beyond = [], []
     for i in (margin > 0).nonzero().flatten().tolist():
