@@ -40,13 +40,13 @@ def by_target(doc: dict, check: str) -> dict[str, dict]:
 def test_the_second_request_shares_full_blocks_then_holds_a_block_of_its_own(monkeypatch):
     """No vLLM: the prefix-cache request's tokens, as prefix_requests builds them from a prompt shorter than two
     blocks (repeated), in a model of 256 positions."""
-    import llmdoctor.diagnose.configured as configured
+    import llmdoctor.diagnose.requests as requests
 
     class Prompt:
         def tokens(self):
             return TOKENS
 
-    monkeypatch.setattr(configured, "_context", lambda s: 256)
+    monkeypatch.setattr(requests, "_context", lambda s: 256)
     first, second, shared = prefix_requests(Prompt(), {"prefix_caching": True, "block_size": 32})
     assert len(first) == 65 and first[:37] == TOKENS and shared == 32
     assert second[:32] == first[:32] and len(second) == 65 and second[32:64] != first[32:64]

@@ -74,7 +74,7 @@ def family(s: Session) -> int:
     two per decode step and the mean KL, for the decode steps and for the engine's prefill of them (decode-path);
     and the configured deployment's own requests (configured.py `planned_items`)."""
     from ..checks.compute.layers import CURVE_POINTS
-    from .configured import planned_items
+    from .requests import planned_items
 
     def make() -> int:
         engine_caps, (_, ref_caps, _) = s.engine_run().captures, s.reference("float32")
