@@ -60,11 +60,15 @@ def planned_items(s: Session) -> int:
     except Skip:
         return 0
     n = 0
-    for items in (lambda: 2 * len(long_prompt(s, cfg)) + 1, lambda: prefix_requests(s, cfg) and 2 * PREFIX_STEPS + 1):
-        try:
-            n += items()
-        except Skip:
-            pass
+    try:
+        n += 2 * len(long_prompt(s, cfg)) + 1
+    except Skip:  # chunked prefill off, or no room for a longer prompt: no such request
+        pass
+    try:
+        prefix_requests(s, cfg)
+        n += 2 * PREFIX_STEPS + 1
+    except Skip:  # prefix caching off, or no prefix can be shared: no such request
+        pass
     return n
 
 
