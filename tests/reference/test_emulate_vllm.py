@@ -232,7 +232,10 @@ def test_q4_0_from_gguf_py_quantizer_and_half_dequant():
     w = torch.from_numpy(gguf_dequantize(raw, Q.Q4_0).astype(np.float32))
     x = rng.standard_normal((10, 256)).astype(np.float32)
     got = q8_1_product(torch.from_numpy(x), w, Q.Q4_0, raw).double().numpy()
-    assert np.allclose(got, _transcribed_product(x, raw, Q.Q4_0, mmq=True), rtol=0, atol=1e-5)
+    want = _transcribed_product(x, raw, Q.Q4_0, mmq=True)
+    # float32 sums of 256 products in another order: a few ulps of the largest (|want| ~ 34: ulp 3.8e-6; 1e-5
+    # absolute failed once in the full suite at 4e-6 off, another thread count's order)
+    assert np.allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
     rows = torch.from_numpy(gguf_dequantize(gguf_quantize(w32 * 3, Q.Q8_0), Q.Q8_0).astype(np.float32))
     assert torch.equal(half_dequant(rows, Q.Q8_0), rows.half().float())
     assert torch.equal(half_dequant(rows, Q.F32), rows) and torch.equal(half_dequant(rows, Q.IQ4_XS), rows)
@@ -343,13 +346,14 @@ def test_fp8_blocks_are_e4m3_values_times_power_of_two_scales():
 
 def test_an_fp8_indexer_is_judged_by_its_own_noise(tmp_path):
     """vLLM's CUDA DSA indexer scores keys in FP8 in a bfloat16 model: an FP8 engine's picks (simulated by the
-    reference with FP8 indexer inputs, float32 elsewhere: not the budget's own run) disagree with the float32
-    reference's beyond what bfloat16 alone explains (the false alarm a bfloat16 budget would raise: 21% of
-    queries against a limit of 13% here) and within what the bfloat16 + FP8 emulation explains (36%); an
-    indexer that picks the lowest-scoring keys still fails under the FP8 budget."""
+    reference with FP8 indexer inputs, float32 elsewhere: not the budget's own run) fall below the k-th score by
+    more than bfloat16's score error alone explains (the false alarm a bfloat16 budget would raise: 8 such picks
+    against an allowance of 5 here, and 8 queries missed where the bfloat16 run keeps a top-k set) and within
+    what the bfloat16 + FP8 emulation explains; an indexer that picks the lowest-scoring keys still fails under
+    the FP8 budget."""
     import fixtures_mla
 
-    from llmdoctor.checks.compute.routing import dsa_rows
+    from llmdoctor.checks.compute.routing import dsa_misses, dsa_rows
     from llmdoctor.reference import load
 
     top_k = 16
@@ -365,13 +369,14 @@ def test_an_fp8_indexer_is_judged_by_its_own_noise(tmp_path):
     fp8 = vllm_cuda(indexer_fp8=128)
     ref, bf16, emulated = run(torch.float32, None), run(torch.bfloat16, None), run(torch.bfloat16, fp8)
     engine = run(torch.float32, fp8)  # another draw of FP8 picks than the budget's own (float32 around them)
-    (under_bf16, *_), (under_fp8, *_) = (dsa_rows(3, top_k, ref, emu, engine) for emu in (bf16, emulated))
-    assert under_bf16["disagreement"] > under_bf16["limit"], under_bf16  # layer 0: the false alarm
-    assert under_fp8["disagreement"] <= under_fp8["limit"], under_fp8
+    (under_bf16, *_), (under_fp8, *_) = (dsa_rows(3, top_k, ref, emu, engine, 1e-3 / 6) for emu in (bf16, emulated))
+    assert "picks of the 32 queries that choose score below the k-th best" in dsa_misses(under_bf16), under_bf16
+    assert under_bf16["alone"] > 4 * under_fp8["alone"], (under_bf16, under_fp8)  # layer 0: the false alarm
+    assert dsa_misses(under_fp8) == "", under_fp8
     lowest = np.nan_to_num(ref["indexer_score-0"], neginf=np.inf)  # the masked keys last
     worst = {"top_k-0": np.argsort(lowest, axis=1, kind="stable")[:, :top_k]}
-    (planted, *_) = dsa_rows(3, top_k, ref, emulated, worst)
-    assert planted["disagreement"] > planted["limit"], planted
+    (planted, *_) = dsa_rows(3, top_k, ref, emulated, worst, 1e-3 / 6)
+    assert planted["disagreement"] > planted["limit"] and dsa_misses(planted).startswith("100% of the 32"), planted
 
 
 def test_budget_of_a_sparse_indexer_on_cuda():

@@ -12,7 +12,7 @@ import pytest
 
 import fixtures_mla
 from llmdoctor import diagnose as dg
-from llmdoctor.checks.compute.routing import routing_inadmissible, routing_limit, routing_tolerance
+from llmdoctor.checks.compute.routing import routing_inadmissible, routing_tolerance
 from llmdoctor.gguf import open_gguf
 
 IDS = [int(i) for i in np.random.default_rng(0).integers(1, 90, size=40)]
@@ -43,10 +43,6 @@ def engine_copy(src, dst, names, scale: float):
     return dst
 
 
-def test_routing_limit():
-    assert routing_limit(0.0, 100) == pytest.approx(0.03, abs=1e-3)
-
-
 def test_routing_admissibility_allows_near_ties_only():
     """The near-tie a healthy vLLM in bfloat16 flipped (tiny DeepSeek-V3, layer 2, position 3: two expert
     groups whose scores, sums of their two best experts, are 0.0009 apart): the other group's experts are
@@ -62,8 +58,23 @@ def test_routing_admissibility_allows_near_ties_only():
     flat = np.array([[0.9, 0.5, 0.5, 0.1]])
     assert routing_inadmissible(np.repeat(flat, 4, 0), np.array([[0, 1], [2, 0], [0, 3], [0, 0]]), 2, tol=1e-9).tolist() \
         == [False, False, True, True]
-    # the tolerance: K x both experts' largest score error, plus a few float32 roundings
-    assert routing_tolerance(sc, sc + 1e-3) == pytest.approx(3 * 2 * 1e-3 + 8 * 2.0**-24 * 0.662887)
+    # the tolerance: z x sqrt(2) x the emulated run's RMS score error (plus a few float32 roundings), z the normal
+    # quantile at the level over the layer's comparisons (2 x 6 experts + 1 x 1 group here): the flipped near-tie
+    # is within it
+    (tol,) = routing_tolerance(sc, sc + 1e-3, 2, 1e-3, n_group=2, topk_group=1)
+    z = 3.78478  # P(N(0, 1) > z) = 1e-3 / 13
+    assert tol == pytest.approx(z * (2**0.5 * 1e-3 + 8 * 2.0**-24 * 0.662887), rel=1e-4)
+    assert routing_inadmissible(sc, engine, 2, tol=np.array([tol]), n_group=2, topk_group=1).tolist() == [False]
+    # the level holds: 4,000 healthy layers (8 positions x 16 experts, the engine's and the emulated run's errors
+    # independent draws of one Gaussian) choose an expert the tolerance does not allow in fewer than 1 in 100
+    rng = np.random.default_rng(0)
+    alarms = 0
+    for _ in range(4000):
+        ref = rng.standard_normal((8, 16)) * 0.05
+        emu, eng = (ref + 0.01 * rng.standard_normal(ref.shape) for _ in range(2))
+        tol = routing_tolerance(ref, emu, 4, 0.01)
+        alarms += bool(routing_inadmissible(ref, np.argsort(-eng, axis=1)[:, :4], 4, tol).any())
+    assert alarms < 40, alarms
 
 
 @pytest.mark.slow

@@ -11,7 +11,8 @@ from typing import Any, Mapping
 import numpy as np
 
 from .. import metrics
-from .layers import K, PointError, off_by
+from .allowance import poisson_allowance
+from .layers import PointError, off_by
 
 # Capture points of a layer that come before its MoE router (which reads the normed FFN input).
 BEFORE_ROUTER = frozenset({"attn_norm", "kqv_out", "ffn_inp"})
@@ -55,23 +56,28 @@ def selection_misses(scores: Any, selected: Any, top_k: int, rel_tol: float = 1e
     return ~count_ok | (picked_above != above.sum(axis=1)) | picked_below
 
 
-def routing_tolerance(ref_scores: Any, emu_scores: Any) -> float:
-    """How far apart two experts' selection scores may be and still swap places in a healthy engine: the
-    emulated run's largest score error (its arithmetic on the same routing), counted for both experts
-    of a comparison, times the layer budget's K, plus a few float32 roundings of the largest score."""
+def routing_tolerance(ref_scores: Any, emu_scores: Any, k: int, level: float, n_group: int = 1,
+                      topk_group: int = 1) -> np.ndarray:
+    """float [T]: how far below an unchosen expert a chosen one may score and still be a healthy engine's choice
+    at position t: z x swap_scale's s_t (the emulated run's error on the same routing scores), z set so that
+    any of the layer's comparisons (k chosen x E - k unchosen experts per position, and topk_group x the other
+    groups where routing is grouped) moves that far with probability at most `level` (Bonferroni).
+    ref_scores, emu_scores: float [T, E]."""
     ref, emu = np.asarray(ref_scores, dtype=np.float64), np.asarray(emu_scores, dtype=np.float64)
-    d = float(np.max(np.abs(emu - ref))) if ref.size else 0.0
-    return K * 2 * d + 8 * 2.0**-24 * float(np.max(np.abs(ref), initial=0.0))
+    t_n, e_n = ref.shape
+    g_n = n_group if n_group > 1 and e_n % n_group == 0 else 1
+    comparisons = max(t_n * (k * (e_n - k) + topk_group * (g_n - topk_group) * (g_n > 1)), 1)
+    return _normal_isf(level / comparisons) * swap_scale(ref, emu, np.isfinite(ref))
 
 
-def routing_inadmissible(scores: Any, chosen: Any, k: int, tol: float, n_group: int = 1,
+def routing_inadmissible(scores: Any, chosen: Any, k: int, tol: Any, n_group: int = 1,
                          topk_group: int = 1) -> Any:
     """bool [T]: positions whose chosen experts are no top-k choice the reference's selection scores
-    allow within `tol` (routing_tolerance). Ungrouped: every chosen expert scores at least the best
-    unchosen one minus tol. Grouped (DeepSeek-V3's n_group / topk_group): the chosen experts' groups,
-    filled up with the best other groups, are a top-topk_group set of group scores within 2 tol (a group
-    score sums two experts', reference/arch_deepseek.group_scores), and the experts are a top-k set within
-    those groups. Duplicates, out-of-range ids and a wrong count are inadmissible.
+    allow within `tol` (routing_tolerance: one per position [T], or one for all). Ungrouped: every chosen
+    expert scores at least the best unchosen one minus tol. Grouped (DeepSeek-V3's n_group / topk_group):
+    the chosen experts' groups, filled up with the best other groups, are a top-topk_group set of group
+    scores within 2 tol (a group score sums two experts', reference/arch_deepseek.group_scores), and the
+    experts are a top-k set within those groups. Duplicates, out-of-range ids and a wrong count are inadmissible.
     scores: float [T, E]; chosen: int [T, k]."""
     import torch
 
@@ -85,6 +91,7 @@ def routing_inadmissible(scores: Any, chosen: Any, k: int, tol: float, n_group: 
     grouped = n_group > 1 and e_n % n_group == 0
     gs = group_scores(torch.from_numpy(sc), n_group).numpy() if grouped else None  # [T, G]
     per = e_n // n_group if grouped else e_n
+    tols = np.broadcast_to(np.asarray(tol, dtype=np.float64), (t_n,))
     bad = np.zeros(t_n, dtype=bool)
     for t in range(t_n):
         picks = {int(j) for j in sel[t]}
@@ -97,26 +104,37 @@ def routing_inadmissible(scores: Any, chosen: Any, k: int, tol: float, n_group: 
             rest = [g for g in np.argsort(-gs[t], kind="stable") if g not in mine]
             keep = sorted(mine | set(rest[: max(topk_group - len(mine), 0)]))
             out = [g for g in range(n_group) if g not in keep]
-            if len(mine) > topk_group or (out and gs[t, keep].min() < gs[t, out].max() - 2 * tol):
+            if len(mine) > topk_group or (out and gs[t, keep].min() < gs[t, out].max() - 2 * tols[t]):
                 bad[t] = True
                 continue
             pool = np.concatenate([np.arange(g * per, (g + 1) * per) for g in keep])
         unchosen = [j for j in pool if j not in picks]
-        bad[t] = bool(unchosen) and sc[t, sorted(picks)].min() < sc[t, unchosen].max() - tol
+        bad[t] = bool(unchosen) and sc[t, sorted(picks)].min() < sc[t, unchosen].max() - tols[t]
     return bad
 
 
-def routing_limit(noise: float, n_positions: int) -> float:
-    """Most disagreement a healthy engine shows in a discrete choice (the DSA indexer's key selections):
-    its own arithmetic flips near-tied decisions as often as the emulated run does (`noise`), give or
-    take three binomial standard errors (with at least one flip's worth of rate, so a noiseless
-    emulation does not demand perfection)."""
-    p = max(noise, 1.0 / max(n_positions, 1))
-    return noise + 3 * math.sqrt(p * (1 - p) / max(n_positions, 1))
-
-
-# A healthy engine's chance of any alarm of the per-key DSA statistic over the whole diagnosis (issue 35).
-FAMILY_LEVEL = 1e-3
+def excess_misses(engine_bad: Any, emu_bad: Any, level: float) -> dict[str, Any]:
+    """The engine's misses over a group of queries judged against the emulated run's on the same queries
+    (McNemar's exact test): a healthy engine and the emulated run are two draws of the same arithmetic, so
+    each query's pair (engine misses, emulated misses) is exchangeable, and of the d discordant queries
+    (one side misses) the engine's count is Binomial(d, 1/2) whatever each query's own chance of a flip.
+    The engine may miss alone in at most `allowed` of them (the tail beyond it at most `level`).
+    engine_bad, emu_bad: bool [n]. Returns {"disagreement", "noise", "limit" (the rate of both + allowed),
+    "queries", "alone" (the engine's misses where the emulated run keeps a top-k set), "discordant",
+    "allowed", "level"}."""
+    eng, emu = np.asarray(engine_bad, dtype=bool), np.asarray(emu_bad, dtype=bool)
+    n = int(eng.size)
+    both, alone = int((eng & emu).sum()), int((eng & ~emu).sum())
+    d = alone + int((emu & ~eng).sum())
+    allowed, tail = d, 0.0  # the smallest a with P(Bin(d, 1/2) > a) <= level
+    for a in range(d, -1, -1):
+        if tail + math.comb(d, a) * 0.5**d > level:
+            break
+        tail += math.comb(d, a) * 0.5**d
+        allowed = a - 1
+    rate = (lambda c: c / n) if n else (lambda c: 0.0)
+    return {"disagreement": rate(both + alone), "noise": rate(int(emu.sum())), "limit": rate(both + allowed),
+            "queries": n, "alone": alone, "discordant": d, "allowed": allowed, "level": level}
 
 
 def _normal_sf(z: np.ndarray) -> np.ndarray:
@@ -133,30 +151,33 @@ def _normal_isf(p: float) -> float:
     return (lo + hi) / 2
 
 
-def poisson_allowance(lam: float, level: float) -> int:
-    """The smallest count a with P(Poisson(lam) > a) <= level."""
-    a, term = 0, math.exp(-lam)
-    cdf = term
-    while 1.0 - cdf > level and a < 10_000_000:
-        a += 1
-        term *= lam / a
-        cdf += term
-    return a
+def swap_scale(scores: np.ndarray, emu_scores: np.ndarray, visible: np.ndarray) -> np.ndarray:
+    """float [T]: the scale s_t by which a healthy engine's arithmetic moves the difference of two of row t's
+    scores: sqrt(2) x the emulated run's RMS score error over the row's visible scores (sigma_t), widened by
+    the emulated run's own tail (its largest |e| / sigma_t over every score against the Gaussian expectation
+    for that many: never narrowed), plus a few float32 roundings of the row's largest score. A difference
+    moves by more than z s_t with probability at most P(N(0, 1) > z). scores, emu_scores: float [T, S]
+    (the reference's and the emulated run's); visible: bool [T, S]."""
+    err = np.subtract(emu_scores, scores, out=np.zeros_like(scores), where=visible & np.isfinite(emu_scores))
+    n_vis = np.maximum(visible.sum(axis=1), 1)  # [T]
+    sigma = np.sqrt((err * err).sum(axis=1) / n_vis)  # [T]
+    z = np.where(sigma[:, None] > 0, np.abs(err) / np.where(sigma > 0, sigma, 1.0)[:, None], 0.0)
+    tail = max(1.0, float(z.max(initial=0.0)) / _normal_isf(0.5 / max(int(visible.sum()), 1)))
+    floor = 8 * 2.0**-24 * np.max(np.where(visible, np.abs(scores), 0.0), axis=1, initial=0.0)  # [T]
+    return tail * math.sqrt(2.0) * sigma + floor
 
 
 def wrong_picks(scores: Any, selected: Any, emu_scores: Any, top_k: int) -> dict[str, Any]:
     """The per-key statistic of a DSA layer over its queries that choose (they see more than top_k keys): a
     pick is *wrong* when its reference score falls below the k-th best by more than the engine's score error
-    could move it (or it is no valid, visible, distinct key). The score error of query t: the emulated run's
-    RMS score error over the keys t sees, sigma_t (the engine's arithmetic, FP8 indexer included, on the
-    same scores); a pick of key j over the k-th key i needs e_j - e_i >= gap, of scale sqrt(2) sigma_t,
-    widened by the emulated run's own tail (its largest |e| / sigma_t over every score against the Gaussian
-    expectation for that many: never narrowed). A pick is wrong beyond that scale s_t (plus a float32
-    floor). A healthy engine still makes a wrong pick of a key j with probability at most
-    P(N(0, 1) > gap_j / s_t), so the expected healthy count is at most lam = the sum of that over every
-    visible key below the k-th by more than s_t (queries x keys, from the reference's own scores): the
-    allowance is Poisson(lam)'s count exceeded with probability `level` (set by dsa_rows for the whole
-    diagnosis). Where the FP8 indexer makes exact top-k sets rare, picks far below the k-th still stand out.
+    could move it (or it is no valid, visible, distinct key). A pick of key j over the k-th key i needs
+    e_j - e_i >= gap, whose scale is swap_scale's s_t (the engine's arithmetic, FP8 indexer included, on the
+    same scores, as the emulated run does it). A pick is wrong beyond s_t. A healthy engine still makes a
+    wrong pick of a key j with probability at most P(N(0, 1) > gap_j / s_t), so the expected healthy count
+    is at most lam = the sum of that over every visible key below the k-th by more than s_t (queries x keys,
+    from the reference's own scores): the allowance is Poisson(lam)'s count exceeded with probability
+    `level` (set by dsa_rows for the whole diagnosis). Where the FP8 indexer makes exact top-k sets rare,
+    picks far below the k-th still stand out.
     Returns {"wrong", "picks", "allowance", "expected" (lam), "scale" (the median s_t), "queries"}."""
     sc = np.asarray(scores, dtype=np.float64)
     em = np.asarray(emu_scores, dtype=np.float64)
@@ -171,15 +192,7 @@ def wrong_picks(scores: Any, selected: Any, emu_scores: Any, top_k: int) -> dict
     sc, em, sel, visible = sc[choosing], em[choosing], sel[choosing], visible[choosing]
     finite = np.where(visible, sc, -np.inf)
     kth = -np.sort(-finite, axis=1)[:, k - 1]  # [Tc]
-    err = np.subtract(em, sc, out=np.zeros_like(sc), where=visible & np.isfinite(em))  # [Tc, S] the emulated
-    # run's score error
-    n_vis = visible.sum(axis=1)
-    sigma = np.sqrt((err * err).sum(axis=1) / n_vis)  # [Tc]
-    n_scores = int(n_vis.sum())
-    z = np.where(sigma[:, None] > 0, np.abs(err) / np.where(sigma > 0, sigma, 1.0)[:, None], 0.0)
-    tail = max(1.0, float(z.max()) / _normal_isf(0.5 / n_scores))
-    floor = 8 * 2.0**-24 * np.max(np.where(visible, np.abs(sc), 0.0), axis=1)  # [Tc]
-    scale = tail * math.sqrt(2.0) * sigma + floor  # [Tc]
+    scale = swap_scale(sc, em, visible)  # [Tc]
     gap = kth[:, None] - finite  # [Tc, S] how far below the k-th each key scores (inf: not visible)
     beyond = visible & (gap > scale[:, None])
     lam = float(_normal_sf(gap[beyond] / np.broadcast_to(scale[:, None], gap.shape)[beyond]).sum())
@@ -194,16 +207,17 @@ def wrong_picks(scores: Any, selected: Any, emu_scores: Any, top_k: int) -> dict
 
 
 def dsa_rows(n_layer: int, top_k: int, ref_caps: Mapping[str, Any], emu_caps: Mapping[str, Any],
-             engine_caps: Mapping[str, Any]) -> list[dict]:
+             engine_caps: Mapping[str, Any], level: float) -> list[dict]:
     """Per indexer layer, the engine's picks judged in two groups of queries: those that see more keys than
-    they keep ("disagreement", "noise", "limit", "queries": where the indexer chooses) and those that see at
-    most top_k keys and must keep them all ("short": the same four). A group's noise is the emulated run's
-    own top k against the same scores; the choosing group's limit is routing_limit over its size, the short
-    group's the noise itself (their selection is determined: no rounding changes it). Pooled with the
-    short rows, which a healthy engine never misses, the choosing rows' rate would be diluted below any limit
-    (on the H200's GLM-5 prompt, 128 of 200 rows are short). A shared layer uses the last full layer's
-    scores. llama.cpp's view of the selection that layer il's attention reads is "top_k-{il} (view)" (its
-    own indexer's or the shared one's); the bare "top_k-{il}" node is not reliably that layer's."""
+    they keep (excess_misses' keys: where the indexer chooses, against the emulated run's own top k on the
+    same queries) and those that see at most top_k keys and must keep them all ("short": their selection is
+    determined, which no rounding changes, so its limit is the emulated run's misses: none); and per key
+    (wrong_picks). Pooled with the short rows, which a healthy engine never misses, the choosing rows' rate
+    would be diluted below any limit (on the H200's GLM-5 prompt, 128 of 200 rows are short). `level`: each
+    layer's two statistical tests' false-alarm chance (the diagnosis's share per item). A shared layer uses
+    the last full layer's scores. llama.cpp's view of the selection that layer il's attention reads is
+    "top_k-{il} (view)" (its own indexer's or the shared one's); the bare "top_k-{il}" node is not reliably
+    that layer's."""
     rows, scores, emu_scores = [], None, None
     for il in range(n_layer):
         scores = ref_caps.get(f"indexer_score-{il}", scores)
@@ -216,30 +230,31 @@ def dsa_rows(n_layer: int, top_k: int, ref_caps: Mapping[str, Any], emu_caps: Ma
             k = min(top_k, scores.shape[1])
             engine_bad, emu_bad = selection_misses(scores, engine_sel, top_k), selection_misses(scores, emu_sel, k)
             choosing = np.isfinite(np.asarray(scores, dtype=np.float64)).sum(axis=1) > k  # [T]
-
-            def group(mask, limit):
-                n, noise = int(mask.sum()), float(emu_bad[mask].mean()) if mask.any() else 0.0
-                return {"disagreement": float(engine_bad[mask].mean()) if n else 0.0, "noise": noise,
-                        "limit": limit(noise, n), "queries": n}
-
-            # a short query's selection is determined (every key it sees), which no rounding changes: it may
-            # miss no more than the emulated run does (none), without routing_limit's one-flip allowance
-            rows.append({"layer": il, **group(choosing, routing_limit), "short": group(~choosing, lambda p, n: p),
-                         "keys": wrong_picks(scores, engine_sel, emu_scores, top_k)})
-    for r in rows:  # the per-key allowance, set for every judged layer together (Bonferroni over layers)
-        r["keys"]["level"] = FAMILY_LEVEL / len(rows)
-        r["keys"]["allowance"] = poisson_allowance(r["keys"]["expected"], r["keys"]["level"])
+            short = ~choosing
+            n_short, short_noise = int(short.sum()), float(emu_bad[short].mean()) if short.any() else 0.0
+            keys = wrong_picks(scores, engine_sel, emu_scores, top_k)
+            keys["level"] = level
+            keys["allowance"] = poisson_allowance(keys["expected"], level)
+            rows.append({"layer": il, **excess_misses(engine_bad[choosing], emu_bad[choosing], level),
+                         "short": {"disagreement": float(engine_bad[short].mean()) if n_short else 0.0,
+                                   "noise": short_noise, "limit": short_noise, "queries": n_short},
+                         "keys": keys})
     return rows
 
 
 def dsa_misses(row: dict) -> str:
-    """Why a dsa_rows row fails ("" when it passes): a group of queries beyond its limit, or the picks far
-    below the k-th score beyond their allowance (wrong_picks)."""
-    for what, g in (("of the queries that choose", row), ("of the queries that see at most top-k keys",
-                                                           row["short"])):
-        if g["disagreement"] > g["limit"]:
-            return (f"{g['disagreement']:.0%} {what} ({g['queries']}; its arithmetic explains "
-                    f"{g['limit']:.0%})")
+    """Why a dsa_rows row fails ("" when it passes): the queries that choose missing the reference's top k
+    where the emulated run does not (excess_misses), a short query's selection missed, or the picks far below
+    the k-th score beyond their allowance (wrong_picks)."""
+    if row["disagreement"] > row["limit"]:
+        return (f"{row['disagreement']:.0%} of the {row['queries']} queries that choose keep no top-k set of the "
+                f"reference's scores ({row['noise']:.0%} under the engine's emulated arithmetic): {row['alone']} "
+                f"where the emulated run keeps one, where a healthy engine misses alone in at most {row['allowed']} of the "
+                f"{row['discordant']} queries either misses (false-alarm chance {row['level']:.2g})")
+    short = row["short"]
+    if short["disagreement"] > short["limit"]:
+        return (f"{short['disagreement']:.0%} of the {short['queries']} queries that see at most top-k keys drop a "
+                "key they see (their selection is determined: no rounding explains a miss)")
     keys = row.get("keys")
     if keys and keys["wrong"] > keys["allowance"]:
         return (f"{keys['wrong']} of {keys['picks']} picks of the {keys['queries']} queries that choose score below "
@@ -249,21 +264,23 @@ def dsa_misses(row: dict) -> str:
 
 
 def moe_rows(n_layer: int, moe: Any, ref_caps: Mapping[str, Any], emu_caps: Mapping[str, Any],
-             engine_caps: Mapping[str, Any]) -> list[dict]:
+             engine_caps: Mapping[str, Any], level: float) -> list[dict]:
     """Per MoE layer the engine exposes: {"layer", "disagreement" (positions whose experts the scores do
-    not allow within routing_tolerance), "tolerance", "positions" (the first 8 of those), "near_ties_taken"
-    (experts not the reference's own top k, yet allowed: near-ties the engine's arithmetic took the other
-    way)}. `moe`: the reference config's MoE part (n_used, n_group, topk_group)."""
+    not allow within routing_tolerance at `level`, each layer's false-alarm chance), "tolerance" (the largest
+    position's), "positions" (the first 8 of those), "near_ties_taken" (experts not the reference's own top k,
+    yet allowed: near-ties the engine's arithmetic took the other way)}. `moe`: the reference config's MoE
+    part (n_used, n_group, topk_group)."""
     rows = []
     for il in range(n_layer):
         name, scores = f"ffn_moe_topk-{il}", f"ffn_moe_scores-{il}"
         if name in engine_caps and scores in ref_caps and scores in emu_caps:
-            tol = routing_tolerance(ref_caps[scores], emu_caps[scores])
+            tol = routing_tolerance(ref_caps[scores], emu_caps[scores], moe.n_used, level, moe.n_group,
+                                    moe.topk_group)
             bad = routing_inadmissible(ref_caps[scores], engine_caps[name], moe.n_used, tol, moe.n_group,
                                        moe.topk_group)
             other = routing_inadmissible(ref_caps[scores], engine_caps[name], moe.n_used, 0.0, moe.n_group,
                                          moe.topk_group) & ~bad
-            rows.append({"layer": il, "disagreement": float(bad.mean()), "tolerance": tol,
+            rows.append({"layer": il, "disagreement": float(bad.mean()), "tolerance": float(tol.max(initial=0.0)),
                          "positions": [int(p) for p in np.nonzero(bad)[0][:8]], "near_ties_taken": int(other.sum())})
     return rows
 
