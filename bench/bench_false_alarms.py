@@ -12,12 +12,17 @@ if they were). The count is reported with its 95% Clopper-Pearson upper bound pe
 
 Engines (their arithmetic as diagnose emulates it, Engine.noise_budget): "transformers" in float32 (float32
 rounded stochastically), bfloat16 and float16 (the reference in that dtype); "llama.cpp" (float32 with Q8
-activations and the F16 KV cache: emulate.LLAMA_CPP_CPU). Models: the demo (Gemma 3 270M Q4_K_M) and the
-tiny checkpoints of tests/fixtures_hf.py (llama, gemma3, deepseek MLA, glm DSA).
+activations and the F16 KV cache: emulate.LLAMA_CPP_CPU); "vllm-cuda" (the dtype, and vLLM's FP8 DSA indexer).
+With --no-replay no run replays another's choices: each draw picks its own keys and experts, as diagnose's
+reference and draws do where the engine exposes no activations (vLLM under torch.compile and CUDA graphs), only
+the prompt's criteria are judged (family 2T + 1), and those per position count the positions beyond their threshold
+against what the draws' own unseen choices explain (layers.py drawn_criteria `unseen`). Models: the demo (Gemma 3
+270M Q4_K_M) and the tiny checkpoints of tests/fixtures_hf.py (llama, gemma3, deepseek MLA, glm DSA).
 
     python bench/bench_false_alarms.py --models tiny-llama,tiny-glm --lengths 16,256,4096 --pool 40
     python bench/bench_false_alarms.py --models demo --engines llama.cpp,transformers --dtypes bfloat16 --lengths 16,64
     python bench/bench_false_alarms.py --models tiny-llama --lengths 32,272 --pool 40 --decode-steps 16
+    python bench/bench_false_alarms.py --models tiny-glm,tiny-deepseek --engines vllm-cuda --dtypes bfloat16 --no-replay
 
 Prints one row per configuration and the total; --json-out writes them.
 """
@@ -43,7 +48,7 @@ from llmdoctor.checks.compute.layers import CURVE_POINTS, distribution_criteria,
 from llmdoctor.diagnose.replay import choices  # noqa: E402
 from llmdoctor.reference import load  # noqa: E402
 from llmdoctor.reference.draws import draw_dtypes, randomized  # noqa: E402
-from llmdoctor.reference.emulate import LLAMA_CPP_CPU  # noqa: E402
+from llmdoctor.reference.emulate import LLAMA_CPP_CPU, vllm_cuda  # noqa: E402
 from llmdoctor.reference.points import REFERENCE_POINTS  # noqa: E402
 
 
@@ -75,28 +80,34 @@ def model_path(name: str, work: Path) -> Path:
     return fixtures_hf.checkpoint(kind, work / kind)[1]
 
 
-def arithmetic(engine: str, dtype: str) -> tuple[str, object, bool]:
-    """(model dtype, emulation, float32 rounded stochastically) of an engine's draws, as Session.draw."""
+def arithmetic(engine: str, dtype: str, cfg) -> tuple[str, object, bool]:
+    """(model dtype, emulation, float32 rounded stochastically) of an engine's draws, as Session.draw; "vllm-cuda":
+    vLLM's CUDA arithmetic where it rounds beyond the dtype (its FP8 DSA indexer, e4m3 in blocks of 128)."""
     if engine == "llama.cpp":
         return "float32", LLAMA_CPP_CPU, False
-    return dtype, None, dtype == "float32"
+    indexer = cfg.mla is not None and cfg.mla.indexer is not None
+    emulate = vllm_cuda(indexer_fp8=128 if indexer else 0) if engine == "vllm-cuda" else None
+    return dtype, emulate, dtype == "float32"
 
 
-def run_config(path: Path, engine: str, dtype: str, length: int, pool: int, seed: int, steps: int = 0) -> dict:
+def run_config(path: Path, engine: str, dtype: str, length: int, pool: int, seed: int, steps: int = 0,
+               replay: bool = True) -> dict:
     """`steps` > 0: the decode-path judgement instead (diagnose/decode.py): the last `steps` rows of each run,
     standing for generated steps, judged against 2 x N_DRAWS other draws of the same tokens kept at the
-    reference's columns alone, in a family that counts them and their control too (hypotheses.py `family`)."""
-    model_dtype, emulate, f32 = arithmetic(engine, dtype)
+    reference's columns alone, in a family that counts them and their control too (hypotheses.py `family`).
+    `replay` False: every run makes its own discrete choices and only the prompt's criteria are judged, as when
+    the engine exposes no activations (vLLM under torch.compile and CUDA graphs)."""
     ref_model = load(path, dtype=torch.float32, cache=True)
-    model = ref_model if model_dtype == "float32" else load(path, dtype=getattr(torch, model_dtype), cache=True)
     cfg = ref_model.config
+    model_dtype, emulate, f32 = arithmetic(engine, dtype, cfg)
+    model = ref_model if model_dtype == "float32" else load(path, dtype=getattr(torch, model_dtype), cache=True)
     ids = torch.randint(1, cfg.n_vocab, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
     caps = set(REFERENCE_POINTS)
     t0 = time.time()
     ref, ref_caps = ref_model.forward(ids, capture=caps)
     # the discrete choices (DSA keys, MoE experts) every run replays, as diagnose replays the engine's into its
     # reference and draws (diagnose/replay.py): here the reference's own, standing for the healthy engine's
-    extra = choices(cfg, ref_caps, length, "cpu")
+    extra = choices(cfg, ref_caps, length, "cpu") if replay else None
     model.forward(ids, capture=caps, emulate=emulate, extra=extra)  # weights dequantized outside the draws
     runs = []
     for i in range(pool):
@@ -104,7 +115,8 @@ def run_config(path: Path, engine: str, dtype: str, length: int, pool: int, seed
             logits, c = model.forward(ids, capture=caps, emulate=emulate, extra=extra)
         runs.append((logits.float(), {k: v for k, v in c.items()}))
     forward_s = (time.time() - t0) / (pool + 2)
-    n_points = sum(f"{p}-{il}" in ref_caps for il in range(cfg.n_layer) for p in CURVE_POINTS)
+    # the engine exposes no activations without replay (compile and graphs): nor layer points nor choices are judged
+    n_points = sum(f"{p}-{il}" in ref_caps for il in range(cfg.n_layer) for p in CURVE_POINTS) if replay else 0
     family = 2 * length + 1 + n_points
     rows = slice(length - steps, length) if steps else slice(0, length)
     if steps:
@@ -118,8 +130,8 @@ def run_config(path: Path, engine: str, dtype: str, length: int, pool: int, seed
         draws = [A.summarize(lg[rows], {} if steps else cp, ref[rows], {} if steps else ref_caps, cols)
                  for lg, cp in others]
         crit = distribution_criteria(eng_logits[rows], ref[rows], others[0][0][rows], draws=draws, cols=cols,
-                                     family=family)
-        curve = [] if steps else error_curve(ref_caps, others[0][1], eng_caps, cfg.n_layer, points=CURVE_POINTS,
+                                     family=family, unseen=not replay)
+        curve = [] if steps or not replay else error_curve(ref_caps, others[0][1], eng_caps, cfg.n_layer, points=CURVE_POINTS,
                                              draws=draws, family=family)
         failed = [c.name for c in crit if not c.ok] + [f"{p.point}-{p.layer}" for p in curve if p.divergent]
         alarms.append(failed)
@@ -130,7 +142,7 @@ def run_config(path: Path, engine: str, dtype: str, length: int, pool: int, seed
     return {"model": path.name, "engine": engine, "dtype": dtype if engine != "llama.cpp" else "float32+Q8",
             "length": length, "diagnoses": pool, "false_alarms": k, "upper95": clopper_pearson_upper(k, pool),
             "worst_ratio": worst, "alarms": [a for a in alarms if a][:5], "forward_s": round(forward_s, 2),
-            "family": family, "judged": "decode steps" if steps else "prompt", "steps": steps}
+            "family": family, "judged": "decode steps" if steps else "prompt", "steps": steps, "replay": replay}
 
 
 def main() -> None:
@@ -143,6 +155,8 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--decode-steps", type=int, default=0,
                     help="judge the last N rows as the decode path judges its steps (2 x N_DRAWS draws; pool > that)")
+    ap.add_argument("--no-replay", action="store_true",
+                    help="every run makes its own DSA / MoE choices, and they are judged (an engine that exposes none)")
     ap.add_argument("--json-out")
     a = ap.parse_args()
     rows = []
@@ -154,7 +168,8 @@ def main() -> None:
                     for length in map(int, a.lengths.split(",")):
                         t = time.time()
                         try:
-                            r = run_config(path, engine, dtype, length, a.pool, a.seed, a.decode_steps)
+                            r = run_config(path, engine, dtype, length, a.pool, a.seed, a.decode_steps,
+                                           not a.no_replay)
                         except Exception as e:  # a configuration that cannot run is said, not hidden
                             print(f"{name} {engine} {dtype} {length}: skipped: {type(e).__name__}: {e}", flush=True)
                             continue

@@ -106,3 +106,27 @@ def test_transformers_deepseek_decode_fault_is_found_under_both_choice_sets(deep
            in f.explanation
     sets = f.metrics["choice_sets"]
     assert not sets["engine_prefill"]["ok"] and not sets["reference_own"]["ok"], sets
+
+
+def test_choices_the_engine_hides_are_counted_not_judged_per_position(deepseek):
+    """transformers on the tiny DeepSeek-V3 exposes its experts: they are replayed and every position is judged on its
+    own. With its ffn_moe_topk captures removed (as vLLM under compile and CUDA graphs exposes none), every run takes
+    its own experts, the session says the choices are unseen, and kl_position and top1 count the positions beyond
+    their draws' spread against what the draws' own counts explain."""
+    from llmdoctor.diagnose.hypotheses import h_engine_vs_reference
+
+    long_ids = [(7 * i * i + 3 * i + 1) % 90 + 3 for i in range(64)]
+    s = dg.Session(dg.Inputs(hf=deepseek[0], engine="transformers", token_ids=long_ids, generate=0, threads=2,
+                             engine_dtype="bfloat16"))
+    try:
+        assert not s.choices_unseen()
+        for k in [k for k in s.engine_run().captures if k.startswith("ffn_moe_topk")]:
+            del s.engine_run().captures[k]
+        assert s.choices_unseen() and not s.replays()
+        f = h_engine_vs_reference(s)[0]
+    finally:
+        s.close()
+    assert f.status == "pass", f.explanation
+    counted = {c["criterion"]: c["allowance"]["unseen_choices"] for c in f.evidence if "unseen_choices" in (c["allowance"] or {})}
+    assert set(counted) == {"kl_position", "top1"}, f.evidence
+    assert all(u["draws"] >= 3 and u["allowed"] >= 0 for u in counted.values()), counted

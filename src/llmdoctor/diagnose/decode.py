@@ -82,7 +82,8 @@ def judge_steps(s: Session, gen: Generation, budget: Any, control: bool = True) 
     ref, ref_caps, _ = s.reference("float32", tokens=full)
     emu, emu_caps, _ = s.reference(budget.dtype, budget.emulate, tokens=full)
     ctl = s.engine_run_on(full).logits[rows] if control else None
-    first = decode.judge(gen.logits, ctl, ref[rows], emu[rows], gen.ids, *draws_on(s, full, rows, more=2), family(s))
+    first = decode.judge(gen.logits, ctl, ref[rows], emu[rows], gen.ids, *draws_on(s, full, rows, more=2), family(s),
+                         s.choices_unseen(full))
     own = None
     if not first.decode_ok and s.replays(full):
         ref_own = s.reference("float32", tokens=full, replay=False)[0]

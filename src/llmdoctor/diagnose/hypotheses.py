@@ -72,7 +72,9 @@ def family(s: Session) -> int:
     """How many items the diagnosis judges against the draws (allowance.py sets every threshold for all of them):
     two per position (top-1, KL), the mean KL, and every layer point the engine and the reference both captured;
     two per decode step and the mean KL, for the decode steps and for the engine's prefill of them (decode-path);
-    and the configured deployment's own requests (configured.py `planned_items`)."""
+    the configured deployment's own requests (configured.py `planned_items`); two per indexer layer whose
+    selection dsa-selection judges (its queries and its keys) and one per MoE layer whose routing the engine
+    exposes (moe-routing)."""
     from ..checks.compute.layers import CURVE_POINTS
     from .requests import planned_items
 
@@ -82,9 +84,21 @@ def family(s: Session) -> int:
                      for il in range(s.config().n_layer) for p in CURVE_POINTS)
         steps = max(s.inputs.generate - 1, 0)
         decode = 2 * (2 * steps + 1) if steps else 0
-        return 2 * len(s.tokens()) + 1 + points + decode + planned_items(s)
+        moe = sum(f"ffn_moe_topk-{il}" in engine_caps for il in range(s.config().n_layer))
+        choices = 2 * len(indexer_layers(s)) + moe
+        return 2 * len(s.tokens()) + 1 + points + decode + planned_items(s) + choices
 
     return s.once("family", make)
+
+
+def indexer_layers(s: Session) -> list[int]:
+    """The layers whose DSA key selection dsa-selection judges: the engine exposes it, and the prompt is longer
+    than the indexer's top k (else every query keeps every key it sees)."""
+    m = s.config().mla
+    if m is None or m.indexer is None or len(s.tokens()) <= m.indexer.top_k:
+        return []
+    caps = s.engine_run().captures
+    return [il for il in range(s.config().n_layer) if f"top_k-{il} (view)" in caps or f"top_k-{il}" in caps]
 
 
 def prefill_criteria(s: Session) -> list:
@@ -96,7 +110,7 @@ def prefill_criteria(s: Session) -> list:
 
     return s.once("prefill-criteria", lambda: distribution_criteria(
         torch.as_tensor(s.engine_run().logits), s.reference("float32")[0], s.budget_reference()[0], s.tokens(),
-        draws=draws(s), cols=draw_columns(s), family=family(s)))
+        draws=draws(s), cols=draw_columns(s), family=family(s), unseen=s.choices_unseen()))
 
 
 def divergence(s: Session):
@@ -392,7 +406,11 @@ def h_engine_vs_reference(s: Session) -> list[Finding]:
                      + "; ".join(f"the {c.name} criterion fails: {c.reason}" for c in failed) if failed else
                      f"KL {by['kl'].value:.3g} (noise {by['kl'].noise:.3g}), top-1 {top1:.0%}: every top-1 flip "
                      "and the KL within the engine's noise" + (f"; closest to its allowance: {edge.name}, "
-                                                                f"{times(edge.times)}" if edge else ""))
+                                                                f"{times(edge.times)}" if edge else "")
+                     + "".join(f"; {c.name}: {int(c.value)} position(s) beyond their draws' spread, "
+                               f"within the {c.allowance['unseen_choices']['allowed']} that near-ties taken the "
+                               "other way explain (the engine exposes its expert or key choices to no replay)"
+                               for c in crit if c.value and (c.allowance or {}).get("unseen_choices")))
         + f" (the engine's arithmetic: {budget['arithmetic']})",
     )]
 
@@ -443,6 +461,7 @@ def h_dsa_selection(s: Session) -> list[Finding]:
     emulated run's; checks/compute/routing.py), per query and per key (the picks far below the k-th score,
     which stand out where the FP8 indexer makes exact top-k sets rare). A wrong indexer (rope on the wrong
     dims, a missing weight, the wrong scale) shows here before the attention output does."""
+    from ..checks.compute.allowance import FAMILY_LEVEL
     from ..checks.compute.routing import dsa_misses, dsa_rows
 
     m = s.config().mla
@@ -452,7 +471,8 @@ def h_dsa_selection(s: Session) -> list[Finding]:
     engine_caps = s.engine_run().captures
     _, ref_caps, _ = s.reference("float32")
     _, emu_caps, _ = s.budget_reference()
-    rows = dsa_rows(s.config().n_layer, m.indexer.top_k, ref_caps, emu_caps, engine_caps)
+    rows = dsa_rows(s.config().n_layer, m.indexer.top_k, ref_caps, emu_caps, engine_caps,
+                    FAMILY_LEVEL / family(s))
     if not rows:
         raise Skip("the engine exposed no indexer selections (top_k)")
     bad = [r for r in rows if dsa_misses(r)]
@@ -486,12 +506,14 @@ def h_moe_routing(s: Session) -> list[Finding]:
     (replay.py), so a near-tie flip is neither a routing fault nor a divergence
     downstream. A missing score-correction bias, a wrong grouped top-k or a wrong gating function
     chooses experts the scores do not allow."""
+    from ..checks.compute.allowance import FAMILY_LEVEL
     from ..checks.compute.routing import moe_rows, router_inputs_differ
 
     engine_caps = s.engine_run().captures
     _, ref_caps, _ = s.reference("float32")
     _, emu_caps, _ = s.budget_reference()
-    rows = moe_rows(s.config().n_layer, s.config().moe, ref_caps, emu_caps, engine_caps)
+    rows = moe_rows(s.config().n_layer, s.config().moe, ref_caps, emu_caps, engine_caps,
+                    FAMILY_LEVEL / family(s))
     if not rows:
         raise Skip("the engine exposed no routing decisions (ffn_moe_topk)")
     curve, _, _ = divergence(s)

@@ -59,3 +59,12 @@ def choices(cfg: Any, captures: dict[str, Any], n_tokens: int, device: str) -> d
 def has_choices(cfg: Any) -> bool:
     """Whether the model makes discrete choices an engine may make otherwise (MoE routing, a DSA indexer)."""
     return cfg.moe is not None or (cfg.mla is not None and cfg.mla.indexer is not None)
+
+
+def unseen(cfg: Any, replayed: dict) -> bool:
+    """Whether a kind of discrete choice the model makes is missing from `replayed` (choices' answer, {} for none):
+    a DSA indexer's keys or MoE experts the engine did not expose."""
+    from ..reference.arch_deepseek import DSA_OVERRIDE, MOE_OVERRIDE
+
+    indexer = cfg.mla is not None and cfg.mla.indexer is not None
+    return (indexer and DSA_OVERRIDE not in replayed) or (cfg.moe is not None and MOE_OVERRIDE not in replayed)

@@ -211,6 +211,17 @@ class Session:
         ids = self.tokens() if tokens is None else list(tokens)
         return self.replayed_choices(None if ids == self.tokens() else ids) is not None
 
+    def choices_unseen(self, tokens: list[int] | None = None) -> bool:
+        """Whether the model makes discrete choices (MoE experts, DSA keys) and the engine's run of `tokens` exposes
+        none of some kind of them, so that every run takes its own near-ties there (layers.py `drawn_criteria`
+        then counts the positions beyond their threshold)."""
+        cfg = self.config()
+        if self.inputs.engine is None or not replay.has_choices(cfg):
+            return False
+        ids = self.tokens() if tokens is None else list(tokens)
+        got = self.replayed_choices(None if ids == self.tokens() else ids) or {}
+        return replay.unseen(cfg, got)
+
     def budget(self) -> Budget:
         """Which reference run emulates the engine's arithmetic (the engine's answer, from its run)."""
         return self.engine().noise_budget(self.engine_run())
@@ -247,7 +258,8 @@ class Session:
             self.progress(f"randomized draw {i + 1} of the engine's arithmetic ({dtype}"
                           f"{', ' + b.emulate.name if b.emulate else ''}{f', {len(ids)} tokens' if other else ''}"
                           f"{', the reference choices' if own else ''})")
-            with stage("reference"), self.pinned_threads(), randomized(self.inputs.seed * 1000 + i, draw_dtypes(float32)):
+            seed = self.inputs.seed * 1000 + i
+            with stage("reference"), self.pinned_threads(), randomized(seed, draw_dtypes(float32)):
                 logits, caps = model.forward(ids, capture=set(REFERENCE_POINTS), emulate=b.emulate, extra=extra)
             return summarize(logits.cpu(), caps)
 

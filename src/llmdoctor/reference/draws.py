@@ -36,7 +36,21 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 
 aten = torch.ops.aten
-_GENERATOR: ContextVar["torch.Generator | None"] = ContextVar("llmdoctor_draw", default=None)
+_GENERATOR: ContextVar["Generators | None"] = ContextVar("llmdoctor_draw", default=None)
+
+
+class Generators:
+    """One draw's random generators, one per device its tensors lie on (a generator draws on its own device
+    only; a draw on a GPU still makes small tensors on the CPU), each seeded with the draw's seed."""
+
+    def __init__(self, seed: int) -> None:
+        self.seed, self._by_device = seed, {}
+
+    def on(self, device: torch.device) -> torch.Generator:
+        key = str(device)
+        if key not in self._by_device:
+            self._by_device[key] = torch.Generator(device=device).manual_seed(self.seed)
+        return self._by_device[key]
 FP8 = tuple(d for d in (getattr(torch, n, None) for n in ("float8_e4m3fn", "float8_e5m2")) if d is not None)
 HALF = (torch.bfloat16, torch.float16, *FP8)
 # pure data movement: the result holds input values, nothing to round (and an embedding table stays unwidened)
@@ -77,15 +91,15 @@ def random_integer(x: torch.Tensor) -> torch.Tensor | None:
     g = _GENERATOR.get()
     if g is None:
         return None
-    return torch.floor(x + torch.rand(x.shape, generator=g, dtype=x.dtype, device=x.device))
+    return torch.floor(x + torch.rand(x.shape, generator=g.on(x.device), dtype=x.dtype, device=x.device))
 
 
 class _RandomRounding(TorchDispatchMode):
     """Every op with a result in one of `dtypes`: computed one dtype wider, rounded stochastically back."""
 
-    def __init__(self, generator: torch.Generator, dtypes: frozenset[torch.dtype]):
+    def __init__(self, generators: Generators, dtypes: frozenset[torch.dtype]):
         super().__init__()
-        self.generator, self.dtypes = generator, dtypes
+        self.generators, self.dtypes = generators, dtypes
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -112,7 +126,7 @@ class _RandomRounding(TorchDispatchMode):
 
         kw = {k: (wide if k == "dtype" else up(v)) for k, v in kwargs.items()} if "dtype" in kwargs else tree_map(up, kwargs)
         out = func(*tree_map(up, args), **kw)
-        return tree_map(lambda o: stochastic_round(o, target, self.generator)
+        return tree_map(lambda o: stochastic_round(o, target, self.generators.on(o.device))
                         if isinstance(o, torch.Tensor) and o.dtype == wide else o, out)
 
 
@@ -131,8 +145,9 @@ def draw_dtypes(float32: bool) -> frozenset[torch.dtype]:
 
 @contextmanager
 def randomized(seed: int, dtypes: frozenset[torch.dtype]) -> Iterator[None]:
-    """One draw: every op and emulated rounding inside the block rounds stochastically (seeded by `seed`)."""
-    g = torch.Generator().manual_seed(seed)
+    """One draw: every op and emulated rounding inside the block rounds stochastically (seeded by `seed`, on
+    whichever device each tensor lies)."""
+    g = Generators(seed)
     token = _GENERATOR.set(g)
     try:
         with _RandomRounding(g, dtypes):

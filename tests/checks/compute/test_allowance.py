@@ -37,6 +37,29 @@ def test_randomized_matmul_is_a_fresh_draw_each_seed():
     assert float((y1.float() - exact).abs().max()) <= float(exact.abs().max()) * 2 ** -7
 
 
+def test_a_draw_is_reproducible_by_its_seed():
+    a, b = torch.randn(16, 64).bfloat16(), torch.randn(64, 8).bfloat16()
+    with randomized(5, draw_dtypes(False)):
+        y1 = a @ b
+    with randomized(5, draw_dtypes(False)):
+        y2 = a @ b
+    assert torch.equal(y1, y2)
+
+
+@pytest.mark.gpu
+def test_a_draw_on_the_gpu_rounds_the_tensors_of_either_device():
+    """A draw of a model on the GPU also makes small tensors on the CPU: each device draws from its own generator
+    (the first GPU pass of `diagnose --device cuda` with draws stopped at a generator of the other device)."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU on this machine")
+    a, b = torch.randn(16, 64).bfloat16(), torch.randn(64, 8).bfloat16()
+    with randomized(1, draw_dtypes(False)):
+        on_gpu, on_cpu = a.cuda() @ b.cuda(), a @ b
+    assert on_gpu.device.type == "cuda" and on_cpu.device.type == "cpu" and on_gpu.dtype == torch.bfloat16
+    exact = a.float() @ b.float()
+    assert float((on_gpu.cpu().float() - exact).abs().max()) <= float(exact.abs().max()) * 2 ** -7
+
+
 def test_t_quantile_matches_known_values():
     assert abs(A.t_quantile(0.025, 8) - 2.306) < 1e-3
     assert abs(A.t_quantile(0.005, 4) - 4.604) < 1e-3
@@ -163,3 +186,70 @@ def test_layer_points_against_their_draws():
     assert healthy[0].allowance >= A.K_MODEL and "ratio" in healthy[0].as_dict()
     layer, point = first_divergent_layer(error_curve(ref, noisy(20), noisy(21, 3), 6, points=("l_out",), draws=draws))
     assert layer == 3 and point.ratio > A.MARGINAL
+
+
+# ---- discrete choices no run replays (allowance.unseen_choices) --------------------------------
+
+def test_poisson_upper_is_garwoods_bound():
+    assert abs(A.poisson_upper(0, 0.05) - 2.995732) < 1e-5  # -ln 0.05
+    assert abs(A.poisson_upper(3, 0.025) - 8.767273) < 1e-5  # chi2(0.975, 8) / 2
+    assert A.poisson_allowance(0.0, 1e-3) == 0 and A.poisson_allowance(1.0, 1e-3) == 5
+
+
+def test_unseen_choices_false_alarm_rate_is_measured_below_its_level():
+    """Rare events at a few positions (near-ties a run takes the other way), each position its own chance: the
+    engine's count beyond what its 8 draws' counts allow exceeds it in under `level` of 20,000 healthy trials."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    p = np.zeros(200)
+    p[:12], p[12:15] = 0.04, 0.3  # [T]: most positions never flip; 12 rarely, 3 often
+    level, trials = 0.01, 20_000
+    draws = rng.random((trials, A.N_DRAWS, 200)) < p  # [trials, N, T]
+    engine = (rng.random((trials, 200)) < p).sum(1)  # [trials]
+    allowed = {}
+    alarms = found = 0
+    for seen, got in zip(draws.sum((1, 2)).tolist(), engine.tolist()):
+        if seen not in allowed:
+            null = torch.zeros(A.N_DRAWS, 200, dtype=torch.bool)
+            null.view(-1)[:seen] = True
+            allowed[seen] = A.unseen_choices(null, level).allowed
+        alarms += got > allowed[seen]
+        found += got + 15 > allowed[seen]  # a fault at 15 more positions
+    assert alarms / trials < level, (alarms, trials)
+    assert found / trials > 0.99, found / trials  # and not vacuous: 15 wrong positions stand out
+
+
+def _choice_runs(ref: torch.Tensor, seed: int, near_ties: list[int], p: float, flipped: list[int] | None = None):
+    """A healthy run that also takes its own discrete choices: at each near-tie position, with chance p (or at
+    `flipped`), the position's logits move as a different expert or key would move them (far beyond rounding)."""
+    g = torch.Generator().manual_seed(10_000 + seed)
+    out = _draw(ref, seed)
+    take = flipped if flipped is not None else [t for t in near_ties if float(torch.rand(1, generator=g)) < p]
+    for t in take:
+        out[t] = out[t] + 0.6 * torch.randn(ref.shape[1], generator=torch.Generator().manual_seed(t), dtype=torch.float64)
+    return out
+
+
+def test_unseen_choices_admit_a_few_flipped_positions_and_still_find_a_fault():
+    """Where the engine exposes no choices, a healthy engine's near-tie taken the other way at two positions fails
+    the per-position criteria as before (unseen=False) and passes counted against the draws' own (unseen=True), which
+    say why; a fault at 40 positions still fails."""
+    ref = _logits(200)
+    near = list(range(0, 200, 10))  # 20 positions with a near-tie
+    draws_logits = [_choice_runs(ref, i, near, 0.02) for i in range(A.N_DRAWS)]
+    cols = A.columns(ref)
+    draws = [A.summarize(d, {}, ref, {}, cols) for d in draws_logits]
+
+    def judge(engine, unseen):
+        return {c.name: c for c in distribution_criteria(engine, ref, draws_logits[0], draws=draws, cols=cols,
+                                                         unseen=unseen)}
+
+    healthy = _choice_runs(ref, 100, near, 0.0, flipped=[50, 130])
+    assert not judge(healthy, False)["kl_position"].ok
+    crit = judge(healthy, True)
+    assert all(c.ok for c in crit.values()), {n: c.reason for n, c in crit.items()}
+    assert "unseen" in crit["kl_position"].reason and crit["kl_position"].allowance["unseen_choices"]["allowed"] >= 2
+    faulty = _choice_runs(ref, 100, near, 0.0, flipped=list(range(3, 200, 5)))
+    crit = judge(faulty, True)
+    assert not crit["kl_position"].ok and crit["kl_position"].times > 1, crit["kl_position"].reason

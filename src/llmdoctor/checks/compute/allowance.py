@@ -188,6 +188,72 @@ def magnitude_allowance(null: torch.Tensor, items: int, family: int, draws: int)
     return Allowance(max(K_MODEL, stat), items, level, draws, model=K_MODEL if K_MODEL >= stat else 1.0)
 
 
+def poisson_allowance(lam: float, level: float) -> int:
+    """The smallest count a with P(Poisson(lam) > a) <= level."""
+    a, term = 0, math.exp(-lam)
+    cdf = term
+    while 1.0 - cdf > level and a < 10_000_000:
+        a += 1
+        term *= lam / a
+        cdf += term
+    return a
+
+
+def poisson_upper(count: int, level: float) -> float:
+    """The exact (Garwood) upper confidence bound on a Poisson mean from one observed `count`: the mean m with
+    P(Poisson(m) <= count) = level, by bisection."""
+    def cdf(m: float) -> float:
+        term = total = math.exp(-m)
+        for a in range(1, count + 1):
+            term *= m / a
+            total += term
+        return total
+
+    lo, hi = 0.0, float(count) + 10.0
+    while cdf(hi) > level:
+        hi *= 2
+    for _ in range(100):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if cdf(mid) > level else (lo, mid)
+    return hi
+
+
+@dataclass
+class UnseenChoices:
+    """How many items a healthy engine may have beyond their threshold where it makes discrete choices (MoE
+    experts, DSA keys) that no run can replay (an engine that exposes none: vLLM under torch.compile and CUDA
+    graphs). Each run then takes its own near-ties, and one taken the other way moves that position far beyond
+    the arithmetic's spread there: a rare event per position, so the number of such positions, not any one of
+    them, is the statistic. The draws, each judged against the others (leave one out) at the same threshold,
+    have `seen` beyond it in all; the healthy rate per run is at most `rate` (Poisson upper bound at confidence
+    1 - level/2 from `seen` over `draws`) and the engine may have `allowed` (Poisson(rate)'s count exceeded with
+    probability level/2). Positions beyond their threshold are rare independent events, whose count is less
+    dispersed than Poisson's (a Poisson-binomial), so the bound holds whatever each position's own chance."""
+
+    allowed: int
+    seen: int
+    draws: int
+    rate: float
+    level: float
+
+    def as_dict(self) -> dict:
+        return {"allowed": self.allowed, "seen_in_draws": self.seen, "draws": self.draws, "rate_upper": self.rate,
+                "level": self.level}
+
+    def words(self) -> str:
+        return (f"the engine's discrete choices are unseen (it exposes none to replay; near-tie experts or keys may "
+                f"go either way): a healthy engine has up to {self.allowed} such positions (its draws, each against "
+                f"the others, have {self.seen} in {self.draws})")
+
+
+def unseen_choices(null_beyond: torch.Tensor, level: float) -> UnseenChoices:
+    """null_beyond: bool [N, T], each draw's items beyond the threshold against the other draws; `level`: the
+    criterion's false-alarm share (split between the rate's bound and the count's tail)."""
+    n, seen = int(null_beyond.shape[0]), int(null_beyond.sum())
+    rate = poisson_upper(seen, level / 2) / max(n, 1)
+    return UnseenChoices(poisson_allowance(rate, level / 2), seen, n, rate, level)
+
+
 def marginal(ratio: float) -> bool:
     """A verdict within MARGINAL of its allowance either way (a non-finite ratio is never marginal)."""
     return math.isfinite(ratio) and 1 / MARGINAL < ratio < MARGINAL

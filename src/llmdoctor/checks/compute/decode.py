@@ -47,16 +47,18 @@ class DecodeJudgement:
 
 
 def judge(generated: Any, control: Any, ref: Any, budget: Any, ids: list[int], draws: list | None = None,
-          cols: Any = None, family: int | None = None) -> DecodeJudgement:
+          cols: Any = None, family: int | None = None, unseen: bool = False) -> DecodeJudgement:
     """generated, control, ref, budget: logits [n, V] of the n generated steps (row i: the distribution
     that chose ids[i]); row 0 comes from the prompt's prefill and is shown, not judged. `control` None: no
     control is judged (its criteria are none, and a step's bound is the emulated run's alone). With `draws`
     (allowance.DrawSummary of the same n rows, kept at `cols` [n, C]) every criterion is judged against the draws'
     spread, set for a diagnosis of `family` items (layers.py `drawn_criteria`), and a step is beyond its bound where
-    its KL is beyond the per-position allowance of the draws' KL there."""
+    its KL is beyond the per-position allowance of the draws' KL there. `unseen`: the engine's discrete choices
+    are not replayed (layers.py `drawn_criteria`)."""
     got, want, emu = (torch.as_tensor(x).to(torch.float64) for x in (generated, ref, budget))
     tokens = list(ids)
-    steps_only = dict(draws=[d.rows(slice(1, None)) for d in draws], cols=cols[1:], family=family) if draws else {}
+    steps_only = dict(draws=[d.rows(slice(1, None)) for d in draws], cols=cols[1:], family=family,
+                      unseen=unseen) if draws else {}
     decode = distribution_criteria(got[1:], want[1:], emu[1:], tokens[:-1], **steps_only)
     kl, kl_noise = (metrics.kl_divergence(x, want) for x in (got, emu))  # [n]
     if control is None:

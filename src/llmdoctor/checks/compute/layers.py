@@ -169,11 +169,12 @@ class Criterion:
 
 def distribution_criteria(engine: Any, ref: Any, budget: Any, tokens: list[int] | None = None,
                           draws: "list[A.DrawSummary] | None" = None, cols: torch.Tensor | None = None,
-                          family: int | None = None) -> list[Criterion]:
+                          family: int | None = None, unseen: bool = False) -> list[Criterion]:
     """The engine's next-token distributions against the reference's, every criterion noise-aware.
     engine, ref, budget: logits [T, V] (budget: the reference run with the engine's arithmetic). With
     `draws` (at least MIN_DRAWS randomized runs summarized at `cols`, allowance.columns(ref, engine)) the
-    criteria after `finite` are `drawn_criteria`'s, set for a diagnosis of `family` judged items.
+    criteria after `finite` are `drawn_criteria`'s, set for a diagnosis of `family` judged items (`unseen`: the
+    engine's discrete choices are not replayed, see there).
 
     - finite: no inf/NaN logit where the reference is finite (no rounding noise explains one). The
       other criteria judge the finite positions only (a KL over NaN is NaN, which says nothing).
@@ -200,7 +201,7 @@ def distribution_criteria(engine: Any, ref: Any, budget: Any, tokens: list[int] 
     if not len(keep):
         return out
     if draws and len(draws) >= A.MIN_DRAWS:
-        return out + drawn_criteria(got[keep], want[keep], keep, draws, cols[keep], family, tokens)
+        return out + drawn_criteria(got[keep], want[keep], keep, draws, cols[keep], family, tokens, unseen)
     got, want, emu = got[keep], want[keep], emu[keep]
     position = keep.tolist()  # index among the judged -> position
     kl, kl_noise = metrics.kl_divergence(got, want), metrics.kl_divergence(emu, want)  # [T']
@@ -235,7 +236,8 @@ def distribution_criteria(engine: Any, ref: Any, budget: Any, tokens: list[int] 
 
 
 def drawn_criteria(got: torch.Tensor, want: torch.Tensor, keep: torch.Tensor, draws: "list[A.DrawSummary]",
-                   cols: torch.Tensor, family: int | None, tokens: list[int] | None = None) -> list[Criterion]:
+                   cols: torch.Tensor, family: int | None, tokens: list[int] | None = None,
+                   unseen: bool = False) -> list[Criterion]:
     """kl, kl_position and top1 of the finite positions `keep` (got, want: their logits [T', V]; cols [T', C])
     against the draws' spread (allowance.py), each threshold set for `family` judged items (default: these).
 
@@ -249,6 +251,11 @@ def drawn_criteria(got: torch.Tensor, want: torch.Tensor, keep: torch.Tensor, dr
       logits' spread; a pair the draws did not keep (the engine's top-1 is not among `cols`) has the
       vocabulary-averaged pair noise alone. The tail is measured on the pair every position could flip to, the
       reference's top-2.
+
+    `unseen`: the model makes discrete choices (MoE experts, DSA keys) the engine exposes none of, so no run
+    replays another's and each takes its own near-ties. kl_position and top1 then count the positions beyond
+    their threshold against the count a healthy engine's unseen choices explain (allowance.unseen_choices, from
+    the draws' own leave-one-out counts at the same threshold), each count at its positions' share of the level.
     """
     n_draws, t_n = len(draws), got.shape[0]
     family = family or 2 * t_n + 1
@@ -280,12 +287,15 @@ def drawn_criteria(got: torch.Tensor, want: torch.Tensor, keep: torch.Tensor, dr
     bad = (~(z <= allow.threshold)).nonzero().flatten().tolist()
     worst = int(z.argmax())
     ratio = float(z[worst]) / allow.threshold
+    choices = A.unseen_choices(~(null <= allow.threshold), t_n * allow.level) if unseen else None
+    ok, ratio, more = _counted(len(bad), ratio, choices)
     out.append(Criterion(
-        "kl_position", float(len(bad)), 0.0, float(kl_d.mean()), not bad,
-        f"{len(bad)} of {t_n} positions' KL beyond their draws' spread; the worst, position {position[worst]}, "
+        "kl_position", float(len(bad)), float(choices.allowed if choices else 0), float(kl_d.mean()), ok,
+        f"{len(bad)} of {t_n} positions' KL beyond their draws' spread{more}; the worst, position {position[worst]}, "
         f"KL {float(kl[worst]):.3g} where the draws' is {float(kl_d[:, worst].mean()):.3g}: {A.times(ratio)}",
         [{"position": position[i], "kl": float(kl[i]), "kl_draws": float(kl_d[:, i].mean()), "z": float(z[i])}
-         for i in sorted(range(t_n), key=lambda i: -float(z[i]))[:5]], ratio, allow.as_dict()))
+         for i in sorted(range(t_n), key=lambda i: -float(z[i]))[:5]], ratio,
+        {**allow.as_dict(), **({"unseen_choices": choices.as_dict()} if choices else {})}))
 
     # top-1 flips against their own pair's spread
     spread2 = (A.PAIR_FLOOR * metrics.logit_pair_noise(torch.zeros_like(want), want)) ** 2  # [T']
@@ -315,11 +325,32 @@ def drawn_criteria(got: torch.Tensor, want: torch.Tensor, keep: torch.Tensor, dr
             r["context_token"] = int(tokens[r["position"]])
     rows.sort(key=lambda r: -r["z"])
     ratio = rows[0]["z"] / allow.threshold if rows else 0.0
+    # a draw flips to the reference's top-2 where its error on (top-1 - top-2) takes the reference's whole margin
+    choices = A.unseen_choices((-e_null > margin_2(want)) & ~(e_null.abs() / loo <= allow.threshold),
+                               t_n * allow.level) if unseen else None
+    ok, ratio, more = _counted(len(beyond), ratio, choices)
     first = (f": at position {rows[0]['position']} the engine's error on the reference's top-1 vs its own is "
              f"{rows[0]['pair_error']:.3g} where that pair's spread over {n_draws} draws is {rows[0]['pair_spread']:.3g} "
              f"(allowance {allow.threshold:.3g}x): {A.times(ratio)}") if rows else ""
     out.append(Criterion(
-        "top1", float(len(beyond)), 0.0, 0.0, not beyond,
-        f"{len(rows)} of {t_n} top-1 flips, {len(beyond)} beyond their pair's spread over the draws{first}",
-        rows[:5], ratio, allow.as_dict()))
+        "top1", float(len(beyond)), float(choices.allowed if choices else 0), 0.0, ok,
+        f"{len(rows)} of {t_n} top-1 flips, {len(beyond)} beyond their pair's spread over the draws{more}{first}",
+        rows[:5], ratio, {**allow.as_dict(), **({"unseen_choices": choices.as_dict()} if choices else {})}))
     return out
+
+
+def margin_2(want: torch.Tensor) -> torch.Tensor:
+    """[T]: the reference's logit margin of its top-1 over its top-2 (want: logits [T, V])."""
+    top = want.topk(2, dim=-1).values
+    return top[:, 0] - top[:, 1]
+
+
+def _counted(beyond: int, worst_ratio: float, choices: "A.UnseenChoices | None") -> tuple[bool, float, str]:
+    """(ok, ratio, words) of a per-position criterion with `beyond` positions beyond their threshold: none may be
+    (`choices` None or allowing none: the ratio is the worst position's), or up to choices.allowed (the ratio is
+    the count over that; with none beyond, the worst position's ratio over it)."""
+    if choices is None:
+        return not beyond, worst_ratio, ""
+    a = choices.allowed
+    ratio = worst_ratio if not a else (beyond / a if beyond else worst_ratio / a)
+    return beyond <= a, ratio, f" ({choices.words()})"
