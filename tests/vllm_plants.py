@@ -25,6 +25,9 @@ ladder", has the measurements and the rung that names each):
   prompt is longer than --max-num-batched-tokens. A prefix-cache hit (a new request starting past 0) is not
   shifted, so prefix caching off does not make it agree. The class of transformers #43082 and vllm #10388
   (positions of a later prefill chunk computed wrong).
+- "loader-q-rows": LlamaForCausalLM.load_weights stores q_proj's rows per head in the adjacent-pair order that
+  convert_hf_to_gguf's permutation gives a GGUF, while RoPE keeps NeoX halves: every configuration runs it, so no
+  rung agrees (the class of the tiny llama Q8_0 GGUF through vllm-gguf-plugin 0.0.5 on the H100, bench/RESULTS.md).
 
 Run as a script in vLLM's interpreter (`python vllm_plants.py SPEC.json OUT.json`), this file runs LLM(...)
 configurations over requests and writes their logprobs: the tests' direct check of each plant."""
@@ -35,7 +38,7 @@ import os
 import sys
 from pathlib import Path
 
-KINDS = ("compiled-path", "prefix-cache-collision", "chunk-offset", "graph-frozen-scale")
+KINDS = ("compiled-path", "prefix-cache-collision", "chunk-offset", "graph-frozen-scale", "loader-q-rows")
 KIND_FILE = "vllm_plant.txt"
 FIRED: dict[str, int] = {}  # patched function -> calls (traced once under torch.compile); the runner reports it
 
@@ -157,11 +160,34 @@ def _scale_frozen_at_capture(module):
     cls.forward = forward
 
 
+def _q_rows_in_gguf_order(module) -> None:
+    """LlamaForCausalLM.load_weights with each q_proj weight's rows, per head, in convert_hf_to_gguf's RoPE order (the
+    halves' rows interleaved as adjacent pairs), which the NeoX rotary then pairs wrongly."""
+    cls = module.LlamaForCausalLM
+    original = cls.load_weights
+
+    def load_weights(self, weights):
+        n_head = self.config.num_attention_heads
+
+        def permuted(items):
+            for name, w in items:
+                if name.endswith("q_proj.weight"):
+                    _fired("LlamaForCausalLM.load_weights q_proj")
+                    # w: [n_head * head_dim, hidden] -> per head [2, head_dim / 2] rows, swapped to [head_dim / 2, 2]
+                    w = w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+                yield name, w
+
+        return original(self, permuted(weights))
+
+    cls.load_weights = load_weights
+
+
 PATCHES = {  # kind -> (the vLLM module, its patch)
     "compiled-path": ("vllm.model_executor.layers.rotary_embedding.base", _rope_native_pairs),
     "prefix-cache-collision": ("vllm.v1.core.kv_cache_utils", _hash_ignores_tokens),
     "chunk-offset": ("vllm.v1.worker.gpu_model_runner", _later_chunk_positions_shifted),
     "graph-frozen-scale": ("vllm.v1.attention.backends.flash_attn", _scale_frozen_at_capture),
+    "loader-q-rows": ("vllm.model_executor.models.llama", _q_rows_in_gguf_order),
 }
 
 

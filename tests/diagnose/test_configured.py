@@ -117,3 +117,23 @@ def test_each_planted_fault_is_named_by_its_rung(vllm_python, llama, tmp_path, m
         loc = next(f for f in doc["findings"] if f["check"] == "layer-localization")
         cause = loc["metrics"]["error_pattern"]["cause"]
         assert "with the positions from 16 on one later" in cause and "the engine agrees" in cause, cause
+
+
+@pytest.mark.slow
+def test_a_fault_in_every_configuration_is_localized_without_naming_an_option(vllm_python, llama, tmp_path,
+                                                                              monkeypatch):
+    """q_proj loaded in GGUF's adjacent-pair row order (the tiny Q8_0 GGUF's fault under the GPU plugin) runs in every
+    configuration: no rung agrees, the ladder names no option, and says where the fault is: layer 0's Qcur."""
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    for k, v in plant_env("loader-q-rows", tmp_path / "plant").items():
+        monkeypatch.setenv(k, v)
+    doc = diagnose(vllm_python, f"{llama} {EAGER}")
+    assert doc["verdict"].startswith("fault found"), doc["verdict"]
+    ladder = next(f for f in doc["findings"] if f["check"] == "configured-ladder")
+    rungs = [r for r in ladder["evidence"] if "option" in r]
+    assert ladder["status"] == "pass" and ladder["metrics"]["option"] is None, ladder
+    assert rungs and all(r["ran"] and r["agrees"] is False for r in rungs), rungs
+    assert "the fault is in the path every configuration runs" in ladder["explanation"], ladder["explanation"]
+    where = ladder["metrics"]["localized"]
+    assert where["localized"] and where["layer"] == 0 and where["point"] == "Qcur", where
+    assert "first divergent layer 0, Qcur-0" in ladder["explanation"], ladder["explanation"]

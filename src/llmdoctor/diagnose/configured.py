@@ -14,15 +14,16 @@ Two more requests reach what they cannot:
                      steps are judged, and the engine's own uncached prefill of the same tokens is the control
                      (vLLM never reads the prefix cache for a request that asks prompt logprobs)
 
-The ladder (`h_configured_ladder`) runs when one of these requests, the prompt or the generated steps disagree:
-the engine starts again with one option put back at a time, in the order of the issue (CUDA graphs, torch.compile,
-the KV-cache dtype, prefix caching, chunked prefill, the attention backend the deployment chose), in the
-same driver process (vLLM frees one engine before the next loads), and the first option whose reversal makes every
-failing request agree is named. Each rung is judged with its own noise budget (its own arithmetic: an fp8 cache
-put back is no longer emulated). The named fault is then localized to a layer and op in a configuration that keeps
-it (`localize_failing`): forward hooks fire neither in a compiled graph nor under CUDA-graph replay, so a compiled
-configuration is captured eagerly with vLLM's custom ops in their native forms (the code torch.compile traces);
-where that configuration agrees, the words say the fault lives only in code no hook sees.
+The ladder (`h_configured_ladder`) runs when one of these requests, the prompt or the generated steps disagree: the
+engine starts again with one option put back at a time, in the order of the issue (CUDA graphs, torch.compile, the
+KV-cache dtype, prefix caching, chunked prefill, the attention backend the deployment chose), in the same driver
+process (vLLM frees one engine before the next loads), and the first option whose reversal makes every failing
+request agree is named. Each rung is judged with its own noise budget (its own arithmetic: an fp8 cache put back is
+no longer emulated). The fault, named or in every configuration (no rung agrees), is then localized to a layer and
+op in a configuration that keeps it (`localize_failing`): forward hooks fire neither in a compiled graph nor under
+CUDA-graph replay, so a compiled configuration is captured eagerly with vLLM's custom ops in their native forms
+(the code torch.compile traces); where that configuration agrees, the words say the fault lives only in code no
+hook sees.
 """
 
 from __future__ import annotations
@@ -98,7 +99,8 @@ def _criteria(s: Session, engine_logits: Any, tokens: list[int], rows: slice, bu
         ref = s.reference("float32", tokens=tokens, replay=replay)[0][rows]
         emu = s.reference(budget.dtype, budget.emulate, tokens=tokens, replay=replay)[0][rows]
         draws, cols = draws_on(s, tokens, rows, replay)
-        crit = distribution_criteria(got, ref, emu, tokens[rows], draws=draws, cols=cols, family=family(s))
+        crit = distribution_criteria(got, ref, emu, tokens[rows], draws=draws, cols=cols, family=family(s),
+                                     unseen=replay and s.choices_unseen(tokens))
         if all(c.ok for c in crit):
             return crit
         first = first or crit
@@ -277,13 +279,16 @@ def h_configured_ladder(s: Session) -> list[Finding]:
     tried = ", ".join(r["option"] for r in rungs) or "none applies"
     metrics = {"failing_requests": names, "options_tried": [r["option"] for r in rungs],
                "option": cause[0] if cause else None}
-    if cause is None:
-        return [Finding(check="configured-ladder", subject=s.inputs.engine, target="the deployment's options",
-                        status="pass", confidence="medium", hypothesis=LADDER_HYPOTHESIS, metrics=metrics, evidence=rungs,
-                        explanation=f"no single option's reversal makes the engine agree (tried: {tried}; failing: "
-                                    f"{', '.join(names)}): the fault is in the path every configuration runs")]
+    # where no option is the cause the fault runs in every configuration, the capturing one too: localize it either way
     where = localize_failing(s, engine, cfg, failing)
     metrics["localized"] = {k: v for k, v in where.items() if k != "curve"}
+    if cause is None:
+        return [Finding(check="configured-ladder", subject=s.inputs.engine, target="the deployment's options",
+                        status="pass", confidence="medium", hypothesis=LADDER_HYPOTHESIS, metrics=metrics,
+                        evidence=[*rungs, {"localization": where}],
+                        explanation=f"no single option's reversal makes the engine agree (tried: {tried}; failing: "
+                                    f"{', '.join(names)}): the fault is in the path every configuration runs; "
+                                    f"{where['words']}")]
     return [Finding(check="configured-ladder", subject=s.inputs.engine, target=f"option {cause[0]}", status="fail",
                     confidence="high", hypothesis=LADDER_HYPOTHESIS, metrics=metrics, evidence=[*rungs, {"localization": where}],
                     explanation=f"{cause[1]} ({', '.join(names)} disagreed as configured; tried in order: {tried}); "
