@@ -27,6 +27,7 @@
 #               with wrong k/v scales), DeepSeek-V3 chunked and fp8, GLM-5 DSA under the defaults, the tokenizer-only
 #               GGUF, a bad flag and a missing model; beside them issue 35's vLLM false-alarm rows (bench_vllm_alarms.py)
 #   settle      after configured: the Q8_0 GGUF row eager and with --hf, GLM-5 DSA eager, longer false-alarm rows
+#   choices     after settle: the Q8_0 GGUF, GLM-5 DSA and DeepSeek-V3 (200 ids, with fp8 KV) under the defaults again
 #   mini        the least for a short pass: the dsa stage (when setup built the models: MODELS=0 skips them),
 #               bench/h200_fa_mla_probe.py, the GPU tests
 #
@@ -79,7 +80,7 @@ crow() {  # name PYTHON "ARGS" [diagnose options]: one row into $D, vLLM built f
     local name=$1 py=$2 args=$3
     shift 3
     timeout "$(left)" python3 -m llmdoctor.cli diagnose --engine vllm --engine-python "$py" --engine-args "$args" \
-        "$@" --json-out "$D/$name.json" > "$D/$name.log" 2>&1
+        "$@" ${DIAG_EXTRA:-} --json-out "$D/$name.json" > "$D/$name.log" 2>&1
     step "$name: exit $?"
 }
 
@@ -339,6 +340,27 @@ settle)  # after `configured`: the rows it left unsettled, each with one thing c
     pack
     ;;
 
+choices)  # after settle: the rows it explained, again with what followed (2026-12-06): a fault no rung clears is localized,
+    # and a model whose choices the compiled engine hides is judged by counting positions (layers.py `unseen`)
+    D="$W/choices"
+    mkdir -p "$D" "$M/tok-only"
+    cp "$M/llama-q8_0"/tokenizer*.json "$M/tok-only/" 2>/dev/null
+    export LLMDOCTOR_VLLM_GPU_MEMORY_UTILIZATION=0.15
+    LONG=$(python3 -c "print(','.join(str((7 * i * i + 3 * i + 1) % 96) for i in range(200)))")
+    step "lanes: ${CHOICES:=q8 glm deepseek alarms} (${DIAG_EXTRA:-})"
+    [[ $CHOICES == *q8* ]] && crow q8-tok-only-defaults /tmp/vpy "$M/llama-q8_0/llama-q8_0.gguf --tokenizer $M/tok-only --dtype bfloat16" \
+        --token-ids "$TOKENS" --generate 0 &
+    [[ $CHOICES == *glm* ]] && crow glm-dsa-defaults /tmp/vpy "$M/glm/hf-glm --dtype bfloat16" \
+        --token-ids "$(python3 bench/h200_vllm.py dsa-tokens)" --generate 0 &
+    [[ $CHOICES == *deepseek* ]] && { crow deepseek-defaults /tmp/vpy "$M/deepseek/hf-deepseek --dtype bfloat16" --token-ids "$LONG" --generate 4
+      crow deepseek-defaults-fp8kv /tmp/vpy "$M/deepseek/hf-deepseek --dtype bfloat16 --kv-cache-dtype fp8" --token-ids "$LONG" \
+          --generate 0; } &
+    [[ $CHOICES == *alarms* ]] && alarms bfloat16 64,200 &
+    wait
+    step "end"
+    pack
+    ;;
+
 types)  # after setup (MODELS=0 is enough): check dequant --kernel vllm on every GGUF type, written straight
     G="$OUT"  # to $OUT (what a call cut short at the device budget's end leaves there still comes back)
     types
@@ -362,7 +384,7 @@ mini)  # the least a short pass needs after setup: the dsa stage, the FlashAttn 
     ;;
 
 *)
-    echo "unknown stage $stage (stash DIR | setup | diagnose | dsa | gpu | rows | rest | types | mini | args | configured | settle)" >&2
+    echo "unknown stage $stage (stash DIR | setup | diagnose | dsa | gpu | rows | rest | types | mini | args | configured | settle | choices)" >&2
     exit 2
     ;;
 esac
