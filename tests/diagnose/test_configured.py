@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 from typer.testing import CliRunner
 
 from llmdoctor.cli import app
@@ -71,9 +72,15 @@ def test_a_healthy_configured_engine_agrees_on_every_request(vllm_python, model,
     got = by_target(doc, "configured-requests")
     chunked = got["a prompt longer than the token budget"]
     prefix = got["a request reading another's blocks from the prefix cache"]
-    assert chunked["status"] == "pass" and chunked["metrics"]["chunks"] == 3, chunked
-    assert prefix["status"] == "pass", prefix
-    assert prefix["metrics"]["cached_tokens"] == prefix["metrics"]["shared_tokens"] == 32, prefix["metrics"]
+    if model == "deepseek" and not torch.cpu._is_amx_tile_supported():
+        # vLLM for CPU turns chunked prefill and prefix caching off for MLA on a CPU without AMX tiles
+        # (vllm/platforms/cpu.py, "MLA is enabled on a non-GPU platform"): the requests that need them say so
+        assert chunked["status"] == "skip" and "chunked prefill is off" in chunked["reason"], chunked
+        assert prefix["status"] == "skip" and "prefix caching is off" in prefix["reason"], prefix
+    else:
+        assert chunked["status"] == "pass" and chunked["metrics"]["chunks"] == 3, chunked
+        assert prefix["status"] == "pass", prefix
+        assert prefix["metrics"]["cached_tokens"] == prefix["metrics"]["shared_tokens"] == 32, prefix["metrics"]
     ladder = next(f for f in doc["findings"] if f["check"] == "configured-ladder")
     assert ladder["status"] == "skip" and "every request agrees" in ladder["reason"]
     assert doc["verdict"] == "healthy", doc["verdict"]
