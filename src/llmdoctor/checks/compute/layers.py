@@ -286,13 +286,13 @@ def drawn_criteria(got: torch.Tensor, want: torch.Tensor, keep: torch.Tensor, dr
     allow = A.signed_allowance(null, t_n, family, n_draws)
     bad = (~(z <= allow.threshold)).nonzero().flatten().tolist()
     worst = int(z.argmax())
-    ratio = float(z[worst]) / allow.threshold
+    at_worst = float(z[worst]) / allow.threshold
     choices = A.unseen_choices(~(null <= allow.threshold), t_n * allow.level) if unseen else None
-    ok, ratio, more = _counted(len(bad), ratio, choices)
+    ok, ratio, more = _counted(len(bad), at_worst, choices)
     out.append(Criterion(
         "kl_position", float(len(bad)), float(choices.allowed if choices else 0), float(kl_d.mean()), ok,
         f"{len(bad)} of {t_n} positions' KL beyond their draws' spread{more}; the worst, position {position[worst]}, "
-        f"KL {float(kl[worst]):.3g} where the draws' is {float(kl_d[:, worst].mean()):.3g}: {A.times(ratio)}",
+        f"KL {float(kl[worst]):.3g} where the draws' is {float(kl_d[:, worst].mean()):.3g}: {A.times(at_worst)}",
         [{"position": position[i], "kl": float(kl[i]), "kl_draws": float(kl_d[:, i].mean()), "z": float(z[i])}
          for i in sorted(range(t_n), key=lambda i: -float(z[i]))[:5]], ratio,
         {**allow.as_dict(), **({"unseen_choices": choices.as_dict()} if choices else {})}))
@@ -324,14 +324,14 @@ def drawn_criteria(got: torch.Tensor, want: torch.Tensor, keep: torch.Tensor, dr
         for r in rows:
             r["context_token"] = int(tokens[r["position"]])
     rows.sort(key=lambda r: -r["z"])
-    ratio = rows[0]["z"] / allow.threshold if rows else 0.0
+    at_worst = rows[0]["z"] / allow.threshold if rows else 0.0
     # a draw flips to the reference's top-2 where its error on (top-1 - top-2) takes the reference's whole margin
     choices = A.unseen_choices((-e_null > margin_2(want)) & ~(e_null.abs() / loo <= allow.threshold),
                                t_n * allow.level) if unseen else None
-    ok, ratio, more = _counted(len(beyond), ratio, choices)
+    ok, ratio, more = _counted(len(beyond), at_worst, choices)
     first = (f": at position {rows[0]['position']} the engine's error on the reference's top-1 vs its own is "
              f"{rows[0]['pair_error']:.3g} where that pair's spread over {n_draws} draws is {rows[0]['pair_spread']:.3g} "
-             f"(allowance {allow.threshold:.3g}x): {A.times(ratio)}") if rows else ""
+             f"(allowance {allow.threshold:.3g}x): {A.times(at_worst)}") if rows else ""
     out.append(Criterion(
         "top1", float(len(beyond)), float(choices.allowed if choices else 0), 0.0, ok,
         f"{len(rows)} of {t_n} top-1 flips, {len(beyond)} beyond their pair's spread over the draws{more}{first}",
