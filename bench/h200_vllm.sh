@@ -350,7 +350,9 @@ choices)  # after settle: the rows it explained, again with what followed (2026-
     step "lanes: ${CHOICES:=q8 glm deepseek alarms} (${DIAG_EXTRA:-})"
     [[ $CHOICES == *q8* ]] && crow q8-tok-only-defaults /tmp/vpy "$M/llama-q8_0/llama-q8_0.gguf --tokenizer $M/tok-only --dtype bfloat16" \
         --token-ids "$TOKENS" --generate 0 &
-    [[ $CHOICES == *glm* ]] && crow glm-dsa-defaults /tmp/vpy "$M/glm/hf-glm --dtype bfloat16" \
+    [[ " $CHOICES " == *" glm "* ]] && crow glm-dsa-defaults /tmp/vpy "$M/glm/hf-glm --dtype bfloat16" \
+        --token-ids "$(python3 bench/h200_vllm.py dsa-tokens)" --generate 0 &
+    [[ $CHOICES == *glmfp8* ]] && crow glm-dsa-defaults-fp8kv /tmp/vpy "$M/glm/hf-glm --dtype bfloat16 --kv-cache-dtype fp8" \
         --token-ids "$(python3 bench/h200_vllm.py dsa-tokens)" --generate 0 &
     [[ $CHOICES == *deepseek* ]] && { crow deepseek-defaults /tmp/vpy "$M/deepseek/hf-deepseek --dtype bfloat16" --token-ids "$LONG" --generate 4
       crow deepseek-defaults-fp8kv /tmp/vpy "$M/deepseek/hf-deepseek --dtype bfloat16 --kv-cache-dtype fp8" --token-ids "$LONG" \
