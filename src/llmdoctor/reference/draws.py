@@ -38,6 +38,18 @@ from torch.utils._pytree import tree_map
 aten = torch.ops.aten
 _GENERATOR: ContextVar["Generators | None"] = ContextVar("llmdoctor_draw", default=None)
 
+FP8 = tuple(d for d in (getattr(torch, n, None) for n in ("float8_e4m3fn", "float8_e5m2")) if d is not None)
+HALF = (torch.bfloat16, torch.float16, *FP8)
+# pure data movement: the result holds input values, nothing to round (and an embedding table stays unwidened)
+_EXACT = {aten.embedding.default, aten.index.Tensor, aten.index_select.default, aten.gather.default,
+          aten.cat.default, aten.stack.default, aten.clone.default, aten.where.self, aten.masked_fill.Scalar,
+          aten.constant_pad_nd.default, aten.topk.default, aten.sort.default, aten.max.dim, aten.amax.default,
+          aten.argmax.default, aten._unsafe_view.default, aten.copy.default, aten.lift_fresh.default}
+
+
+def _wider(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float32 else torch.float32
+
 
 class Generators:
     """One draw's random generators, one per device its tensors lie on (a generator draws on its own device
@@ -51,17 +63,6 @@ class Generators:
         if key not in self._by_device:
             self._by_device[key] = torch.Generator(device=device).manual_seed(self.seed)
         return self._by_device[key]
-FP8 = tuple(d for d in (getattr(torch, n, None) for n in ("float8_e4m3fn", "float8_e5m2")) if d is not None)
-HALF = (torch.bfloat16, torch.float16, *FP8)
-# pure data movement: the result holds input values, nothing to round (and an embedding table stays unwidened)
-_EXACT = {aten.embedding.default, aten.index.Tensor, aten.index_select.default, aten.gather.default,
-          aten.cat.default, aten.stack.default, aten.clone.default, aten.where.self, aten.masked_fill.Scalar,
-          aten.constant_pad_nd.default, aten.topk.default, aten.sort.default, aten.max.dim, aten.amax.default,
-          aten.argmax.default, aten._unsafe_view.default, aten.copy.default, aten.lift_fresh.default}
-
-
-def _wider(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float32 else torch.float32
 
 
 def stochastic_round(x: torch.Tensor, dtype: torch.dtype, generator: torch.Generator | None = None) -> torch.Tensor:
