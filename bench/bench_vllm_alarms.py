@@ -38,7 +38,8 @@ def diagnose_once(args: argparse.Namespace, dtype: str, ids: list[int]) -> dict:
     engine = (["--engine-args", args.engine_args.replace("{dtype}", dtype)] if args.engine_args
               else ["--hf", args.model, "--engine-dtype", dtype])
     r = CliRunner().invoke(app, ["diagnose", *engine, "--engine", "vllm", "--engine-python", args.python,
-                                 "--token-ids", ",".join(map(str, ids)), "--generate", str(args.generate), "--json"])
+                                 "--token-ids", ",".join(map(str, ids)), "--generate", str(args.generate),
+                                 "--device", args.device, "--json"])
     try:
         doc = json.loads(r.stdout)
     except json.JSONDecodeError:
@@ -60,6 +61,7 @@ def main() -> None:
     ap.add_argument("--lengths", default="16,64,200")
     ap.add_argument("--per-row", type=int, default=20)
     ap.add_argument("--generate", type=int, default=0)
+    ap.add_argument("--device", default="cpu", help="where the reference and its draws run (diagnose --device)")
     ap.add_argument("--vocab", type=int, default=None, help="ids drawn below this (default: the config's vocab_size)")
     ap.add_argument("--seconds", type=float, default=None, help="stop starting diagnoses after this long")
     ap.add_argument("--json-out", type=Path, default=None)
