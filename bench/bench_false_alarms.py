@@ -94,7 +94,9 @@ def run_config(path: Path, engine: str, dtype: str, length: int, pool: int, seed
                replay: bool = True) -> dict:
     """`steps` > 0: the decode-path judgement instead (diagnose/decode.py): the last `steps` rows of each run,
     standing for generated steps, judged against 2 x N_DRAWS other draws of the same tokens kept at the
-    reference's columns alone, in a family that counts them and their control too (hypotheses.py `family`).
+    reference's columns alone, in a family that counts them and their control too (hypotheses.py `family`); with
+    `replay`, the decode steps' activations too (all but the first of those rows, as the decode path judges them
+    where the engine exposes them: checks/compute/decode.py `judge_points`).
     `replay` False: every run makes its own discrete choices and only the prompt's criteria are judged, as when
     the engine exposes no activations (vLLM under torch.compile and CUDA graphs)."""
     ref_model = load(path, dtype=torch.float32, cache=True)
@@ -119,20 +121,23 @@ def run_config(path: Path, engine: str, dtype: str, length: int, pool: int, seed
     n_points = sum(f"{p}-{il}" in ref_caps for il in range(cfg.n_layer) for p in CURVE_POINTS) if replay else 0
     family = 2 * length + 1 + n_points
     rows = slice(length - steps, length) if steps else slice(0, length)
+    at = rows if not steps else slice(length - steps + 1, length)  # the points' rows: the decode steps'
     if steps:
-        family += 2 * (2 * (steps - 1) + 1)
+        family += 2 * (2 * (steps - 1) + 1) + 2 * n_points  # the decode steps' points and their control's
+
+    def held(caps: dict) -> dict:
+        return {k: v[at] for k, v in caps.items() if getattr(v, "ndim", 0) and v.shape[0] == length}
     n_draws = 2 * A.N_DRAWS if steps else A.N_DRAWS
     alarms, worst = [], {}
     for j in range(pool):
         eng_logits, eng_caps = runs[j]
         others = [runs[(j + 1 + k) % pool] for k in range(n_draws)]
         cols = A.columns(ref[rows]) if steps else A.columns(ref, eng_logits)
-        draws = [A.summarize(lg[rows], {} if steps else cp, ref[rows], {} if steps else ref_caps, cols)
-                 for lg, cp in others]
+        draws = [A.summarize(lg[rows], held(cp), ref[rows], held(ref_caps), cols) for lg, cp in others]
         crit = distribution_criteria(eng_logits[rows], ref[rows], others[0][0][rows], draws=draws, cols=cols,
                                      family=family, unseen=not replay)
-        curve = [] if steps or not replay else error_curve(ref_caps, others[0][1], eng_caps, cfg.n_layer, points=CURVE_POINTS,
-                                             draws=draws, family=family)
+        curve = [] if not replay else error_curve(held(ref_caps), held(others[0][1]), held(eng_caps), cfg.n_layer,
+                                                  points=CURVE_POINTS, draws=draws, family=family)
         failed = [c.name for c in crit if not c.ok] + [f"{p.point}-{p.layer}" for p in curve if p.divergent]
         alarms.append(failed)
         for c in crit:

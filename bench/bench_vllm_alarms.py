@@ -12,6 +12,11 @@ repeated prompt, so every diagnosis gets a fresh prompt (ids drawn with a fixed 
     python bench/bench_vllm_alarms.py --python /tmp/vpy --model DIR --dtypes bfloat16,float32 --lengths 16,64,200 \
         --per-row 20 [--engine-args "MODEL --dtype bfloat16"] [--seconds 400] [--json-out F]
 
+The same for another in-process engine on a GGUF (the engine's own dtype: one row per length), e.g. llama.cpp on the
+demo with its decode path judged:
+
+    python bench/bench_vllm_alarms.py --engine llama.cpp --model DEMO.gguf --lengths 32 --generate 16 --per-row 20
+
 Prints one row per dtype and length and the total; a row cut short by --seconds says how many it ran.
 """
 
@@ -35,11 +40,16 @@ def diagnose_once(args: argparse.Namespace, dtype: str, ids: list[int]) -> dict:
 
     from llmdoctor.cli import app
 
-    engine = (["--engine-args", args.engine_args.replace("{dtype}", dtype)] if args.engine_args
-              else ["--hf", args.model, "--engine-dtype", dtype])
-    r = CliRunner().invoke(app, ["diagnose", *engine, "--engine", "vllm", "--engine-python", args.python,
-                                 "--token-ids", ",".join(map(str, ids)), "--generate", str(args.generate),
-                                 "--device", args.device, "--json"])
+    if args.model.endswith(".gguf"):
+        engine = ["--gguf", args.model]
+    elif args.engine_args:
+        engine = ["--engine-args", args.engine_args.replace("{dtype}", dtype)]
+    else:
+        engine = ["--hf", args.model, "--engine-dtype", dtype]
+    if args.engine == "vllm":
+        engine += ["--engine-python", args.python]
+    r = CliRunner().invoke(app, ["diagnose", *engine, "--engine", args.engine, "--token-ids", ",".join(map(str, ids)),
+                                 "--generate", str(args.generate), "--device", args.device, "--json"])
     try:
         doc = json.loads(r.stdout)
     except json.JSONDecodeError:
@@ -52,10 +62,19 @@ def diagnose_once(args: argparse.Namespace, dtype: str, ids: list[int]) -> dict:
     return {"exit": r.exit_code, "verdict": doc["verdict"][:300], "failing": failing, "skipped": skipped_compute}
 
 
+def _gguf_vocab(path: str) -> int:
+    from llmdoctor.gguf.split import open_gguf
+    from llmdoctor.reference import from_gguf
+
+    with open_gguf(path) as g:
+        return from_gguf(g).n_vocab
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--python", required=True, help="the deployment's interpreter (imports vllm)")
-    ap.add_argument("--model", required=True, help="HF checkpoint folder (the reference; the engine's model)")
+    ap.add_argument("--engine", default="vllm", help="diagnose --engine")
+    ap.add_argument("--python", help="the deployment's interpreter (imports vllm; --engine vllm)")
+    ap.add_argument("--model", required=True, help="HF checkpoint folder or a GGUF (the reference; the engine's model)")
     ap.add_argument("--engine-args", default=None, help="`vllm serve` arguments ({dtype} filled in per row)")
     ap.add_argument("--dtypes", default="bfloat16,float32")
     ap.add_argument("--lengths", default="16,64,200")
@@ -66,9 +85,13 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=None, help="stop starting diagnoses after this long")
     ap.add_argument("--json-out", type=Path, default=None)
     args = ap.parse_args()
-    vocab = args.vocab or json.loads((Path(args.model) / "config.json").read_text())["vocab_size"]
+    if args.engine == "vllm" and not args.python:
+        ap.error("--engine vllm needs --python")
+    gguf = args.model.endswith(".gguf")
+    vocab = args.vocab or (_gguf_vocab(args.model) if gguf else
+                           json.loads((Path(args.model) / "config.json").read_text())["vocab_size"])
     t0, rows = time.perf_counter(), []
-    for dtype in args.dtypes.split(","):
+    for dtype in ["gguf"] if gguf else args.dtypes.split(","):
         for length in map(int, args.lengths.split(",")):
             rng = random.Random(f"{dtype}-{length}")
             row = {"dtype": dtype, "length": length, "diagnoses": 0, "alarms": 0, "no_compute": 0, "examples": [],

@@ -45,15 +45,17 @@ def draws(s: Session) -> list:
     return [s.draw(i, lambda logits, caps: summarize(logits, caps, ref, ref_caps, cols)) for i in range(s.n_draws)]
 
 
-def draws_on(s: Session, tokens: list[int], rows: slice, replay: bool = True, more: int = 1) -> tuple[list, Any]:
+def draws_on(s: Session, tokens: list[int], rows: slice, replay: bool = True, more: int = 1,
+             point_rows: slice | None = None) -> tuple[list, Any]:
     """(summaries, cols): the session's randomized draws of the engine's arithmetic on other `tokens` (the decode
     steps' prompt + continuation, a configured request), each summarized at `rows` against the float32 reference of
     the same tokens under the same choice set (`replay`, Session.reference), keeping the reference's top tokens
     (the engine that will be judged is not known when they are made: several configurations' runs share them).
     `more` times the session's number of draws: the decode steps ask twice as many (a step is one position, judged
     against its own spread: t_16's quantile at a diagnosis's level is 6.7 where t_8's is 10.6, so a single wrong
-    step stands out; few rows make them cheap). The prompt's own draws where they are the same. ([], None) without
-    draws."""
+    step stands out; few rows make them cheap). `point_rows`: each draw's activations are measured too, at those
+    positions (the decode steps' points, decode.py). The prompt's own draws where they are the same. ([], None)
+    without draws."""
     from ..checks.compute.allowance import columns, summarize
 
     if not s.n_draws:
@@ -61,17 +63,25 @@ def draws_on(s: Session, tokens: list[int], rows: slice, replay: bool = True, mo
     ids = list(tokens)
     if ids == s.tokens() and replay and more == 1 and range(*rows.indices(len(ids))) == range(len(ids)):
         return draws(s), draw_columns(s)
-    ref = s.reference("float32", tokens=ids, replay=replay)[0][rows]
-    cols = columns(ref)
+    ref_all, ref_caps, _ = s.reference("float32", tokens=ids, replay=replay)
+    ref, cols = ref_all[rows], columns(ref_all[rows])
     key = f"-rows-{rows.start}-{rows.stop}"
-    return [s.draw(i, lambda logits, caps: summarize(logits[rows], {}, ref, {}, cols), tokens=ids, replay=replay,
-                   key=key) for i in range(more * s.n_draws)], cols
+    at = {}
+    if point_rows is not None:
+        at = {k: v[point_rows] for k, v in ref_caps.items() if getattr(v, "ndim", 0) and v.shape[0] == len(ids)}
+        key += f"-points-{point_rows.start}-{point_rows.stop}"
+
+    def summary(logits, caps):
+        return summarize(logits[rows], {k: caps[k][point_rows] for k in at if k in caps}, ref, at, cols)
+
+    return [s.draw(i, summary, tokens=ids, replay=replay, key=key) for i in range(more * s.n_draws)], cols
 
 
 def family(s: Session) -> int:
     """How many items the diagnosis judges against the draws (allowance.py sets every threshold for all of them):
     two per position (top-1, KL), the mean KL, and every layer point the engine and the reference both captured;
-    two per decode step and the mean KL, for the decode steps and for the engine's prefill of them (decode-path);
+    two per decode step and the mean KL, for the decode steps and for the engine's prefill of them, and where the
+    decode path judges their activations (`decode_points_judged`) every point the decode steps expose, twice;
     the configured deployment's own requests (configured.py `planned_items`); two per indexer layer whose
     selection dsa-selection judges (its queries and its keys) and one per MoE layer whose routing the engine
     exposes (moe-routing)."""
@@ -84,11 +94,28 @@ def family(s: Session) -> int:
                      for il in range(s.config().n_layer) for p in CURVE_POINTS)
         steps = max(s.inputs.generate - 1, 0)
         decode = 2 * (2 * steps + 1) if steps else 0
+        if steps and decode_points_judged(s):
+            try:
+                shown = s.generation(captures=True).captures
+            except Skip:  # no generation: no decode point is judged
+                shown = {}
+            decode += 2 * sum(f"{p}-{il}" in shown and f"{p}-{il}" in ref_caps
+                              for il in range(s.config().n_layer) for p in CURVE_POINTS)
         moe = sum(f"ffn_moe_topk-{il}" in engine_caps for il in range(s.config().n_layer))
         choices = 2 * len(indexer_layers(s)) + moe
         return 2 * len(s.tokens()) + 1 + points + decode + planned_items(s) + choices
 
     return s.once("family", make)
+
+
+def decode_points_judged(s: Session) -> bool:
+    """Whether the decode path judges the decode steps' activations (decode.py `decode_points`): the engine's
+    generation exposes them, and the model makes no discrete choice (the reference's activations are then those of
+    the engine's own path; a model with choices has its decode steps' activations compared only to localize a fault
+    its distributions show)."""
+    from . import replay
+
+    return s.engine().traits.decode_captures is not None and not replay.has_choices(s.config())
 
 
 def indexer_layers(s: Session) -> list[int]:

@@ -188,6 +188,39 @@ def test_layer_points_against_their_draws():
     assert layer == 3 and point.ratio > A.MARGINAL
 
 
+def test_decode_points_against_their_draws_with_the_prefill_as_control():
+    """checks/compute/decode.judge_points: the decode steps' activations [n-1, D] and the engine's prefill of the same
+    positions against the draws' errors there. Healthy: both pass. A fault only in the decode steps from step 4 on
+    (row 2) is the decode's, at its layer, first wrong at step 4; the same fault in the prefill too is the control's."""
+    from llmdoctor.checks.compute import decode
+
+    g = torch.Generator().manual_seed(0)
+    names = [f"kqv_out-{i}" for i in range(4)] + [f"l_out-{i}" for i in range(4)]
+    ref = {n: torch.randn(7, 64, generator=g, dtype=torch.float64) for n in names}  # 7 decode steps
+
+    def noisy(seed, fault_layer=None):
+        gg = torch.Generator().manual_seed(seed)
+        out = {n: x + 1e-3 * torch.randn(x.shape, generator=gg, dtype=torch.float64) for n, x in ref.items()}
+        if fault_layer is not None:
+            for n in names:
+                if int(n.split("-")[1]) >= fault_layer:
+                    out[n][2:] += 0.05 * torch.randn(out[n][2:].shape, generator=gg, dtype=torch.float64)
+        return out
+
+    def summary(d):
+        return A.DrawSummary(*(torch.zeros(1),) * 5, points={n: float((d[n] - ref[n]).norm() / ref[n].norm())
+                                                           for n in names})
+
+    draws = [summary(noisy(i)) for i in range(1, 17)]
+    healthy = decode.judge_points(noisy(40), noisy(41), ref, noisy(42), 4, draws, 100)
+    assert healthy.decode_ok and healthy.control_ok and healthy.first_step is None and len(healthy.decode) == 8
+    bad = decode.judge_points(noisy(40, fault_layer=1), noisy(41), ref, noisy(42), 4, draws, 100)
+    assert not bad.decode_ok and bad.control_ok
+    assert (bad.layer, bad.point.point, bad.first_step) == (1, "kqv_out", 3)  # row 2: step 3 (0-based), step 4 said
+    both = decode.judge_points(noisy(40, fault_layer=1), noisy(41, fault_layer=1), ref, noisy(42), 4, draws, 100)
+    assert not both.control_ok and both.control_layer == 1
+
+
 # ---- discrete choices no run replays (allowance.unseen_choices) --------------------------------
 
 def test_poisson_upper_is_garwoods_bound():

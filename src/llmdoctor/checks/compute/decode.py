@@ -17,6 +17,14 @@ position, the emulated run's and the engine's own prefill's (K and FLOOR as laye
 noisy measure (on the demo in llama.cpp, healthy, a decode step's KL reaches 3.2x the emulated run's at
 its position and the control's 5.4x): the larger of the two draws absorbs that, and a fault stays far
 beyond it (a KV entry of another token: 38x at the first decode step; RoPE at p-1: 6x from the second).
+
+Where the engine exposes its decode steps' activations (llama.cpp's graph nodes, transformers' hidden states) and the
+model makes no discrete choices (so that the reference's activations are those of the engine's own path), the decode
+steps' activations are judged too, point by point as the prompt's are (layers.py `error_curve`, each point against
+the draws' spread at the same positions, the threshold set for the whole diagnosis), with the engine's prefill of
+the same tokens as their control (`judge_points`). A fault can move the activations well beyond the noise and the
+distributions not: measured on the demo in llama.cpp, 7 decode steps rotated at p-1 put kqv_out-2 at 6.3x the draws.
+RMS error there while the decode steps' mean KL stays within its allowance (bench/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -27,7 +35,7 @@ from typing import Any
 import torch
 
 from .. import metrics
-from .layers import FLOOR, K, Criterion, distribution_criteria
+from .layers import FLOOR, K, Criterion, PointError, distribution_criteria, error_curve, first_divergent_layer
 
 
 @dataclass
@@ -84,3 +92,45 @@ def judge(generated: Any, control: Any, ref: Any, budget: Any, ids: list[int], d
                       "kl_control": None if control is None else float(kl_ctl[i]),
                       "bound": float(bound[i]), "reference_top1": int(want[i].argmax()), "beyond": wrong})
     return DecodeJudgement(decode, control_crit, steps, first)
+
+
+@dataclass
+class PointsJudgement:
+    """The decode steps' activations against the reference's at the same positions, and the engine's prefill of the
+    same tokens' (the control), each point against its noise (layers.py `error_curve`)."""
+
+    decode: list[PointError]  # every (layer, point) the decode steps, the reference and the emulated run all hold
+    control: list[PointError]  # the same points of the engine's prefill of the same tokens
+    layer: int | None  # the decode steps' first persistently divergent layer, or None
+    point: PointError | None  # its first divergent point
+    control_layer: int | None  # the control's first persistently divergent layer, or None
+    first_step: int | None  # the first decode step (0-based, as DecodeJudgement) whose own error at `point` is
+    #                         beyond that point's limit: for the report, not the verdict
+
+    @property
+    def decode_ok(self) -> bool:
+        return self.layer is None
+
+    @property
+    def control_ok(self) -> bool:
+        return self.control_layer is None
+
+
+def judge_points(engine: dict, control: dict, ref: dict, budget: dict, n_layer: int, draws: list | None = None,
+                 family: int | None = None) -> PointsJudgement:
+    """engine, control, ref, budget: captures {"point-layer": [n-1, D]} at the positions of decode steps 1..n-1 (row
+    i-1: step i); `control` holds the engine's prefill of the same tokens at the same positions. With `draws`
+    (allowance.DrawSummary whose points were measured at those positions) every point is judged against the draws'
+    spread, set for a diagnosis of `family` items; without, the single-run rule (layers.py)."""
+    from .layers import CURVE_POINTS
+
+    curve = error_curve(ref, budget, engine, n_layer, points=CURVE_POINTS, draws=draws, family=family)
+    held = {k: v for k, v in control.items() if k in engine}  # like with like: the points the decode steps show
+    ctl = error_curve(ref, budget, held, n_layer, points=CURVE_POINTS, draws=draws, family=family)
+    layer, point = first_divergent_layer(curve)
+    first = None
+    if point is not None:
+        name = f"{point.point}-{point.layer}"
+        rows = [metrics.rel_l2(g, w) for g, w in zip(engine[name], ref[name])]  # each decode step's own error
+        first = next((i + 1 for i, e in enumerate(rows) if not e <= point.limit), None)
+    return PointsJudgement(curve, ctl, layer, point, first_divergent_layer(ctl)[0], first)

@@ -152,6 +152,8 @@ class Traits:
     selects_backends: bool = False  # chooses attention backends at run time (vLLM): the class is BackendSelecting
     #                                 (the trait answers before an instance exists: plan rows, check attention)
     quantized_indexer: bool = True  # loads a GGUF whose DSA indexer weights are quantized
+    decode_captures: str | None = None  # what its generation exposes of the decode steps' activations, in words
+    #                                     (None: nothing; the decode path then judges their distributions only)
 
 
 class Engine:

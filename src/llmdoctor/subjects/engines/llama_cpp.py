@@ -483,7 +483,8 @@ class LlamaCppEngine(PieceRendering, Engine):
     distribution = "llama-cpp-python"
     traits = Traits(formats=frozenset({"gguf"}), dequant_kernel="ggml",
                     captures="every graph node, through the context's eval callback",
-                    noise="the reference with llama.cpp's CPU arithmetic emulated (Q8 activations, F16 KV cache)")
+                    noise="the reference with llama.cpp's CPU arithmetic emulated (Q8 activations, F16 KV cache)",
+                    decode_captures="each decode step's graph nodes, as its prefill's")
 
     plant: str | None = None  # a planted decode fault, "module:factory" (faults/decode.py: tests, --demo-fault)
 

@@ -226,7 +226,7 @@ class TransformersEngine(Engine):
     traits = Traits(formats=frozenset({"gguf", "hf"}), dequant_kernel=None,
                     captures="each layer's output (hidden states), the routers' and indexers' choices",
                     noise="the reference in float64 for float32 (another draw of float32 rounding), else in the "
-                          "engine's dtype")
+                          "engine's dtype", decode_captures="each decode step's layer outputs (hidden states)")
 
     # a planted decode fault (faults/decode.py: tests, --demo-fault): `plant(model)` hooks the model and returns
     # the handle to remove
