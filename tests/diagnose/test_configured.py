@@ -6,6 +6,7 @@ interpreter) is found and named by the ladder's rung whose reversal makes the en
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ from typer.testing import CliRunner
 
 from llmdoctor.cli import app
 from llmdoctor.diagnose.configured import RUNGS, prefix_requests
+from llmdoctor.diagnose.requests import long_prompt
 from test_engine_vllm import vllm_checkpoint
 from vllm_plants import plant_env
 
@@ -53,6 +55,21 @@ def test_the_second_request_shares_full_blocks_then_holds_a_block_of_its_own(mon
     assert second[:32] == first[:32] and len(second) == 65 and second[32:64] != first[32:64]
 
 
+@pytest.mark.parametrize("said, words", [(True, "asks for it (--enable-prefix-caching), and vLLM turned it off"),
+                                          (False, "turns it off (--no-enable-prefix-caching)"),
+                                          (None, "leaves it to vLLM")])
+def test_an_option_off_says_who_turned_it_off(said, words):
+    """No vLLM: a request that needs an option the resolved configuration has off says whether the command line
+    turned it off, left it to vLLM, or asked for it and vLLM turned it off (vllm_driver.py `asked`)."""
+    from llmdoctor.diagnose.session import Skip
+
+    cfg = {"prefix_caching": False, "chunked_prefill": False, "asked": {"prefix_caching": said, "chunked_prefill": None}}
+    with pytest.raises(Skip, match=r"prefix caching is off in this configuration: .*" + re.escape(words)):
+        prefix_requests(None, cfg)
+    with pytest.raises(Skip, match="chunked prefill is off in this configuration: the command line leaves it to vLLM"):
+        long_prompt(None, cfg)
+
+
 @pytest.fixture(scope="module")
 def deepseek(tmp_path_factory):
     return vllm_checkpoint("deepseek", tmp_path_factory.mktemp("configured") / "deepseek")[0]
@@ -76,7 +93,9 @@ def test_a_healthy_configured_engine_agrees_on_every_request(vllm_python, model,
         # vLLM for CPU turns chunked prefill and prefix caching off for MLA on a CPU without AMX tiles
         # (vllm/platforms/cpu.py, "MLA is enabled on a non-GPU platform"): the requests that need them say so
         assert chunked["status"] == "skip" and "chunked prefill is off" in chunked["reason"], chunked
+        assert "leaves it to vLLM" in chunked["reason"], chunked  # the arguments say nothing of it
         assert prefix["status"] == "skip" and "prefix caching is off" in prefix["reason"], prefix
+        assert "asks for it (--enable-prefix-caching), and vLLM turned it off" in prefix["reason"], prefix
     else:
         assert chunked["status"] == "pass" and chunked["metrics"]["chunks"] == 3, chunked
         assert prefix["status"] == "pass", prefix

@@ -30,7 +30,25 @@ def resolved(s: Session) -> dict[str, Any]:
     if not got:
         raise Skip("the engine did not report the configuration it resolved")
     got["backend_env"] = (info.get("env") or {}).get("read", {}).get("VLLM_ATTENTION_BACKEND")
+    got["asked"] = info.get("asked") or {}
     return got
+
+
+# the options a request needs that vLLM may resolve off: (in words, the flag that asks for it)
+_OPTIONS = {"chunked_prefill": ("chunked prefill", "--enable-chunked-prefill"),
+            "prefix_caching": ("prefix caching", "--enable-prefix-caching")}
+
+
+def _off(cfg: dict[str, Any], key: str) -> Skip:
+    """Why option `key` is off in the resolved configuration: the command line turned it off, or left it to vLLM, or
+    asked for it and vLLM turned it off (vllm_driver.py `asked`)."""
+    words, flag = _OPTIONS[key]
+    said = (cfg.get("asked") or {}).get(key)
+    why = {True: f"the command line asks for it ({flag}), and vLLM turned it off when it resolved the configuration "
+                 "for this model on this platform",
+           False: f"the command line turns it off ({flag.replace('--enable-', '--no-enable-')})",
+           None: "the command line leaves it to vLLM, whose resolution for this model on this platform turns it off"}
+    return Skip(f"{words} is off in this configuration: {why[said]}")
 
 
 def _context(s: Session) -> int:
@@ -77,7 +95,7 @@ def long_prompt(s: Session, cfg: dict[str, Any]) -> list[int]:
     repeated to the budget plus a quarter of it (at least 8 more); a Skip when chunked prefill is off or the model
     cannot hold that many positions."""
     if not cfg.get("chunked_prefill"):
-        raise Skip("chunked prefill is off in this configuration")
+        raise _off(cfg, "chunked_prefill")
     budget, prompt = int(cfg["max_num_batched_tokens"]), s.tokens()
     if len(prompt) > budget:
         return prompt
@@ -93,7 +111,7 @@ def prefix_requests(s: Session, cfg: dict[str, Any]) -> tuple[list[int], list[in
     then holds a full block of other tokens at the positions where the first has its next block (a cache that
     served that block of the first would be wrong) and one token more. The prompt repeated where it is too short."""
     if not cfg.get("prefix_caching"):
-        raise Skip("prefix caching is off in this configuration")
+        raise _off(cfg, "prefix_caching")
     b, prompt = int(cfg.get("block_size") or 16), s.tokens()
     first = prompt if len(prompt) >= 2 * b + 1 else _repeated(prompt, 2 * b + 1)
     if len(first) + PREFIX_STEPS > _context(s):

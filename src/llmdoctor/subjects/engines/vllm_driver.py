@@ -633,11 +633,19 @@ def engine_config(req: dict, llm) -> dict:
     out = {"engine_args": list(req["engine_args"]), "resolved": ran, "defaults": defaults,
            "differs": {k: {"default": defaults[k], "deployed": v} for k, v in ran.items() if defaults.get(k) != v},
            "llmdoctor_sets": {k: v for k, v in _as_deployed(req)[1].items() if k != "model"},
-           "env": vllm_environment()}
+           "asked": asked(req), "env": vllm_environment()}
     if ran["kv_cache_dtype"] != "auto":
         out["kv_scales"] = kv_scales(_runner(llm).model)
         out["kv_quant"] = kv_quant(_runner(llm).model)
     return {"engine_config": json.loads(json.dumps(out, default=str))}  # plain values (loaded weights_only)
+
+
+def asked(req: dict) -> dict:
+    """What the deployment's command line itself says of the options vLLM may turn off when it resolves the
+    configuration (for a model, on a platform: vLLM for CPU turns both off for MLA without AMX tiles): True or
+    False as the arguments set them, None where they leave it to vLLM."""
+    parsed = serve_args(req["engine_args"], req.get("cwd"), req["model"])
+    return {"prefix_caching": parsed.enable_prefix_caching, "chunked_prefill": parsed.enable_chunked_prefill}
 
 
 def cmd_run(req: dict) -> dict:
