@@ -35,7 +35,7 @@ from typing import Any, Callable
 
 ROOT = Path(__file__).resolve().parents[1]
 for p in ("tests", "tests/reference", "tests/diagnose", "tests/checks/compute", "tests/checks/kernels",
-          "tests/checks/layout"):
+          "tests/checks/layout", "tests/checks/endpoint"):
     sys.path.insert(0, str(ROOT / p))
 
 from llmdoctor import diagnose as dg  # noqa: E402
@@ -89,6 +89,9 @@ def margins(f) -> list[tuple[float, str]]:
         return [] if r is None else [(r, m.get("point") or m.get("worst") or "points")]
     crit = criteria(f)
     failing = sorted(((c["ratio"], c["criterion"]) for c in crit if not c["ok"]), reverse=True)
+    pts = m.get("decode_points") or {}
+    if f.check == "decode-path" and pts.get("first_divergent_layer") is not None:  # the decode steps' activations
+        failing = sorted(failing + [(pts["worst_ratio"], f"decode point {pts['worst']}")], reverse=True)
     return failing or sorted(((c["ratio"], c["criterion"]) for c in crit), reverse=True)[:1]
 
 
@@ -374,10 +377,15 @@ def diagnose_cases() -> list[Case]:
 
 # ---- table 2: the other commands ------------------------------------------------------------------------------
 
-SERVER = "not run here: the probe needs a live llama.cpp server (tests/checks/endpoint/test_probe.py starts one)"
-REFERENCE = ("not run here: a fault of the trusted reference itself, which diagnose cannot plant; the reference "
-             "comparisons judge it (tests/reference/test_reference_dense.py, test_reference_mla.py, "
-             "tests/checks/compute/test_rope_cause.py)")
+# The reference's own faults (faults/reference*.py), judged as test_rope_cause.py judges them: the reference runs with
+# the fault, a healthy float32 reference stands in for the engine; each must diverge at its point, and read as RoPE
+# (a cause naming the variant) exactly where it is one: name -> (model, first divergent point, a RoPE cause).
+REFERENCE_CASES = {"reference-rope-pairing": ("llama", "Qcur-0", True),
+                   "reference-qk-rows-unpermuted": ("llama", "Qcur-0", False),
+                   "reference-missing-norm-offset": ("llama", "attn_norm-0", False),
+                   "reference-wrong-rope-base": ("deepseek", "q_pe-0", True),
+                   # MLA absorbs k_b into q first: Qcur is q_nope through k_b (its latent channels), then q_pe
+                   "reference-mla-kv-b-swapped": ("deepseek", "Qcur-0", False)}
 
 
 def other_row(f, command: str, model: str, expected: str, result: str, seconds: float | None = None,
@@ -487,9 +495,6 @@ def forensics(fs, tmp: Path) -> list[dict]:
 
     rows = []
     for f in fs:
-        if f.name not in FORENSICS:
-            rows.append(other_row(f, "probe", "demo", f.expect, SERVER))
-            continue
         kw, target = FORENSICS[f.name]
         d = tmp / f.name
         d.mkdir()
@@ -503,12 +508,70 @@ def forensics(fs, tmp: Path) -> list[dict]:
             expected, ok = f"fails: {target}", failed == [target]
         else:
             expected, ok = "no finding (a permutation keeps every statistic)", not failed
-        note = "; its registry expectation (the probe's reference-mismatch) not run here" \
+        note = "; its registry expectation (the probe's reference-mismatch) is judged in the probe's rows" \
             if f.name == "attn-block-scales" else ""
         result = ("found" if ok else "not found") if target else ("unseen, as expected" if ok else "seen")
         rows.append(other_row(f, "check forensics", "demo", expected, result, time.perf_counter() - t0,
                               f"failing: {failed}{note}"))
         shutil.rmtree(d)  # a demo copy each
+    return rows
+
+
+def probe_faults(fs, tmp: Path) -> list[dict]:
+    """`probe` against a live llama.cpp server on the demo (llama_cpp.server on 127.0.0.1, stopped by its PID), each
+    fault as test_probe.py plants it: a proxy in front of the server, with the probe steps that can see it and the
+    client's options; a file fault served from its own corrupted copy. Found: the fault's symptom among the probe's,
+    or for a chat refused for want of a template the chat step's skip saying so (not a server error)."""
+    from test_probe import _PROXY, llama_server, probe_url
+
+    steps = {**_PROXY, "swap-responses": (["batch"], {}, {})}
+    front_end = {"endpoint-tokenize-no-bos", "endpoint-chat-no-template"}
+
+    def judged(f, url: str) -> tuple[bool, str]:
+        if f.kind == "file":
+            rep = probe_url(url, gguf=model_path(), steps=["positions", "reference"])
+        elif f.name in front_end:
+            rep = probe_url(url, gguf=model_path(), steps=["front_end"])
+        else:
+            run, client, _ = steps[f.name]
+            rep = probe_url(url, steps=run, concurrency=3, **client)
+        if f.name == "endpoint-chat-no-template":
+            chat = next(x for x in rep.findings if x.target == "chat")
+            return (chat.status == "skip" and chat.reason.startswith(f.expect)
+                    and "server-errors" not in rep.symptoms), f"chat: {chat.status} {chat.reason[:80]}"
+        return f.expect in rep.symptoms, f"{rep.verdict}: {sorted(rep.symptoms)}"
+
+    rows = []
+    with llama_server(model_path(), tmp / "server.log") as url:
+        for f in fs:
+            t0 = time.perf_counter()
+            if f.kind == "file":
+                with llama_server(f.build(model_path(), tmp), tmp / f"{f.name}.log") as bad:
+                    ok, said = judged(f, bad)
+            else:
+                with f.build(url, **steps.get(f.name, (None, {}, {}))[2]) as proxy:
+                    ok, said = judged(f, proxy.url)
+            rows.append(other_row(f, "probe", "demo", f.expect, "found" if ok else "not found",
+                                  time.perf_counter() - t0, said))
+    return rows
+
+
+def reference_faults(fs, fx: Fixtures) -> list[dict]:
+    """Each fault of the reference itself against a healthy run (test_rope_cause.py `_localize`): found where it
+    first diverges at its point, its error pattern naming RoPE exactly where it is a RoPE fault."""
+    from test_rope_cause import _localize
+
+    rows = []
+    for f in fs:
+        model, at, rope = REFERENCE_CASES[f.name]
+        t0 = time.perf_counter()
+        path = fx.hf("llama")[1] if model == "llama" else fx.mla("deepseek").gguf_path
+        point, pattern = _localize(path, f.name)
+        named = f"{point.point}-{point.layer}"
+        ok = named == at and pattern.cause.startswith("RoPE applied wrongly") == rope
+        rows.append(other_row(f, "reference comparison", f"tiny {model}", f"{at}, {'a' if rope else 'no'} RoPE cause",
+                              "found" if ok else "not found", time.perf_counter() - t0,
+                              f"{named}: {pattern.cause or pattern.words}"[:200]))
     return rows
 
 
@@ -608,15 +671,15 @@ def other_groups(fs: list) -> list[tuple[str, list, Callable]]:
         "dequant kernels": (lambda f: f.name in dequant, lambda fs, tmp, fx: dequant_kernels(fs, tmp)),
         "attention kernels": (lambda f: f.kind == "kernel" and f.name.startswith("attn-"),
                               lambda fs, tmp, fx: attention_kernels(fs, tmp)),
-        "file corruptions": (lambda f: f.name in FORENSICS or f.name == "rope-base",
-                             lambda fs, tmp, fx: forensics(fs, tmp)),
+        "file corruptions": (lambda f: f.name in FORENSICS, lambda fs, tmp, fx: forensics(fs, tmp)),
         "name maps": (lambda f: f.name.startswith("mapping-"), mapping_faults),
         "front end": (lambda f: f.kind == "frontend", frontend),
         "sharding": (lambda f: f.name in SHARDING, sharding_faults),
-        "endpoints": (lambda f: f.kind == "endpoint",
-                      lambda fs, tmp, fx: [other_row(f, "probe", "demo", f.expect, SERVER) for f in fs]),
-        "reference": (lambda f: f.name.startswith("reference-"),
-                      lambda fs, tmp, fx: [other_row(f, "reference comparison", "-", f.expect, REFERENCE) for f in fs]),
+        # a file fault served to the probe too: rope-base, and attn-block-scales, whose registry expectation is the
+        # probe's (forensics judges the same corruption above)
+        "endpoints": (lambda f: f.kind == "endpoint" or f.name in ("rope-base", "attn-block-scales"),
+                      lambda fs, tmp, fx: probe_faults(fs, tmp)),
+        "reference": (lambda f: f.name in REFERENCE_CASES, lambda fs, tmp, fx: reference_faults(fs, fx)),
     }
     return [(g, [f for f in fs if pick(f)], run) for g, (pick, run) in by.items()]
 
