@@ -74,6 +74,24 @@ def test_planted_llama_cpp_decode_fault_is_the_decode_path(demo_path):
     assert f"first divergent layer {loc['layer']}" in f.explanation
 
 
+def test_activations_that_could_not_be_judged_are_said_not_passed(demo_path, monkeypatch):
+    """Where the decode steps' activations were to be judged and could not be (here: the captured generation took
+    other tokens), the passing finding says so in its words and its metrics, never as a silent pass."""
+    import llmdoctor.diagnose.decode as decode
+    from llmdoctor.diagnose.session import Skip
+
+    def other_tokens(*a, **kw):
+        raise Skip("the engine generated other tokens when its decode steps were captured")
+
+    monkeypatch.setattr(decode, "decode_points", other_tokens)
+    f, _ = decode_finding(demo_path)
+    assert f.status == "pass", f.explanation
+    assert f.explanation.endswith("; their activations not judged: the engine generated other tokens when its decode "
+                                  "steps were captured"), f.explanation
+    assert f.metrics["decode_points"] == {"skipped": "the engine generated other tokens when its decode steps were "
+                                                     "captured"}
+
+
 def test_a_rope_fault_one_position_off_is_found_in_the_decode_steps_activations(demo_path):
     """Decode steps rotated at p-1 (faults/decode.py) raise the 7 decode steps' mean KL on the demo to 0.0159, about
     twice the randomized draws' (stochastic rounding, standing for another machine's healthy engine): within what the

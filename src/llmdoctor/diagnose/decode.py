@@ -205,8 +205,9 @@ def h_decode_path(s: Session) -> list[Finding]:
                                "prefill (their own choices are not exposed), which is no fault")
     if j.decode_ok and (pts is None or pts.decode_ok):
         within = f" and their activations within it at {len(pts.decode)} points" if pts is not None else ""
+        unjudged = f"; their activations not judged: {steps.points_skip}" if steps.points_skip else ""
         return finding("pass", f"{len(gen.ids) - 1} decode steps within the engine's noise (KL {kl.value:.3g}, noise "
-                               f"{kl.noise:.3g}){within}; its prefill of the same tokens agrees")
+                               f"{kl.noise:.3g}){within}; its prefill of the same tokens agrees{unjudged}")
     if j.decode_ok:  # the distributions within the noise, the activations not
         q, step = pts.point, pts.first_step
         at = (f"first wrong at generated step {step + 1} (position {p + step - 1})" if step is not None else
@@ -240,8 +241,6 @@ def h_decode_path(s: Session) -> list[Finding]:
 
 def _where(pts: Any) -> dict[str, Any]:
     """The localization of the decode steps' activations (a PointsJudgement): the first divergent layer and op."""
-    from ..checks.compute.layers import off_by
-
     if pts.layer is None:
         return {"layer": None, "points": len(pts.decode), "words": "every decode-step activation within the noise"}
     q = pts.point

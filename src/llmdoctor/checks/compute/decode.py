@@ -23,7 +23,7 @@ model makes no discrete choices (so that the reference's activations are those o
 steps' activations are judged too, point by point as the prompt's are (layers.py `error_curve`, each point against
 the draws' spread at the same positions, the threshold set for the whole diagnosis), with the engine's prefill of
 the same tokens as their control (`judge_points`). A fault can move the activations well beyond the noise and the
-distributions not: measured on the demo in llama.cpp, 7 decode steps rotated at p-1 put kqv_out-2 at 6.3x the draws.
+distributions not: measured on the demo in llama.cpp, 7 decode steps rotated at p-1 put kqv_out-2 at 6.3x the draws'
 RMS error there while the decode steps' mean KL stays within its allowance (bench/RESULTS.md).
 """
 
